@@ -1,0 +1,5 @@
+import sys
+
+from draftfeed.launch.cli import main
+
+sys.exit(main())

@@ -1,0 +1,165 @@
+"""The broker process: a ROUTER for training ranks, a ROUTER for workers, and the policy in state.py."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from draftfeed.broker.state import BrokerState, Outgoing
+from draftfeed.net import bind, close_quietly
+from draftfeed.schemas.errors import MalformedMessage
+from draftfeed.schemas.frames import pack, unpack
+from draftfeed.schemas.messages import (
+    BACKEND_INBOUND,
+    FRONTEND_INBOUND,
+    Bye,
+    Done,
+    ErrorReply,
+    Hello,
+    ModelInfoQuery,
+    Register,
+    SetVocabMapping,
+    StatusQuery,
+    Submit,
+)
+from draftfeed.schemas.protocol import DEFAULT_BACKEND, DEFAULT_FRONTEND
+
+log = logging.getLogger("draftfeed.broker")
+
+
+class RateLimitedLog:
+    """At most one line per ``interval`` seconds per key; the lines skipped meanwhile are counted."""
+
+    def __init__(self, logger: logging.Logger, interval: float = 5.0) -> None:
+        self.logger, self.interval = logger, interval
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def warning(self, key: str, message: str) -> None:
+        now = time.monotonic()
+        last, skipped = self._last.get(key, (-1e9, 0))
+        if now - last >= self.interval:
+            suffix = f" ({skipped} similar messages suppressed)" if skipped else ""
+            self.logger.warning("%s%s", message, suffix)
+            self._last[key] = (now, 0)
+        else:
+            self._last[key] = (last, skipped + 1)
+
+
+class Broker:
+    """Routes requests from ranks (frontend) to workers (backend); supervision bypasses it.
+
+    ``bind()`` opens the sockets and returns the bound endpoints; ``run()`` serves until ``stop()``.
+    """
+
+    def __init__(
+        self,
+        frontend: str = DEFAULT_FRONTEND,
+        backend: str = DEFAULT_BACKEND,
+        *,
+        name: str | None = None,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self.frontend_endpoint, self.backend_endpoint = frontend, backend
+        self.state = BrokerState(name or f"{socket.gethostname()}-{os.getpid()}")
+        self._context = context or zmq.Context.instance()
+        self._stop = threading.Event()
+        self._frontend: zmq.Socket | None = None
+        self._backend: zmq.Socket | None = None
+        self._bad_input = RateLimitedLog(log)
+
+    def bind(self) -> tuple[str, str]:
+        self._frontend = self._router()
+        self._backend = self._router()
+        self.frontend_endpoint = bind(self._frontend, self.frontend_endpoint)
+        self.backend_endpoint = bind(self._backend, self.backend_endpoint)
+        return self.frontend_endpoint, self.backend_endpoint
+
+    def _router(self) -> zmq.Socket:
+        sock = self._context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # A send to a vanished peer raises instead of vanishing silently.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        return sock
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self, poll_interval_ms: int = 100) -> None:
+        if self._frontend is None:
+            self.bind()
+        assert self._frontend is not None and self._backend is not None
+        poller = zmq.Poller()
+        poller.register(self._frontend, zmq.POLLIN)
+        poller.register(self._backend, zmq.POLLIN)
+        log.info("broker %s: trainers on %s, workers on %s", self.state.name, self.frontend_endpoint, self.backend_endpoint)
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(poll_interval_ms))
+                if self._frontend in events:
+                    self._drain(self._frontend, self._on_frontend)
+                if self._backend in events:
+                    self._drain(self._backend, self._on_backend)
+        finally:
+            close_quietly(self._frontend, self._backend)
+
+    def _drain(self, sock: zmq.Socket, handle: Any, budget: int = 256) -> None:
+        for _ in range(budget):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            peer, body = frames[0].bytes, frames[1:]
+            try:
+                self._send(handle(peer, body))
+            except MalformedMessage as exc:
+                self._reject(sock, peer, str(exc))
+            except Exception:  # a bug must not take the broker down with every rank's batches
+                log.exception("broker: error handling a message from %r", peer)
+
+    def _on_frontend(self, peer: bytes, body: list[Any]) -> list[Outgoing]:
+        message, tensors = unpack(body, FRONTEND_INBOUND)
+        state = self.state
+        if isinstance(message, Submit):
+            return state.on_submit(peer, message, tensors)
+        if isinstance(message, Hello):
+            return state.on_hello(peer, message)
+        if isinstance(message, SetVocabMapping):
+            return state.on_set_vocab_mapping(peer, message, tensors)
+        if isinstance(message, ModelInfoQuery):
+            return state.on_model_info(peer, message)
+        if isinstance(message, StatusQuery):
+            return state.on_status(peer, message)
+        if isinstance(message, Bye):
+            return state.on_client_bye(peer)
+        raise MalformedMessage(f"unexpected message type {message.type!r} on the trainer port")
+
+    def _on_backend(self, peer: bytes, body: list[Any]) -> list[Outgoing]:
+        message, _tensors = unpack(body, BACKEND_INBOUND)
+        if isinstance(message, Done):
+            return self.state.on_done(peer, message)
+        if isinstance(message, Register):
+            return self.state.on_register(peer, message)
+        raise MalformedMessage(f"unexpected message type {message.type!r} on the worker port")
+
+    def _reject(self, sock: zmq.Socket, peer: bytes, reason: str) -> None:
+        side = "trainer" if sock is self._frontend else "worker"
+        self._bad_input.warning(f"{side}:{reason[:40]}", f"broker: rejected a message from {side} {peer!r}: {reason}")
+        self._send_one(sock, peer, pack(ErrorReply(message=f"rejected by the broker: {reason}")))
+
+    def _send(self, outgoing: list[Outgoing]) -> None:
+        for item in outgoing:
+            sock = self._frontend if item.side == "frontend" else self._backend
+            self._send_one(sock, item.peer, item.frames)
+
+    def _send_one(self, sock: zmq.Socket | None, peer: bytes, frames: list[Any]) -> None:
+        assert sock is not None
+        try:
+            sock.send_multipart([peer, *frames], flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer left; EAGAIN: its pipe is full
+            self._bad_input.warning(f"send:{peer!r}", f"broker: could not send to {peer!r}: {exc}")

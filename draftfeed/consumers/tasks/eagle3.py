@@ -1,0 +1,117 @@
+"""EAGLE-3 supervision from one forward pass, exactly as shared/reference/supervision-contract.md defines it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draftfeed.consumers.engines.base import Engine, TargetShape
+from draftfeed.schemas.messages import Eagle3TargetInfo
+
+
+def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
+    """The EAGLE-3 recipe: [1, L // 2 - 1, L - 4]."""
+    return [1, num_hidden_layers // 2 - 1, num_hidden_layers - 4]
+
+
+def check_aux_layer_ids(aux_layer_ids: list[int], num_hidden_layers: int, *, default: bool) -> list[int]:
+    """Exactly 3 distinct ids in [0, L - 1]; never silently deduplicated."""
+    where = f"the default aux layer ids {aux_layer_ids} (recipe [1, L//2-1, L-4])" if default else f"--aux-layer-ids {aux_layer_ids}"
+    advice = f"pass --aux-layer-ids with 3 distinct ids in [0, {num_hidden_layers - 1}]"
+    if len(aux_layer_ids) != 3:
+        raise ValueError(f"{where}: EAGLE-3 needs exactly 3 aux layers; {advice}")
+    if len(set(aux_layer_ids)) != 3:
+        raise ValueError(f"{where} repeat a layer for a {num_hidden_layers}-layer target; {advice}")
+    for layer_id in aux_layer_ids:
+        if not 0 <= layer_id < num_hidden_layers:
+            raise ValueError(f"{where}: layer {layer_id} does not exist in a {num_hidden_layers}-layer target; {advice}")
+    return list(aux_layer_ids)
+
+
+def shift_left(tensor: torch.Tensor) -> torch.Tensor:
+    """Shift along the sequence (dim 1) by one, zero-filling the last position."""
+    shifted = torch.zeros_like(tensor)
+    shifted[:, :-1] = tensor[:, 1:]
+    return shifted
+
+
+@dataclass(frozen=True)
+class VocabMap:
+    selected_token_ids: torch.Tensor  # int64 [Vd]
+    selected_token_mask: torch.Tensor  # bool [V]
+
+    @staticmethod
+    def identity(vocab_size: int, device: torch.device) -> "VocabMap":
+        return VocabMap(
+            torch.arange(vocab_size, dtype=torch.int64, device=device),
+            torch.ones(vocab_size, dtype=torch.bool, device=device),
+        )
+
+
+def eagle3_from_forward(
+    layer_outputs: list[torch.Tensor],
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    vocab: VocabMap,
+) -> dict[str, torch.Tensor]:
+    """The contract's tensors from the aux layer outputs (in order) and the full-vocab logits [B, S, V]."""
+    shifted_logits = shift_left(logits)
+    shifted_loss_mask = shift_left(loss_mask)
+    target_probs = torch.softmax(shifted_logits.index_select(-1, vocab.selected_token_ids).float(), dim=-1)
+    position_mask = (vocab.selected_token_mask[shifted_logits.argmax(-1)] & shifted_loss_mask.bool()).unsqueeze(-1)
+    return {
+        "aux_hidden_states": torch.cat(layer_outputs, dim=-1),
+        "target_probs": target_probs,
+        "position_mask": position_mask,
+        "input_ids": shift_left(input_ids),
+        "loss_mask": shifted_loss_mask,
+    }
+
+
+class Eagle3Task:
+    """EAGLE-3 supervision on top of any engine."""
+
+    name = "eagle3"
+
+    def __init__(self, engine: Engine, aux_layer_ids: list[int] | None = None) -> None:
+        self.engine = engine
+        layers = engine.shape.num_hidden_layers
+        if aux_layer_ids is None:
+            self.aux_layer_ids = check_aux_layer_ids(default_aux_layer_ids(layers), layers, default=True)
+        else:
+            self.aux_layer_ids = check_aux_layer_ids(list(aux_layer_ids), layers, default=False)
+        self._identity: VocabMap | None = None
+
+    @property
+    def shape(self) -> TargetShape:
+        return self.engine.shape
+
+    def info(self) -> Eagle3TargetInfo:
+        return Eagle3TargetInfo(
+            num_hidden_layers=self.shape.num_hidden_layers,
+            hidden_size=self.shape.hidden_size,
+            vocab_size=self.shape.vocab_size,
+            aux_layer_ids=self.aux_layer_ids,
+        )
+
+    def identity_vocab(self) -> VocabMap:
+        if self._identity is None:
+            self._identity = VocabMap.identity(self.shape.vocab_size, self.engine.device)
+        return self._identity
+
+    @torch.inference_mode()
+    def compute(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, vocab: VocabMap | None
+    ) -> dict[str, torch.Tensor]:
+        """Supervision tensors on the engine's device; the batch must already be validated."""
+        out = self.engine.forward(input_ids, attention_mask, self.aux_layer_ids)
+        device = out.logits.device
+        return eagle3_from_forward(
+            [out.layer_outputs[i] for i in self.aux_layer_ids],
+            out.logits,
+            input_ids.to(device),
+            loss_mask.to(device),
+            vocab or self.identity_vocab(),
+        )

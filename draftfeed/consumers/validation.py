@@ -1,0 +1,62 @@
+"""Checks on what a worker receives, before any of it reaches the target. Errors say what to change."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from draftfeed.schemas.supervision import BATCH_KEYS
+
+
+class BadRequest(ValueError):
+    """The request cannot be served as sent; the text tells the rank what to fix."""
+
+
+def validate_batch(tensors: Mapping[str, torch.Tensor], vocab_size: int) -> None:
+    """input_ids, attention_mask and loss_mask: [B, S] each, int64 (attention_mask may be bool), ids in vocab."""
+    names = set(tensors)
+    if names != set(BATCH_KEYS):
+        missing = sorted(set(BATCH_KEYS) - names)
+        extra = sorted(names - set(BATCH_KEYS))
+        raise BadRequest(f"a batch carries exactly {', '.join(BATCH_KEYS)}; missing {missing}, unexpected {extra}")
+    input_ids = tensors["input_ids"]
+    if input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
+        raise BadRequest(f"input_ids must be [batch, sequence] with both at least 1; got shape {list(input_ids.shape)}")
+    for name in BATCH_KEYS:
+        tensor = tensors[name]
+        if tensor.shape != input_ids.shape:
+            raise BadRequest(
+                f"{name} has shape {list(tensor.shape)} but input_ids has {list(input_ids.shape)}; all three must match"
+            )
+        allowed = (torch.int64, torch.bool) if name == "attention_mask" else (torch.int64,)
+        if tensor.dtype not in allowed:
+            raise BadRequest(f"{name} must be int64{' or bool' if len(allowed) > 1 else ''}, got {tensor.dtype}: convert it with .long()")
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = high if high >= vocab_size else low
+        raise BadRequest(f"input_ids holds token id {bad}, outside the target's vocabulary [0, {vocab_size})")
+    for name in ("attention_mask", "loss_mask"):
+        tensor = tensors[name]
+        if tensor.dtype != torch.bool and not bool(((tensor == 0) | (tensor == 1)).all()):
+            raise BadRequest(f"{name} must hold only 0 and 1")
+
+
+def validate_vocab_mapping(selected_token_ids: torch.Tensor, selected_token_mask: torch.Tensor, vocab_size: int) -> None:
+    """selected_token_ids int64 [Vd] of distinct ids in [0, V); selected_token_mask bool [V], True exactly at those ids."""
+    if selected_token_ids.dtype != torch.int64 or selected_token_ids.dim() != 1 or selected_token_ids.numel() == 0:
+        raise BadRequest(
+            f"selected_token_ids must be a non-empty 1-D int64 tensor; got {selected_token_ids.dtype} {list(selected_token_ids.shape)}"
+        )
+    if selected_token_mask.dtype != torch.bool or list(selected_token_mask.shape) != [vocab_size]:
+        raise BadRequest(
+            f"selected_token_mask must be bool [{vocab_size}] (the target's vocab size); "
+            f"got {selected_token_mask.dtype} {list(selected_token_mask.shape)}"
+        )
+    low, high = int(selected_token_ids.min()), int(selected_token_ids.max())
+    if low < 0 or high >= vocab_size:
+        raise BadRequest(f"selected_token_ids holds {high if high >= vocab_size else low}, outside [0, {vocab_size})")
+    if torch.unique(selected_token_ids).numel() != selected_token_ids.numel():
+        raise BadRequest("selected_token_ids holds an id more than once; each target id may appear once")
+    if int(selected_token_mask.sum()) != selected_token_ids.numel() or not bool(selected_token_mask[selected_token_ids].all()):
+        raise BadRequest("selected_token_mask must be True exactly at the ids in selected_token_ids")

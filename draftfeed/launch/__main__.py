@@ -1,0 +1,5 @@
+import sys
+
+from draftfeed.launch.cli import launch_main
+
+sys.exit(launch_main())

@@ -1,0 +1,144 @@
+"""The ``draftfeed`` command line: launch a broker or a worker, run the demo, read the broker's status."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import signal
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from draftfeed.schemas.protocol import DEFAULT_BACKEND, DEFAULT_FRONTEND
+
+READY_PREFIX = "DRAFTFEED-READY "
+
+
+def _layer_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer ids like 1,15,28; got {text!r}") from None
+
+
+def default_service_name(target: str, task: str) -> str:
+    """``<target folder name>-<task>``, lower-cased, with anything but letters, digits, '.', '_' and '-' replaced."""
+    base = Path(target.rstrip("/")).name or "target"
+    return re.sub(r"[^a-z0-9._-]+", "-", f"{base}-{task}".lower())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="draftfeed", description="Serve frozen-target supervision to draft-model training over ZeroMQ.")
+    parser.add_argument("--log-level", default="INFO", help="logging level: DEBUG, INFO, WARNING, ERROR (default INFO)")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    launch = commands.add_parser("launch", help="start a broker or a worker process")
+    add_launch_commands(launch.add_subparsers(dest="role", required=True))
+
+    demo = commands.add_parser("demo", help="run the whole pipeline on a tiny local target and print what it did")
+    demo.add_argument("--steps", type=int, default=40, help="training steps to run (default 40)")
+    demo.add_argument("--workers", type=int, default=2, help="worker processes to start (default 2)")
+    demo.add_argument("--batch-size", type=int, default=4, help="rows per batch (default 4)")
+    demo.add_argument("--seq-len", type=int, default=256, help="tokens per row (default 256)")
+    demo.add_argument("--prefetch-depth", type=int, default=2, help="batches in flight per rank (default 2)")
+    demo.add_argument("--workdir", default=None, help="folder for the tiny target (default: a temporary folder)")
+
+    status = commands.add_parser("status", help="print the broker's services, workers, ranks and queues")
+    status.add_argument("--broker", default="tcp://127.0.0.1:5555", help="the broker's trainer (frontend) endpoint")
+    status.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the broker (default 10)")
+    return parser
+
+
+def add_launch_commands(roles: argparse._SubParsersAction) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default=argparse.SUPPRESS, help="logging level: DEBUG, INFO, WARNING, ERROR (default INFO)")
+    broker = roles.add_parser("broker", parents=[common], help="route requests from training ranks to target workers")
+    broker.add_argument("--frontend", default=DEFAULT_FRONTEND, help=f"where training ranks connect (default {DEFAULT_FRONTEND}; tcp://HOST:* picks a free port)")
+    broker.add_argument("--backend", default=DEFAULT_BACKEND, help=f"where workers connect (default {DEFAULT_BACKEND})")
+    broker.add_argument("--name", default=None, help="the broker's name in logs and status (default HOST-PID)")
+
+    worker = roles.add_parser("worker", parents=[common], help="run a frozen target and serve its supervision")
+    worker.add_argument("--broker", required=True, help="the broker's worker (backend) endpoint, e.g. tcp://HOST:5556")
+    worker.add_argument("--target", required=True, help="the target model: a local folder or hub id that AutoModelForCausalLM loads")
+    worker.add_argument("--engine", default="hf", choices=["hf"], help="what runs the target (default hf: transformers)")
+    worker.add_argument("--task", default="eagle3", choices=["eagle3"], help="which supervision to compute (default eagle3)")
+    worker.add_argument("--service", default=None, help="the service name ranks ask for (default: <target folder>-<task>)")
+    worker.add_argument("--device", default="cpu", help="torch device for the target, e.g. cuda:0 (default cpu)")
+    worker.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16 or float16")
+    worker.add_argument("--aux-layer-ids", type=_layer_ids, default=None, help="EAGLE-3: 3 distinct decoder layers, e.g. 1,15,28 (default [1, L//2-1, L-4])")
+    worker.add_argument("--capacity", type=int, default=2, help="requests the broker may hand this worker at once (default 2)")
+    worker.add_argument("--name", default=None, help="the worker's name in logs and status (default HOST-PID-random)")
+    worker.add_argument("--send-timeout", type=float, default=60.0, help="seconds a rank may take to accept supervision before the worker gives up on it (default 60)")
+    worker.add_argument("--register-timeout", type=float, default=60.0, help="seconds to wait for the broker at start (default 60)")
+
+
+def _ready(**fields: str) -> None:
+    print(READY_PREFIX + json.dumps(fields), flush=True)
+
+
+def _stop_on_signals(stop: callable) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop())
+
+
+def run_broker(args: argparse.Namespace) -> int:
+    from draftfeed.broker.broker import Broker
+
+    broker = Broker(args.frontend, args.backend, name=args.name)
+    frontend, backend = broker.bind()
+    _stop_on_signals(broker.stop)
+    _ready(role="broker", frontend=frontend, backend=backend)
+    broker.run()
+    return 0
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    import transformers
+
+    from draftfeed.consumers.engines import load_engine
+    from draftfeed.consumers.tasks.eagle3 import Eagle3Task
+    from draftfeed.consumers.worker import Worker, WorkerConfig
+
+    transformers.logging.disable_progress_bar()
+    transformers.logging.set_verbosity_error()
+    try:
+        task = Eagle3Task(load_engine(args.engine, args.target, args.device, args.dtype), args.aux_layer_ids)
+    except ValueError as exc:
+        print(f"draftfeed worker: {exc}", file=sys.stderr)
+        return 2
+    service = args.service or default_service_name(args.target, args.task)
+    worker = Worker(task, WorkerConfig(
+        broker=args.broker, service=service, capacity=args.capacity, name=args.name,
+        send_timeout_s=args.send_timeout, register_timeout_s=args.register_timeout,
+    ))
+    _stop_on_signals(worker.stop)
+    worker.run(on_ready=lambda: _ready(role="worker", worker=worker.name, service=service))
+    return 0
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from draftfeed.launch.status import fetch_status, format_status
+
+    status = fetch_status(args.broker, args.timeout)
+    print(json.dumps(status, indent=2) if args.json else format_status(status))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if args.command == "launch":
+        return run_broker(args) if args.role == "broker" else run_worker(args)
+    if args.command == "demo":
+        from draftfeed.launch.demo import run_demo
+
+        return run_demo(args)
+    return run_status(args)
+
+
+def launch_main(argv: Sequence[str] | None = None) -> int:
+    """``python -m draftfeed.launch broker|worker ...``: the same as ``draftfeed launch ...``."""
+    return main(["launch", *(sys.argv[1:] if argv is None else argv)])

@@ -1,0 +1,39 @@
+"""Socket helpers: endpoints, binding to a free port, closing without lingering."""
+
+from __future__ import annotations
+
+import socket
+from urllib.parse import urlsplit
+
+import zmq
+
+
+def bind(sock: zmq.Socket, endpoint: str) -> str:
+    """Bind and return the endpoint actually bound (``tcp://host:*`` picks a free port)."""
+    sock.bind(endpoint)
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def local_address_towards(endpoint: str) -> str:
+    """The IP of this host's interface that routes to ``endpoint``'s host (no packet is sent).
+
+    A rank advertises its data socket on this address, so that a worker that reaches the broker
+    reaches the rank the same way.
+    """
+    host = urlsplit(endpoint.replace("tcp://", "tcp://", 1)).hostname or "127.0.0.1"
+    if host in ("*", "localhost") or host.startswith("127."):
+        return "127.0.0.1"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))
+        return probe.getsockname()[0]
+
+
+def host_identity() -> str:
+    return socket.gethostname()
+
+
+def close_quietly(*sockets: zmq.Socket | None) -> None:
+    for sock in sockets:
+        if sock is not None and not sock.closed:
+            sock.close(linger=0)

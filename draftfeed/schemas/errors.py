@@ -1,0 +1,27 @@
+"""Exceptions shared by every side of the pipeline."""
+
+from __future__ import annotations
+
+
+class DraftfeedError(Exception):
+    """Base class of draftfeed's own errors."""
+
+
+class MalformedMessage(DraftfeedError):
+    """A received message does not follow the wire protocol; the text says what is wrong."""
+
+
+class ProtocolVersionMismatch(MalformedMessage):
+    """The peer speaks another draftfeed protocol version."""
+
+
+class RemoteTargetError(DraftfeedError):
+    """A worker or the broker could not serve a request; the text names who and why."""
+
+
+class RemoteTargetTimeout(RemoteTargetError, TimeoutError):
+    """No answer came within the configured time."""
+
+
+class TargetClosed(DraftfeedError):
+    """The remote target was closed while a request was outstanding."""

@@ -1,0 +1,65 @@
+"""Message <-> frames: ``[SIGNATURE, header JSON, *tensor frames]``, checked on the way in."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+import torch
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from draftfeed.schemas.errors import MalformedMessage, ProtocolVersionMismatch
+from draftfeed.schemas.protocol import FIRST_TENSOR_FRAME, MAX_HEADER_BYTES, PROTOCOL_NAME, SIGNATURE
+from draftfeed.schemas.tensor_codec import encode_tensors
+
+M = TypeVar("M")
+
+
+def pack(header: BaseModel, buffers: Sequence[Any] = ()) -> list[Any]:
+    """Frames for ``send_multipart(..., copy=False)``: signature, header JSON, then the buffers as they are."""
+    return [SIGNATURE, header.model_dump_json().encode(), *buffers]
+
+
+def pack_tensors(make_header: Any, tensors: Mapping[str, torch.Tensor], **fields: Any) -> list[Any]:
+    """Encode tensors and pack them with the header ``make_header(tensors=specs, **fields)``."""
+    specs, buffers = encode_tensors(tensors)
+    return pack(make_header(tensors=specs, **fields), buffers)
+
+
+def _bytes(frame: Any) -> bytes:
+    return frame.bytes if hasattr(frame, "bytes") else bytes(frame)
+
+
+def unpack(frames: Sequence[Any], adapter: TypeAdapter[M]) -> tuple[M, list[Any]]:
+    """Check the signature and parse the header with ``adapter``; returns the header and the tensor frames.
+
+    Raises MalformedMessage (ProtocolVersionMismatch for another protocol version) with what is wrong.
+    """
+    if len(frames) < FIRST_TENSOR_FRAME:
+        raise MalformedMessage(f"a draftfeed message has at least {FIRST_TENSOR_FRAME} frames; got {len(frames)}")
+    signature = _bytes(frames[0])
+    if signature != SIGNATURE:
+        if signature.startswith(PROTOCOL_NAME + b"/"):
+            raise ProtocolVersionMismatch(
+                f"peer speaks {signature.decode(errors='replace')}, this process speaks {SIGNATURE.decode()}: "
+                "run the same draftfeed version on trainers, broker and workers"
+            )
+        raise MalformedMessage(f"not a draftfeed message: first frame {signature[:32]!r} is not {SIGNATURE!r}")
+    header_frame = frames[1]
+    size = header_frame.buffer.nbytes if hasattr(header_frame, "buffer") else len(header_frame)
+    if size > MAX_HEADER_BYTES:
+        raise MalformedMessage(f"header of {size} bytes is over the limit of {MAX_HEADER_BYTES} bytes")
+    try:
+        header = adapter.validate_json(_bytes(header_frame))
+    except ValidationError as exc:
+        raise MalformedMessage(f"invalid header: {_summarize(exc)}") from None
+    return header, list(frames[FIRST_TENSOR_FRAME:])
+
+
+def _summarize(exc: ValidationError) -> str:
+    parts = []
+    for error in exc.errors()[:3]:
+        where = ".".join(str(p) for p in error.get("loc", ())) or "header"
+        parts.append(f"{where}: {error.get('msg')}")
+    more = exc.error_count() - len(parts)
+    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")

@@ -1,0 +1,212 @@
+"""Pydantic models of every message header. The frame layout around them is in protocol.py.
+
+Each header has a literal ``type``; the unions at the bottom say which messages each socket accepts,
+so a peer that sends a worker message to the trainer port gets a validation error, not a crash.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+Name = Annotated[str, Field(min_length=1, max_length=256)]
+RequestId = Annotated[int, Field(ge=0, lt=2**63)]
+RequestKind = Literal["eagle3", "input_embeddings"]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TensorSpec(Strict):
+    """Name, dtype and shape of one tensor frame."""
+
+    name: Name
+    dtype: Annotated[str, Field(max_length=32)]
+    shape: Annotated[list[Annotated[int, Field(ge=0, lt=2**40)]], Field(max_length=8)]
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class Eagle3TargetInfo(Strict):
+    """What an EAGLE-3 worker's target is; every worker of one service must report the same."""
+
+    num_hidden_layers: Annotated[int, Field(ge=1)]
+    hidden_size: Annotated[int, Field(ge=1)]
+    vocab_size: Annotated[int, Field(ge=1)]
+    aux_layer_ids: Annotated[list[int], Field(min_length=3, max_length=3)]
+
+    def __getitem__(self, key: str) -> object:
+        """Dict-style access (``info["hidden_size"]``), as trainers written for a dict of model info expect."""
+        if key not in type(self).model_fields:
+            raise KeyError(key)
+        return getattr(self, key)
+
+
+# ---------------------------------------------------------------- trainer -> broker (frontend)
+class Hello(Strict):
+    """A training rank announces itself: where its data socket listens and how many batches it keeps in flight."""
+
+    type: Literal["hello"] = "hello"
+    client: Name
+    service: Name
+    data_endpoint: Name
+    window: Annotated[int, Field(ge=1, le=1024)]
+    host: Name
+    pid: Annotated[int, Field(ge=0)]
+
+
+class Submit(Strict):
+    """One request: a batch to supervise (kind eagle3) or a one-off fetch (input_embeddings)."""
+
+    type: Literal["submit"] = "submit"
+    request_id: RequestId
+    kind: RequestKind
+    tensors: list[TensorSpec] = Field(default_factory=list, max_length=8)
+
+
+class SetVocabMapping(Strict):
+    """The rank's draft vocabulary: tensors selected_token_ids [Vd] int64 and selected_token_mask [V] bool."""
+
+    type: Literal["set_vocab_mapping"] = "set_vocab_mapping"
+    request_id: RequestId
+    digest: Annotated[str, Field(min_length=8, max_length=128)]
+    tensors: list[TensorSpec] = Field(max_length=2)
+
+
+class ModelInfoQuery(Strict):
+    type: Literal["model_info"] = "model_info"
+    request_id: RequestId
+
+
+class StatusQuery(Strict):
+    type: Literal["status"] = "status"
+    request_id: RequestId
+
+
+class Bye(Strict):
+    type: Literal["bye"] = "bye"
+
+
+# ---------------------------------------------------------------- broker -> trainer
+class Welcome(Strict):
+    type: Literal["welcome"] = "welcome"
+    broker: Name
+    services: list[str]
+
+
+class Ack(Strict):
+    type: Literal["ack"] = "ack"
+    request_id: RequestId
+
+
+class ModelInfoReply(Strict):
+    type: Literal["model_info_reply"] = "model_info_reply"
+    request_id: RequestId
+    info: Eagle3TargetInfo
+
+
+class StatusReply(Strict):
+    type: Literal["status_reply"] = "status_reply"
+    request_id: RequestId
+    status: dict
+
+
+class ErrorReply(Strict):
+    """A request (or, with request_id None, a message) the broker refused, and why."""
+
+    type: Literal["error"] = "error"
+    request_id: RequestId | None = None
+    message: str
+
+
+# ---------------------------------------------------------------- worker -> broker (backend)
+class Register(Strict):
+    type: Literal["register"] = "register"
+    worker: Name
+    service: Name
+    task: Literal["eagle3"]
+    engine: Name
+    info: Eagle3TargetInfo
+    capacity: Annotated[int, Field(ge=1, le=64)]
+    host: Name
+    pid: Annotated[int, Field(ge=0)]
+
+
+class Done(Strict):
+    """The worker has answered the rank for this ticket (with a result or a failure) and has room for another."""
+
+    type: Literal["done"] = "done"
+    ticket: Annotated[int, Field(ge=0)]
+    ok: bool
+
+
+# ---------------------------------------------------------------- broker -> worker
+class Registered(Strict):
+    type: Literal["registered"] = "registered"
+    broker: Name
+
+
+class Dispatch(Strict):
+    """A rank's request handed to a worker, with where to send the answer."""
+
+    type: Literal["dispatch"] = "dispatch"
+    ticket: Annotated[int, Field(ge=0)]
+    client: Name
+    reply_to: Name
+    service: Name
+    mapping_digest: str | None = None
+    request: Submit
+
+
+class VocabMapping(Strict):
+    """A draft-vocab mapping, sent to a worker once before the first request that uses it."""
+
+    type: Literal["vocab_mapping"] = "vocab_mapping"
+    digest: Annotated[str, Field(min_length=8, max_length=128)]
+    tensors: list[TensorSpec] = Field(max_length=2)
+
+
+class ForgetMapping(Strict):
+    """No rank uses this mapping any more; the worker frees it."""
+
+    type: Literal["forget_mapping"] = "forget_mapping"
+    digest: Annotated[str, Field(min_length=8, max_length=128)]
+
+
+# ---------------------------------------------------------------- worker -> trainer (data socket)
+class Result(Strict):
+    type: Literal["result"] = "result"
+    request_id: RequestId
+    kind: RequestKind
+    worker: Name
+    tensors: list[TensorSpec] = Field(max_length=16)
+
+
+class Failure(Strict):
+    """A request the worker could not serve, with the reason for the user."""
+
+    type: Literal["failure"] = "failure"
+    request_id: RequestId
+    worker: Name
+    message: str
+
+
+FrontendInbound = Annotated[
+    Union[Hello, Submit, SetVocabMapping, ModelInfoQuery, StatusQuery, Bye], Field(discriminator="type")
+]
+FrontendOutbound = Annotated[Union[Welcome, Ack, ModelInfoReply, StatusReply, ErrorReply], Field(discriminator="type")]
+BackendInbound = Annotated[Union[Register, Done], Field(discriminator="type")]
+BackendOutbound = Annotated[
+    Union[Registered, Dispatch, VocabMapping, ForgetMapping, ErrorReply], Field(discriminator="type")
+]
+DataInbound = Annotated[Union[Result, Failure], Field(discriminator="type")]
+
+FRONTEND_INBOUND: TypeAdapter[FrontendInbound] = TypeAdapter(FrontendInbound)
+FRONTEND_OUTBOUND: TypeAdapter[FrontendOutbound] = TypeAdapter(FrontendOutbound)
+BACKEND_INBOUND: TypeAdapter[BackendInbound] = TypeAdapter(BackendInbound)
+BACKEND_OUTBOUND: TypeAdapter[BackendOutbound] = TypeAdapter(BackendOutbound)
+DATA_INBOUND: TypeAdapter[DataInbound] = TypeAdapter(DataInbound)

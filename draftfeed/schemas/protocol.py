@@ -1,0 +1,36 @@
+"""Wire-protocol constants: the signature frame, its version, defaults and size limits.
+
+Every draftfeed message on every socket has the same layout (see docs/protocol.md)::
+
+    frame 0   SIGNATURE            b"draftfeed/<version>"
+    frame 1   header               UTF-8 JSON of one pydantic message model (field "type" names it)
+    frame 2.. tensor payloads      one frame per tensor, in the order of header.tensors
+
+Peers with another protocol version are rejected with an error that names both versions.
+"""
+
+from __future__ import annotations
+
+PROTOCOL_NAME = b"draftfeed"
+PROTOCOL_VERSION = 1
+SIGNATURE = PROTOCOL_NAME + b"/" + str(PROTOCOL_VERSION).encode()
+
+# Frame positions in a message, after any ROUTER identity frame has been taken off.
+SIGNATURE_FRAME = 0
+HEADER_FRAME = 1
+FIRST_TENSOR_FRAME = 2
+
+# Largest header frame a peer accepts; headers are small JSON documents.
+MAX_HEADER_BYTES = 1 << 20
+# Default cap on one tensor frame and on all tensor frames of one message.
+DEFAULT_MAX_TENSOR_BYTES = 8 << 30
+DEFAULT_MAX_MESSAGE_BYTES = 16 << 30
+# Most tensors one message may carry.
+MAX_TENSORS_PER_MESSAGE = 64
+
+DEFAULT_FRONTEND = "tcp://*:5555"
+DEFAULT_BACKEND = "tcp://*:5556"
+
+# Tensors smaller than this are copied out of the received frame into fresh, aligned torch memory
+# (libzmq keeps very small messages inline and unaligned); larger ones are viewed in place.
+INLINE_COPY_BYTES = 1 << 16

@@ -1,0 +1,126 @@
+"""Tensor frame codec: tensors to zero-copy frames and back, with every field of the receipt checked.
+
+Encoding never copies a contiguous CPU tensor: the frame is a memoryview of the tensor's own memory,
+and the numpy array under that view holds the tensor alive until ZeroMQ is done sending it
+(pyzmq keeps a reference to the buffer of a ``copy=False`` frame for as long as libzmq needs it).
+Decoding views large frames in place with ``torch.frombuffer``; small ones are copied into fresh,
+aligned memory (libzmq stores tiny messages inline, without alignment guarantees).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from draftfeed.schemas.errors import MalformedMessage
+from draftfeed.schemas.messages import TensorSpec
+from draftfeed.schemas.protocol import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_TENSOR_BYTES, INLINE_COPY_BYTES, MAX_TENSORS_PER_MESSAGE
+
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a torch dtype; raises ValueError for dtypes the codec does not carry."""
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(
+            f"dtype {dtype} cannot be sent; supported dtypes: {', '.join(DTYPES)}. Convert the tensor first."
+        ) from None
+
+
+def tensor_frame(tensor: torch.Tensor) -> memoryview:
+    """A memoryview over the bytes of ``tensor`` (CPU, contiguous), without copying when it already is."""
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    if tensor.numel() == 0:
+        return memoryview(b"")
+    # reshape(-1) handles 0-dim tensors; a uint8 view carries bfloat16, which numpy lacks.
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def encode_tensors(tensors: Mapping[str, torch.Tensor]) -> tuple[list[TensorSpec], list[memoryview]]:
+    """Split named tensors into header specs and one buffer each, in the same order."""
+    specs: list[TensorSpec] = []
+    buffers: list[memoryview] = []
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name!r} must be a torch.Tensor, got {type(tensor).__name__}")
+        specs.append(TensorSpec(name=name, dtype=dtype_name(tensor.dtype), shape=list(tensor.shape)))
+        buffers.append(tensor_frame(tensor))
+    return specs, buffers
+
+
+def _frame_buffer(frame: Any) -> memoryview:
+    buffer = getattr(frame, "buffer", None)
+    return buffer if buffer is not None else memoryview(frame)
+
+
+def decode_tensors(
+    specs: Sequence[TensorSpec],
+    frames: Sequence[Any],
+    *,
+    max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> dict[str, torch.Tensor]:
+    """Rebuild named tensors from header specs and received frames (zmq.Frame, bytes or memoryview).
+
+    Everything is checked before any tensor is built: frame count, dtype names, unique names,
+    declared sizes against the limits, and that each frame holds exactly shape x itemsize bytes.
+    Raises MalformedMessage with what is wrong.
+    """
+    if len(specs) > MAX_TENSORS_PER_MESSAGE:
+        raise MalformedMessage(f"message declares {len(specs)} tensors; at most {MAX_TENSORS_PER_MESSAGE} are allowed")
+    if len(specs) != len(frames):
+        raise MalformedMessage(f"header declares {len(specs)} tensors but the message carries {len(frames)} tensor frames")
+    seen: set[str] = set()
+    total = 0
+    buffers: list[memoryview] = []
+    for spec, frame in zip(specs, frames):
+        if spec.name in seen:
+            raise MalformedMessage(f"tensor name {spec.name!r} appears twice in one message")
+        seen.add(spec.name)
+        dtype = DTYPES.get(spec.dtype)
+        if dtype is None:
+            raise MalformedMessage(f"tensor {spec.name!r} has unknown dtype {spec.dtype!r}; known: {', '.join(DTYPES)}")
+        nbytes = spec.numel() * dtype.itemsize
+        if nbytes > max_tensor_bytes:
+            raise MalformedMessage(
+                f"tensor {spec.name!r} declares {nbytes} bytes, over the limit of {max_tensor_bytes} bytes per tensor"
+            )
+        total += nbytes
+        if total > max_message_bytes:
+            raise MalformedMessage(f"message declares over {max_message_bytes} bytes of tensors, the limit per message")
+        buffer = _frame_buffer(frame)
+        if buffer.nbytes != nbytes:
+            raise MalformedMessage(
+                f"tensor {spec.name!r} ({spec.dtype} {spec.shape}) needs {nbytes} bytes but its frame holds {buffer.nbytes}"
+            )
+        buffers.append(buffer)
+    return {spec.name: _view(spec, buffer) for spec, buffer in zip(specs, buffers)}
+
+
+def _view(spec: TensorSpec, buffer: memoryview) -> torch.Tensor:
+    dtype = DTYPES[spec.dtype]
+    if buffer.nbytes == 0:
+        return torch.empty(spec.shape, dtype=dtype)
+    raw = torch.frombuffer(buffer, dtype=torch.uint8)
+    if buffer.nbytes < INLINE_COPY_BYTES:
+        raw = raw.clone()
+    return raw.view(dtype).reshape(spec.shape)
