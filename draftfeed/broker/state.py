@@ -64,6 +64,8 @@ class ClientRecord:
     submitted: int = 0
     completed: int = 0
     mapping_digest: str | None = None
+    # Requests beyond the window, waiting for a done of this rank (at most one window's worth).
+    parked: deque[Pending] = field(default_factory=deque)
 
 
 @dataclass
@@ -141,7 +143,7 @@ class BrokerState:
             # A rank that says hello again keeps its counters and mapping; its window may change.
             record.outstanding, record.peak_outstanding = previous.outstanding, previous.peak_outstanding
             record.submitted, record.completed = previous.submitted, previous.completed
-            record.mapping_digest = previous.mapping_digest
+            record.mapping_digest, record.parked = previous.mapping_digest, previous.parked
         self.clients[peer] = record
         self.service(hello.service)
         return [self.to_client(peer, Welcome(broker=self.name, services=sorted(self.services)))]
@@ -153,19 +155,28 @@ class BrokerState:
         client = self._client(peer)
         if client is None:
             return self.error(peer, submit.request_id, "this rank has not said hello; connect through RemoteEagle3Target")
-        if client.outstanding >= client.hello.window:
+        if len(frames) != len(submit.tensors):
+            return self.error(peer, submit.request_id, f"header declares {len(submit.tensors)} tensors, message carries {len(frames)}")
+        if client.outstanding >= client.hello.window and len(client.parked) >= client.hello.window:
             return self.error(
                 peer,
                 submit.request_id,
-                f"rank {client.hello.client} has {client.outstanding} requests outstanding, its prefetch window "
-                f"is {client.hello.window}: wait for results before sending more",
+                f"rank {client.hello.client} has {client.outstanding + len(client.parked)} requests outstanding, "
+                f"its prefetch window is {client.hello.window}: wait for results before sending more",
             )
-        if len(frames) != len(submit.tensors):
-            return self.error(peer, submit.request_id, f"header declares {len(submit.tensors)} tensors, message carries {len(frames)}")
         pending = Pending(self._next_ticket, client, submit, frames, time.monotonic())
         self._next_ticket += 1
-        client.outstanding += 1
         client.submitted += 1
+        if client.outstanding >= client.hello.window:
+            # The rank counts a request done when its result arrives, the broker when the worker's done
+            # does: a rank may rightly send its next request in between. Park it until the done.
+            client.parked.append(pending)
+            return []
+        return self._enqueue(pending)
+
+    def _enqueue(self, pending: Pending) -> list[Outgoing]:
+        client = pending.client
+        client.outstanding += 1
         client.peak_outstanding = max(client.peak_outstanding, client.outstanding)
         service = self.service(client.hello.service)
         service.queue.append(pending)
@@ -250,9 +261,11 @@ class BrokerState:
             worker.served += 1
         else:
             worker.failed += 1
-        pending.client.outstanding -= 1
-        pending.client.completed += 1
-        return self._dispatch(self.service(worker.registration.service))
+        client = pending.client
+        client.outstanding -= 1
+        client.completed += 1
+        out = self._enqueue(client.parked.popleft()) if client.parked and client.peer in self.clients else []
+        return out + self._dispatch(self.service(worker.registration.service))
 
     # ------------------------------------------------------------ scheduling
     def _dispatch(self, service: ServiceRecord) -> list[Outgoing]:

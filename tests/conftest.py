@@ -1,0 +1,128 @@
+"""Shared fixtures: a tiny target built locally, real broker and worker processes, and the contract's reference.
+
+Every process a fixture starts is stopped by the fixture, also when the test fails.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftfeed.launch import processes
+
+WORKER_ENV = {"OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from draftfeed.tiny import build_tiny_target
+
+    return build_tiny_target(tmp_path_factory.mktemp("targets") / "tiny-llama", num_hidden_layers=8, hidden_size=64, vocab_size=1000)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_target: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+
+
+class Cluster:
+    """One broker and the workers a test module starts on it; stops them all at teardown."""
+
+    def __init__(self) -> None:
+        self.broker = processes.start_broker()
+        self.workers: list[processes.Process] = []
+
+    @property
+    def frontend(self) -> str:
+        return self.broker.ready["frontend"]
+
+    @property
+    def backend(self) -> str:
+        return self.broker.ready["backend"]
+
+    def add_worker(self, target: Path | str, *args: str) -> processes.Process:
+        worker = processes.start_worker(self.backend, str(target), *args, env=WORKER_ENV)
+        self.workers.append(worker)
+        return worker
+
+    def stop(self) -> None:
+        for process in [*self.workers, self.broker]:
+            process.stop(timeout_s=5)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    cluster = Cluster()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def make_batch(batch_size: int, seq_len: int, vocab_size: int, seed: int, ragged: bool = True) -> dict[str, torch.Tensor]:
+    """A right-padded token batch; row lengths vary when ragged."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator)
+    if ragged:
+        lengths = torch.randint(max(1, seq_len // 3), seq_len + 1, (batch_size,), generator=generator)
+        lengths[0] = seq_len
+    else:
+        lengths = torch.full((batch_size,), seq_len)
+    attention_mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).long()
+    loss_mask = attention_mask.clone()
+    loss_mask[:, : seq_len // 4] = 0  # a prompt that is not supervised
+    return {"input_ids": input_ids * attention_mask, "attention_mask": attention_mask, "loss_mask": loss_mask}
+
+
+@torch.no_grad()
+def reference_eagle3(model, batch: dict[str, torch.Tensor], aux_layer_ids: list[int], selected_token_ids=None, selected_token_mask=None) -> dict[str, torch.Tensor]:
+    """The supervision contract computed in-process, written from the contract text (not the worker's code).
+
+    "Output of layer i" is what decoder layer i returns: ``output_hidden_states[i + 1]``, except for the
+    last layer, whose entry there has the final norm applied; that one is caught with a hook.
+    """
+    last = len(model.model.layers) - 1
+    caught: dict[str, torch.Tensor] = {}
+    handle = model.model.layers[last].register_forward_hook(lambda _m, _i, output: caught.update(last=output))
+    try:
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False, output_hidden_states=True)
+    finally:
+        handle.remove()
+    layer_output = {i: out.hidden_states[i + 1] for i in range(last)} | {last: caught["last"]}
+    logits = out.logits
+    vocab = logits.shape[-1]
+    if selected_token_ids is None:
+        selected_token_ids = torch.arange(vocab)
+        selected_token_mask = torch.ones(vocab, dtype=torch.bool)
+    shifted_logits = torch.cat([logits[:, 1:], torch.zeros_like(logits[:, :1])], dim=1)
+
+    def shift(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t[:, 1:], torch.zeros_like(t[:, :1])], dim=1)
+
+    shifted_loss_mask = shift(batch["loss_mask"])
+    return {
+        "aux_hidden_states": torch.cat([layer_output[i] for i in aux_layer_ids], dim=-1),
+        "target_probs": torch.softmax(shifted_logits.index_select(-1, selected_token_ids).float(), dim=-1),
+        "position_mask": (selected_token_mask[shifted_logits.argmax(-1)] & shifted_loss_mask.bool()).unsqueeze(-1),
+        "input_ids": shift(batch["input_ids"]),
+        "loss_mask": shifted_loss_mask,
+        "attention_mask": batch["attention_mask"],
+    }
+
+
+def assert_supervision_equal(supervision, expected: dict[str, torch.Tensor]) -> None:
+    got = supervision.as_dict()
+    assert set(got) == set(expected)
+    for name, tensor in expected.items():
+        assert got[name].dtype == tensor.dtype, name
+        assert got[name].shape == tensor.shape, name
+        assert torch.equal(got[name], tensor), f"{name} differs from the in-process computation"
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
