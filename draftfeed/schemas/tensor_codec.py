@@ -4,7 +4,8 @@ Encoding never copies a contiguous CPU tensor: the frame is a memoryview of the 
 and the numpy array under that view holds the tensor alive until ZeroMQ is done sending it
 (pyzmq keeps a reference to the buffer of a ``copy=False`` frame for as long as libzmq needs it).
 Decoding views large frames in place with ``torch.frombuffer``; small ones are copied into fresh,
-aligned memory (libzmq stores tiny messages inline, without alignment guarantees).
+aligned memory (libzmq stores tiny messages inline, without alignment guarantees), and so are
+read-only buffers (``bytes``), which a writable tensor must not alias.
 """
 
 from __future__ import annotations
@@ -120,6 +121,9 @@ def _view(spec: TensorSpec, buffer: memoryview) -> torch.Tensor:
     dtype = DTYPES[spec.dtype]
     if buffer.nbytes == 0:
         return torch.empty(spec.shape, dtype=dtype)
+    if buffer.readonly:
+        # torch tensors are writable; read-only memory (a bytes object) is copied rather than aliased.
+        return torch.frombuffer(bytearray(buffer), dtype=torch.uint8).view(dtype).reshape(spec.shape)
     raw = torch.frombuffer(buffer, dtype=torch.uint8)
     if buffer.nbytes < INLINE_COPY_BYTES:
         raw = raw.clone()

@@ -1,0 +1,65 @@
+"""The command line: every command explains itself, both entry points work, names are derived sensibly."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from draftfeed.launch.cli import build_parser, default_service_name
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["-m", "draftfeed", "--help"], ["launch", "demo", "status"]),
+        (["-m", "draftfeed", "launch", "broker", "--help"], ["--frontend", "--backend", "tcp://*:5555"]),
+        (["-m", "draftfeed.launch", "broker", "--help"], ["--frontend", "--backend"]),
+        (["-m", "draftfeed.launch", "worker", "--help"], ["--engine", "--task", "--target", "--service", "--device", "--dtype", "--aux-layer-ids", "--capacity"]),
+        (["-m", "draftfeed", "demo", "--help"], ["--steps", "--workers", "--prefetch-depth"]),
+        (["-m", "draftfeed", "status", "--help"], ["--broker", "--json"]),
+    ],
+)
+def test_help_explains_every_flag(argv, expected):
+    result = run(*argv)
+    assert result.returncode == 0, result.stderr
+    for word in expected:
+        assert word in result.stdout
+
+
+def test_every_flag_has_help_text():
+    parser = build_parser()
+    stack = [parser]
+    while stack:
+        current = stack.pop()
+        for action in current._actions:
+            if action.choices and isinstance(action.choices, dict):
+                stack.extend(action.choices.values())
+            elif action.dest != "help":
+                assert action.help, f"{current.prog} {action.option_strings or action.dest} has no help"
+
+
+def test_default_service_name():
+    assert default_service_name("/models/Llama-3.1-8B-Instruct/", "eagle3") == "llama-3.1-8b-instruct-eagle3"
+    assert default_service_name("meta-llama/Llama 3", "eagle3") == "llama-3-eagle3"
+
+
+def test_worker_without_a_broker_fails_clearly(tiny_target):
+    result = run("-m", "draftfeed.launch", "worker", "--broker", "tcp://127.0.0.1:1", "--target", str(tiny_target), "--register-timeout", "1")
+    assert result.returncode != 0
+    assert "no broker answered at tcp://127.0.0.1:1" in result.stderr
+
+
+def test_status_of_a_running_broker(cluster):
+    result = run("-m", "draftfeed", "status", "--broker", cluster.frontend, "--json")
+    assert result.returncode == 0, result.stderr
+    assert '"services"' in result.stdout
+    table = run("-m", "draftfeed", "status", "--broker", cluster.frontend)
+    assert table.stdout.startswith("broker ")

@@ -1,0 +1,135 @@
+"""The prefetch bound: at most prefetch_depth batches of a rank queued or in flight anywhere, counted."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+import pytest
+import torch
+import zmq
+
+from conftest import make_batch
+from draftfeed import RemoteEagle3Target, RemoteTargetTimeout
+from draftfeed.producers.prefetch import prefetch
+from draftfeed.schemas.frames import pack, pack_tensors, unpack
+from draftfeed.schemas.messages import FRONTEND_OUTBOUND, ErrorReply, Hello, Submit, Welcome
+
+pytestmark = pytest.mark.timeout(180)
+SERVICE = "tiny-prefetch"
+
+
+@pytest.fixture(scope="module")
+def served(cluster, tiny_target):
+    cluster.add_worker(tiny_target, "--service", SERVICE, "--name", "prefetch-0")
+    cluster.add_worker(tiny_target, "--service", SERVICE, "--name", "prefetch-1")
+    return cluster
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2, 4])
+def test_in_flight_never_exceeds_the_depth_with_a_slow_trainer(served, depth):
+    batches = [make_batch(2, 64, 1000, seed=i) for i in range(24)]
+    with RemoteEagle3Target(served.frontend, SERVICE, prefetch_depth=depth) as target:
+        seen_in_flight = []
+        for _batch, supervision in target.iterate(batches):
+            seen_in_flight.append(target.in_flight)
+            torch.linalg.qr(torch.randn(256, 256))  # a training step: slower than handing over a batch
+        status = target.status()
+    window = max(depth, 1)
+    assert target.peak_in_flight <= window
+    assert max(seen_in_flight) <= depth
+    (me,) = [c for c in status["clients"] if c["client"] == target._connection.client_id]
+    assert me["peak_outstanding"] <= window, "the broker saw more of this rank's batches than its window"
+    assert me["completed"] == len(batches)
+
+
+def test_window_is_exact_when_nothing_is_served(served):
+    """No worker serves this service, so nothing completes: the window fills exactly and then blocks."""
+    batch = make_batch(1, 4, 1000, seed=0)
+    with RemoteEagle3Target(served.frontend, "nobody-serves-this", prefetch_depth=3, request_timeout=0.5) as target:
+        futures = [target.generate_batch_async(**batch) for _ in range(3)]
+        assert target.in_flight == 3
+        with pytest.raises(RemoteTargetTimeout, match="all 3 prefetch slots"):
+            target.generate_batch_async(**batch)
+        assert not any(f.done() for f in futures)
+        status = target.status()
+    queued = status["services"]["nobody-serves-this"]["queued"]
+    assert queued == 3
+
+
+def test_broker_refuses_a_rank_that_ignores_its_window(served):
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(served.frontend)
+        sock.send_multipart(pack(Hello(client="greedy", service="nobody-serves-this-either", data_endpoint="tcp://127.0.0.1:1", window=1, host="h", pid=1)))
+        assert sock.poll(10_000)
+        assert isinstance(unpack(sock.recv_multipart(), FRONTEND_OUTBOUND)[0], Welcome)
+        tensors = make_batch(1, 4, 1000, seed=0)
+        for request_id in range(3):
+            sock.send_multipart(pack_tensors(Submit, tensors, request_id=request_id, kind="eagle3"), copy=False)
+        assert sock.poll(10_000)
+        reply, _ = unpack(sock.recv_multipart(), FRONTEND_OUTBOUND)
+        assert isinstance(reply, ErrorReply) and reply.request_id == 2
+        assert "prefetch window is 1" in reply.message
+    finally:
+        sock.close(0)
+        context.term()
+
+
+def test_prefetch_yields_in_order_when_results_finish_out_of_order():
+    outstanding: list[tuple[int, Future]] = []
+    completion_order: list[int] = []
+
+    def submit(item: int) -> Future:
+        future: Future = Future()
+        outstanding.append((item, future))
+        return future
+
+    def wait(future: Future) -> int:
+        # Whatever is outstanding finishes newest first, as a fast worker overtaking a slow one would.
+        while outstanding:
+            item, f = outstanding.pop()
+            completion_order.append(item)
+            f.set_result(item * 10)
+        return future.result(timeout=5)
+
+    out = list(prefetch(range(6), submit, wait, depth=2))
+    assert out == [(i, i * 10) for i in range(6)]
+    assert completion_order != sorted(completion_order), "the test must complete out of order"
+
+
+def test_prefetch_depth_zero_submits_only_when_asked():
+    submitted: list[int] = []
+
+    def submit(item: int) -> Future:
+        submitted.append(item)
+        future: Future = Future()
+        future.set_result(item)
+        return future
+
+    iterator = prefetch(range(5), submit, lambda f: f.result(), depth=0)
+    assert submitted == []
+    next(iterator)
+    assert submitted == [0]
+    next(iterator)
+    assert submitted == [0, 1]
+
+
+def test_abandoned_iterator_cancels_what_it_holds():
+    futures: list[Future] = []
+    lock = threading.Lock()
+
+    def submit(item: int) -> Future:
+        future: Future = Future()
+        with lock:
+            futures.append(future)
+        if item == 0:
+            future.set_result(0)
+        return future
+
+    iterator = prefetch(range(10), submit, lambda f: f.result(timeout=5), depth=3)
+    next(iterator)
+    iterator.close()
+    assert all(f.cancelled() for f in futures[1:])

@@ -1,0 +1,105 @@
+"""A real worker process driven by a broker socket of the test's own: what it does with each dispatch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import zmq
+
+from conftest import WORKER_ENV, make_batch, reference_eagle3
+from draftfeed.schemas.frames import pack, pack_tensors, unpack
+from draftfeed.schemas.messages import BACKEND_INBOUND, DATA_INBOUND, Dispatch, Done, Failure, Register, Registered, Result, Submit
+from draftfeed.schemas.tensor_codec import decode_tensors, encode_tensors
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def harness(tiny_target):
+    """A ROUTER standing in for the broker's backend, a ROUTER standing in for a rank's data socket, one real worker."""
+    context = zmq.Context()
+    backend, rank = context.socket(zmq.ROUTER), context.socket(zmq.ROUTER)
+    for sock in (backend, rank):
+        sock.setsockopt(zmq.LINGER, 0)
+    backend_port = backend.bind_to_random_port("tcp://127.0.0.1")
+    rank_port = rank.bind_to_random_port("tcp://127.0.0.1")
+    worker = None
+    try:
+        # Started by hand: its ready line comes only after the registration this harness answers.
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "draftfeed.launch", "worker", "--broker", f"tcp://127.0.0.1:{backend_port}",
+             "--target", str(tiny_target), "--service", "svc", "--name", "w0"],
+            env={**os.environ, **WORKER_ENV}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        assert backend.poll(60_000), "the worker did not register"
+        peer, *frames = backend.recv_multipart()
+        register, _ = unpack(frames, BACKEND_INBOUND)
+        assert isinstance(register, Register) and register.service == "svc" and register.info.aux_layer_ids == [1, 3, 4]
+        backend.send_multipart([peer, *pack(Registered(broker="test"))])
+        yield backend, peer, rank, f"tcp://127.0.0.1:{rank_port}"
+    finally:
+        if worker is not None:
+            worker.kill()
+            worker.wait(10)
+        backend.close(0)
+        rank.close(0)
+        context.term()
+
+
+def dispatch(backend, peer, reply_to, ticket, tensors, service="svc"):
+    specs, buffers = encode_tensors(tensors)
+    message = Dispatch(ticket=ticket, client="c", reply_to=reply_to, service=service, request=Submit(request_id=ticket, kind="eagle3", tensors=specs))
+    backend.send_multipart([peer, *pack(message, buffers)], copy=False)
+
+
+def receive(rank, backend):
+    assert rank.poll(30_000), "no answer reached the rank"
+    _peer, *frames = rank.recv_multipart()
+    answer, tensor_frames = unpack(frames, DATA_INBOUND)
+    assert backend.poll(30_000), "no done reached the broker"
+    done, _ = unpack(backend.recv_multipart()[1:], BACKEND_INBOUND)
+    assert isinstance(done, Done) and done.ticket == answer.request_id
+    return answer, tensor_frames, done
+
+
+def test_worker_refuses_a_dispatch_for_another_service_and_serves_on(harness, tiny_model):
+    backend, peer, rank, reply_to = harness
+    batch = make_batch(2, 10, 1000, seed=2)
+    dispatch(backend, peer, reply_to, 1, batch, service="someone-else")
+    answer, _, done = receive(rank, backend)
+    assert isinstance(answer, Failure) and "serves 'svc', not 'someone-else'" in answer.message and not done.ok
+
+    # Junk from the "broker" is ignored; the next real dispatch is served exactly.
+    backend.send_multipart([peer, b"draftfeed/1", b"{garbage"])
+    backend.send_multipart([peer, b"nonsense"])
+    dispatch(backend, peer, reply_to, 2, batch)
+    answer, tensor_frames, done = receive(rank, backend)
+    assert isinstance(answer, Result) and done.ok
+    tensors = decode_tensors(answer.tensors, tensor_frames)
+    expected = reference_eagle3(tiny_model, batch, [1, 3, 4])
+    for name in ("aux_hidden_states", "target_probs", "position_mask", "input_ids", "loss_mask"):
+        assert torch.equal(tensors[name], expected[name]), name
+
+
+def test_worker_reports_a_mapping_it_never_received(harness):
+    backend, peer, rank, reply_to = harness
+    specs, buffers = encode_tensors(make_batch(1, 5, 1000, seed=3))
+    message = Dispatch(ticket=7, client="c", reply_to=reply_to, service="svc", mapping_digest="0123456789abcdef",
+                       request=Submit(request_id=7, kind="eagle3", tensors=specs))
+    backend.send_multipart([peer, *pack(message, buffers)], copy=False)
+    answer, _, done = receive(rank, backend)
+    assert isinstance(answer, Failure) and "has not received vocab mapping 0123456789abcdef" in answer.message
+    assert not done.ok
+
+
+def test_frames_that_do_not_match_the_header_are_refused(harness):
+    backend, peer, rank, reply_to = harness
+    specs, buffers = encode_tensors(make_batch(1, 5, 1000, seed=3))
+    message = Dispatch(ticket=3, client="c", reply_to=reply_to, service="svc", request=Submit(request_id=3, kind="eagle3", tensors=specs))
+    backend.send_multipart([peer, *pack(message, buffers[:2]), b"short"], copy=False)
+    answer, _, _ = receive(rank, backend)
+    assert isinstance(answer, Failure) and "needs 40 bytes but its frame holds 5" in answer.message
