@@ -6,6 +6,7 @@ Every process a fixture starts is stopped by the fixture, also when the test fai
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +15,11 @@ import torch
 
 from draftfeed.launch import processes
 
-WORKER_ENV = {"OMP_NUM_THREADS": "1"}
+TESTS_DIR = str(Path(__file__).parent)
+# One thread per worker (two cores here); tests/ on the path for the fake engines.
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [TESTS_DIR, os.environ.get("PYTHONPATH")]))}
+# Fault tests run with a short liveness window: 0.2 s heartbeats, dead after 5 missed (1 s).
+FAST_LIVENESS = ["--heartbeat-interval", "0.2", "--liveness", "5"]
 
 
 @pytest.fixture(scope="session")
@@ -32,11 +37,20 @@ def tiny_model(tiny_target: Path):
 
 
 class Cluster:
-    """One broker and the workers a test module starts on it; stops them all at teardown."""
+    """One broker and the workers a test starts on it; stops them all at teardown."""
 
-    def __init__(self) -> None:
-        self.broker = processes.start_broker()
+    def __init__(self, *broker_args: str) -> None:
+        self.broker_args = list(broker_args)
+        self.broker = processes.start_broker(extra=self.broker_args)
         self.workers: list[processes.Process] = []
+        self.others: list[processes.Process] = []
+
+    def restart_broker(self) -> processes.Process:
+        """A new broker on the endpoints of the last one (after that one was stopped or killed)."""
+        old = self.broker.ready
+        self.others.append(self.broker)
+        self.broker = processes.start(["broker", "--frontend", old["frontend"], "--backend", old["backend"], *self.broker_args])
+        return self.broker
 
     @property
     def frontend(self) -> str:
@@ -46,14 +60,38 @@ class Cluster:
     def backend(self) -> str:
         return self.broker.ready["backend"]
 
-    def add_worker(self, target: Path | str, *args: str) -> processes.Process:
-        worker = processes.start_worker(self.backend, str(target), *args, env=WORKER_ENV)
+    def add_worker(self, target: Path | str, *args: str, env: dict[str, str] | None = None) -> processes.Process:
+        worker = processes.start_worker(self.backend, str(target), *args, env={**WORKER_ENV, **(env or {})})
         self.workers.append(worker)
         return worker
 
+    def status(self) -> dict:
+        from draftfeed.launch.status import fetch_status
+
+        return fetch_status(self.frontend, timeout_s=10)
+
+    def worker_status(self, name: str) -> dict | None:
+        for service in self.status()["services"].values():
+            for worker in service["workers"]:
+                if worker["worker"] == name:
+                    return worker
+        return None
+
     def stop(self) -> None:
-        for process in [*self.workers, self.broker]:
+        for process in [*self.workers, *self.others, self.broker]:
             process.stop(timeout_s=5)
+
+
+def wait_until(condition, timeout_s: float = 30.0, what: str = "the condition", poll_s: float = 0.05):
+    """Poll ``condition()`` until it returns something truthy; fail the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(poll_s)
 
 
 @pytest.fixture(scope="module")

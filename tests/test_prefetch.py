@@ -61,6 +61,7 @@ def test_broker_refuses_a_rank_that_ignores_its_window(served):
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, b"greedy")
     try:
         sock.connect(served.frontend)
         sock.send_multipart(pack(Hello(client="greedy", service="nobody-serves-this-either", data_endpoint="tcp://127.0.0.1:1", window=1, host="h", pid=1)))

@@ -12,7 +12,7 @@ import zmq
 
 from conftest import WORKER_ENV, make_batch, reference_eagle3
 from draftfeed.schemas.frames import pack, pack_tensors, unpack
-from draftfeed.schemas.messages import BACKEND_INBOUND, DATA_INBOUND, Dispatch, Done, Failure, Register, Registered, Result, Submit
+from draftfeed.schemas.messages import BACKEND_INBOUND, DATA_INBOUND, Dispatch, Done, Failure, Liveness, Register, Registered, Result, Submit, WorkerHeartbeat
 from draftfeed.schemas.tensor_codec import decode_tensors, encode_tensors
 
 pytestmark = pytest.mark.timeout(120)
@@ -39,7 +39,8 @@ def harness(tiny_target):
         peer, *frames = backend.recv_multipart()
         register, _ = unpack(frames, BACKEND_INBOUND)
         assert isinstance(register, Register) and register.service == "svc" and register.info.aux_layer_ids == [1, 3, 4]
-        backend.send_multipart([peer, *pack(Registered(broker="test"))])
+        # A long liveness window: this harness sends no heartbeats.
+        backend.send_multipart([peer, *pack(Registered(broker="test", instance="test", liveness=Liveness(heartbeat_interval_s=1, liveness=100)))])
         yield backend, peer, rank, f"tcp://127.0.0.1:{rank_port}"
     finally:
         if worker is not None:
@@ -56,13 +57,22 @@ def dispatch(backend, peer, reply_to, ticket, tensors, service="svc"):
     backend.send_multipart([peer, *pack(message, buffers)], copy=False)
 
 
+def next_done(backend) -> Done:
+    """The worker's next done, past its heartbeats."""
+    while True:
+        assert backend.poll(30_000), "no done reached the broker"
+        message, _ = unpack(backend.recv_multipart()[1:], BACKEND_INBOUND)
+        if isinstance(message, Done):
+            return message
+        assert isinstance(message, WorkerHeartbeat)
+
+
 def receive(rank, backend):
     assert rank.poll(30_000), "no answer reached the rank"
     _peer, *frames = rank.recv_multipart()
     answer, tensor_frames = unpack(frames, DATA_INBOUND)
-    assert backend.poll(30_000), "no done reached the broker"
-    done, _ = unpack(backend.recv_multipart()[1:], BACKEND_INBOUND)
-    assert isinstance(done, Done) and done.ticket == answer.request_id
+    done = next_done(backend)
+    assert done.ticket == answer.request_id
     return answer, tensor_frames, done
 
 

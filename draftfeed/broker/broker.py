@@ -11,7 +11,7 @@ from typing import Any
 
 import zmq
 
-from draftfeed.broker.state import BrokerState, Outgoing
+from draftfeed.broker.state import BrokerSettings, BrokerState, Outgoing
 from draftfeed.net import bind, close_quietly
 from draftfeed.schemas.errors import MalformedMessage
 from draftfeed.schemas.frames import pack, unpack
@@ -20,13 +20,16 @@ from draftfeed.schemas.messages import (
     FRONTEND_INBOUND,
     Bye,
     Done,
+    Draining,
     ErrorReply,
+    Heartbeat,
     Hello,
     ModelInfoQuery,
     Register,
     SetVocabMapping,
     StatusQuery,
     Submit,
+    WorkerHeartbeat,
 )
 from draftfeed.schemas.protocol import DEFAULT_BACKEND, DEFAULT_FRONTEND
 
@@ -36,12 +39,14 @@ log = logging.getLogger("draftfeed.broker")
 class RateLimitedLog:
     """At most one line per ``interval`` seconds per key; the lines skipped meanwhile are counted."""
 
-    def __init__(self, logger: logging.Logger, interval: float = 5.0) -> None:
-        self.logger, self.interval = logger, interval
+    def __init__(self, logger: logging.Logger, interval: float = 5.0, max_keys: int = 1024) -> None:
+        self.logger, self.interval, self.max_keys = logger, interval, max_keys
         self._last: dict[str, tuple[float, int]] = {}
 
     def warning(self, key: str, message: str) -> None:
         now = time.monotonic()
+        if len(self._last) > self.max_keys:
+            self._last.clear()
         last, skipped = self._last.get(key, (-1e9, 0))
         if now - last >= self.interval:
             suffix = f" ({skipped} similar messages suppressed)" if skipped else ""
@@ -54,7 +59,9 @@ class RateLimitedLog:
 class Broker:
     """Routes requests from ranks (frontend) to workers (backend); supervision bypasses it.
 
-    ``bind()`` opens the sockets and returns the bound endpoints; ``run()`` serves until ``stop()``.
+    ``bind()`` opens the sockets and returns the bound endpoints; ``run()`` serves until ``stop()``,
+    then drains: nothing new is dispatched, what workers hold completes (up to ``drain_timeout_s``),
+    and every peer is told goodbye so that it reconnects to the next broker at once.
     """
 
     def __init__(
@@ -63,10 +70,13 @@ class Broker:
         backend: str = DEFAULT_BACKEND,
         *,
         name: str | None = None,
+        settings: BrokerSettings | None = None,
+        drain_timeout_s: float = 30.0,
         context: zmq.Context | None = None,
     ) -> None:
         self.frontend_endpoint, self.backend_endpoint = frontend, backend
-        self.state = BrokerState(name or f"{socket.gethostname()}-{os.getpid()}")
+        self.state = BrokerState(name or f"{socket.gethostname()}-{os.getpid()}", settings)
+        self.drain_timeout_s = drain_timeout_s
         self._context = context or zmq.Context.instance()
         self._stop = threading.Event()
         self._frontend: zmq.Socket | None = None
@@ -88,23 +98,39 @@ class Broker:
         return sock
 
     def stop(self) -> None:
+        """Ask the loop to drain and exit (safe from a signal handler or another thread)."""
         self._stop.set()
 
-    def run(self, poll_interval_ms: int = 100) -> None:
+    def run(self) -> None:
         if self._frontend is None:
             self.bind()
         assert self._frontend is not None and self._backend is not None
         poller = zmq.Poller()
         poller.register(self._frontend, zmq.POLLIN)
         poller.register(self._backend, zmq.POLLIN)
-        log.info("broker %s: trainers on %s, workers on %s", self.state.name, self.frontend_endpoint, self.backend_endpoint)
+        interval = self.state.settings.heartbeat_interval_s
+        log.info("broker %s (instance %s): trainers on %s, workers on %s", self.state.name, self.state.instance, self.frontend_endpoint, self.backend_endpoint)
+        next_tick = time.monotonic() + interval
+        drain_deadline: float | None = None
         try:
-            while not self._stop.is_set():
-                events = dict(poller.poll(poll_interval_ms))
+            while True:
+                if self._stop.is_set() and drain_deadline is None:
+                    log.info("broker: draining: %d requests at workers, waiting up to %.0f s", self.state.in_flight, self.drain_timeout_s)
+                    self.state.start_draining()
+                    drain_deadline = time.monotonic() + self.drain_timeout_s
+                if drain_deadline is not None and (self.state.in_flight == 0 or time.monotonic() > drain_deadline):
+                    self._send(self.state.goodbye())
+                    log.info("broker: stopped with %d requests still at workers", self.state.in_flight)
+                    return
+                timeout_ms = max(0, int((next_tick - time.monotonic()) * 1000))
+                events = dict(poller.poll(min(timeout_ms, 100)))
                 if self._frontend in events:
                     self._drain(self._frontend, self._on_frontend)
                 if self._backend in events:
                     self._drain(self._backend, self._on_backend)
+                if time.monotonic() >= next_tick:
+                    self._send(self.state.on_tick())
+                    next_tick = time.monotonic() + interval
         finally:
             close_quietly(self._frontend, self._backend)
 
@@ -127,6 +153,8 @@ class Broker:
         state = self.state
         if isinstance(message, Submit):
             return state.on_submit(peer, message, tensors)
+        if isinstance(message, Heartbeat):
+            return state.on_client_heartbeat(peer)
         if isinstance(message, Hello):
             return state.on_hello(peer, message)
         if isinstance(message, SetVocabMapping):
@@ -141,15 +169,23 @@ class Broker:
 
     def _on_backend(self, peer: bytes, body: list[Any]) -> list[Outgoing]:
         message, _tensors = unpack(body, BACKEND_INBOUND)
+        state = self.state
         if isinstance(message, Done):
-            return self.state.on_done(peer, message)
+            return state.on_done(peer, message)
+        if isinstance(message, WorkerHeartbeat):
+            return state.on_worker_heartbeat(peer, message)
         if isinstance(message, Register):
-            return self.state.on_register(peer, message)
+            return state.on_register(peer, message)
+        if isinstance(message, Draining):
+            return state.on_draining(peer)
+        if isinstance(message, Bye):
+            return state.on_worker_bye(peer)
         raise MalformedMessage(f"unexpected message type {message.type!r} on the worker port")
 
     def _reject(self, sock: zmq.Socket, peer: bytes, reason: str) -> None:
         side = "trainer" if sock is self._frontend else "worker"
-        self._bad_input.warning(f"{side}:{reason[:40]}", f"broker: rejected a message from {side} {peer!r}: {reason}")
+        self.state.counters["rejected_messages"] += 1
+        self._bad_input.warning(f"{side}:{reason[:40]}", f"broker: rejected a message from {side} {peer[:64]!r}: {reason}")
         self._send_one(sock, peer, pack(ErrorReply(message=f"rejected by the broker: {reason}")))
 
     def _send(self, outgoing: list[Outgoing]) -> None:
@@ -162,4 +198,4 @@ class Broker:
         try:
             sock.send_multipart([peer, *frames], flags=zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer left; EAGAIN: its pipe is full
-            self._bad_input.warning(f"send:{peer!r}", f"broker: could not send to {peer!r}: {exc}")
+            self._bad_input.warning(f"send:{peer[:64]!r}", f"broker: could not send to {peer[:64]!r}: {exc}")

@@ -1,27 +1,40 @@
-"""The broker's policy, apart from its sockets: services, queues, credits, clients and mappings.
+"""The broker's policy, apart from its sockets: services, queues, credits, ranks, workers, liveness.
 
 Every handler takes a parsed message and returns the messages to send (``Outgoing``); nothing here
 touches a socket, so the policy is tested and read on its own. Tensor frames are carried as received
 and forwarded untouched: the broker never reads payload bytes.
+
+Delivery: a request stays with the broker from its arrival until a worker reports it done. A worker
+found dead (silent for the liveness window), re-registering, or handing a request back has its
+requests put back at the front of the queue, under a new ticket, so a late ``done`` from an earlier
+attempt matches nothing. Ranks resend what is outstanding after a broker restart; a request id the
+broker already holds is ignored, so resends are idempotent.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from draftfeed.schemas.frames import pack
+from draftfeed.schemas.tensor_codec import DTYPES
 from draftfeed.schemas.messages import (
     Ack,
     Dispatch,
     Done,
+    DrainAck,
     Eagle3TargetInfo,
     ErrorReply,
+    ForgetClient,
     ForgetMapping,
+    Goodbye,
+    Heartbeat,
     Hello,
+    Liveness,
     ModelInfoQuery,
     ModelInfoReply,
     Register,
@@ -32,9 +45,27 @@ from draftfeed.schemas.messages import (
     Submit,
     VocabMapping,
     Welcome,
+    WorkerHeartbeat,
 )
 
 Side = Literal["frontend", "backend"]
+THROUGHPUT_WINDOW_S = 10.0
+
+
+@dataclass(frozen=True)
+class BrokerSettings:
+    heartbeat_interval_s: float = 1.0
+    liveness: int = 5
+    max_queued_per_service: int = 4096
+    max_attempts: int = 3
+
+    @property
+    def liveness_message(self) -> Liveness:
+        return Liveness(heartbeat_interval_s=self.heartbeat_interval_s, liveness=self.liveness)
+
+    @property
+    def window_s(self) -> float:
+        return self.heartbeat_interval_s * self.liveness
 
 
 @dataclass
@@ -48,40 +79,50 @@ class Outgoing:
 class Pending:
     """A rank's request from its arrival until a worker reports it done."""
 
-    ticket: int
     client: "ClientRecord"
     request: Submit
     frames: list[Any]
     enqueued_at: float
+    ticket: int = -1
+    attempts: int = 0  # dispatches so far
+    failures: int = 0  # of those, handed back or lost with a dead worker (a poison batch must not kill every worker)
+    excluded: set[bytes] = field(default_factory=set)
+    last_error: str | None = None
 
 
 @dataclass
 class ClientRecord:
     peer: bytes
     hello: Hello
-    outstanding: int = 0
+    last_seen: float
+    requests: dict[int, Pending] = field(default_factory=dict)  # every live request, by request id
+    parked: deque[Pending] = field(default_factory=deque)  # beyond the window, waiting for a done
+    outstanding: int = 0  # queued or at a worker
     peak_outstanding: int = 0
     submitted: int = 0
     completed: int = 0
     mapping_digest: str | None = None
-    # Requests beyond the window, waiting for a done of this rank (at most one window's worth).
-    parked: deque[Pending] = field(default_factory=deque)
 
 
 @dataclass
 class WorkerRecord:
     peer: bytes
     registration: Register
+    last_seen: float
     in_flight: dict[int, Pending] = field(default_factory=dict)
     mappings_sent: set[str] = field(default_factory=set)
+    clients_served: set[bytes] = field(default_factory=set)
     served: int = 0
     failed: int = 0
+    handed_back: int = 0
     last_assigned: int = -1
-    last_seen: float = field(default_factory=time.monotonic)
+    draining: bool = False
+    rank_links: int = 0
+    mappings_held: int = 0
 
     @property
     def free_credits(self) -> int:
-        return self.registration.capacity - len(self.in_flight)
+        return 0 if self.draining else self.registration.capacity - len(self.in_flight)
 
 
 @dataclass
@@ -90,6 +131,7 @@ class ServiceRecord:
     workers: dict[bytes, WorkerRecord] = field(default_factory=dict)
     queue: deque[Pending] = field(default_factory=deque)
     info_waiters: list[tuple[bytes, int]] = field(default_factory=list)
+    completions: deque[float] = field(default_factory=deque)
 
     @property
     def info(self) -> Eagle3TargetInfo | None:
@@ -105,74 +147,97 @@ class MappingRecord:
     users: set[bytes] = field(default_factory=set)
 
 
+def to_client(peer: bytes, message: Any, frames: Iterable[Any] = ()) -> Outgoing:
+    return Outgoing("frontend", peer, pack(message, list(frames)))
+
+
+def to_worker(peer: bytes, message: Any, frames: Iterable[Any] = ()) -> Outgoing:
+    return Outgoing("backend", peer, pack(message, list(frames)))
+
+
 class BrokerState:
     """Requests queue per service and go to the worker with the most free credits (never round-robin)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, settings: BrokerSettings | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.name = name
+        self.instance = uuid.uuid4().hex[:12]
+        self.settings = settings or BrokerSettings()
+        self.clock = clock
         self.services: dict[str, ServiceRecord] = {}
         self.clients: dict[bytes, ClientRecord] = {}
         self.workers: dict[bytes, WorkerRecord] = {}
         self.mappings: dict[str, MappingRecord] = {}
+        self.draining = False
+        self.counters = {"rejected_messages": 0, "workers_expired": 0, "clients_expired": 0, "requeued": 0}
         self._next_ticket = 0
         self.started_at = time.time()
 
-    # ------------------------------------------------------------ helpers
     def service(self, name: str) -> ServiceRecord:
         record = self.services.get(name)
         if record is None:
             record = self.services[name] = ServiceRecord(name)
         return record
 
-    @staticmethod
-    def to_client(peer: bytes, message: Any, frames: Iterable[Any] = ()) -> Outgoing:
-        return Outgoing("frontend", peer, pack(message, list(frames)))
+    # ------------------------------------------------------------ ranks
+    def _known_client(self, peer: bytes, request_id: int | None) -> tuple[ClientRecord | None, list[Outgoing]]:
+        client = self.clients.get(peer)
+        if client is None:
+            message = "this broker does not know this rank (it restarted, or the rank was silent too long): say hello again"
+            return None, [to_client(peer, ErrorReply(request_id=request_id, message=message, code="unknown_peer"))]
+        client.last_seen = self.clock()
+        return client, []
 
-    @staticmethod
-    def to_worker(peer: bytes, message: Any, frames: Iterable[Any] = ()) -> Outgoing:
-        return Outgoing("backend", peer, pack(message, list(frames)))
-
-    def error(self, peer: bytes, request_id: int | None, message: str) -> list[Outgoing]:
-        return [self.to_client(peer, ErrorReply(request_id=request_id, message=message))]
-
-    # ------------------------------------------------------------ trainers
     def on_hello(self, peer: bytes, hello: Hello) -> list[Outgoing]:
-        previous = self.clients.get(peer)
-        record = ClientRecord(peer, hello)
-        if previous is not None:
-            # A rank that says hello again keeps its counters and mapping; its window may change.
-            record.outstanding, record.peak_outstanding = previous.outstanding, previous.peak_outstanding
-            record.submitted, record.completed = previous.submitted, previous.completed
-            record.mapping_digest, record.parked = previous.mapping_digest, previous.parked
-        self.clients[peer] = record
+        if hello.client.encode() != peer:
+            return [to_client(peer, ErrorReply(message=f"hello names rank {hello.client!r}, but this connection is {peer!r}: a rank speaks only for itself"))]
+        client = self.clients.get(peer)
+        if client is None:
+            self.clients[peer] = ClientRecord(peer, hello, self.clock())
+        else:  # the same rank again (its link flickered): keep its requests, take its new settings
+            client.hello, client.last_seen = hello, self.clock()
         self.service(hello.service)
-        return [self.to_client(peer, Welcome(broker=self.name, services=sorted(self.services)))]
+        welcome = Welcome(broker=self.name, instance=self.instance, services=sorted(self.services), liveness=self.settings.liveness_message)
+        return [to_client(peer, welcome)]
 
-    def _client(self, peer: bytes) -> ClientRecord | None:
-        return self.clients.get(peer)
+    def on_client_heartbeat(self, peer: bytes) -> list[Outgoing]:
+        return self._known_client(peer, None)[1]
 
     def on_submit(self, peer: bytes, submit: Submit, frames: list[Any]) -> list[Outgoing]:
-        client = self._client(peer)
+        client, out = self._known_client(peer, submit.request_id)
         if client is None:
-            return self.error(peer, submit.request_id, "this rank has not said hello; connect through RemoteEagle3Target")
-        if len(frames) != len(submit.tensors):
-            return self.error(peer, submit.request_id, f"header declares {len(submit.tensors)} tensors, message carries {len(frames)}")
-        if client.outstanding >= client.hello.window and len(client.parked) >= client.hello.window:
-            return self.error(
-                peer,
-                submit.request_id,
-                f"rank {client.hello.client} has {client.outstanding + len(client.parked)} requests outstanding, "
-                f"its prefetch window is {client.hello.window}: wait for results before sending more",
-            )
-        pending = Pending(self._next_ticket, client, submit, frames, time.monotonic())
-        self._next_ticket += 1
+            return out
+        if submit.request_id in client.requests:
+            return []  # a resend of a request the broker already holds
+        refusal = self._refuse_submit(client, submit, frames)
+        if refusal is not None:
+            code, message = refusal
+            return [to_client(peer, ErrorReply(request_id=submit.request_id, message=message, code=code))]
+        pending = Pending(client, submit, frames, self.clock())
+        client.requests[submit.request_id] = pending
         client.submitted += 1
         if client.outstanding >= client.hello.window:
             # The rank counts a request done when its result arrives, the broker when the worker's done
-            # does: a rank may rightly send its next request in between. Park it until the done.
+            # does: a rank may rightly send its next request in between. Park it until that done.
             client.parked.append(pending)
             return []
         return self._enqueue(pending)
+
+    def _refuse_submit(self, client: ClientRecord, submit: Submit, frames: list[Any]) -> tuple[str, str] | None:
+        if len(frames) != len(submit.tensors):
+            return "refused", f"header declares {len(submit.tensors)} tensors, message carries {len(frames)}"
+        for spec, frame in zip(submit.tensors, frames):
+            dtype = DTYPES.get(spec.dtype)
+            if dtype is None or spec.numel() * dtype.itemsize != len(frame):
+                return "refused", f"tensor {spec.name!r} ({spec.dtype} {spec.shape}) does not match its {len(frame)}-byte frame"
+        if client.outstanding >= client.hello.window and len(client.parked) >= client.hello.window:
+            return "refused", (
+                f"rank {client.hello.client} has {client.outstanding + len(client.parked)} requests outstanding, "
+                f"its prefetch window is {client.hello.window}: wait for results before sending more"
+            )
+        service = self.service(client.hello.service)
+        if len(service.queue) >= self.settings.max_queued_per_service:
+            return "busy", f"service {service.name!r} has {len(service.queue)} requests queued, its limit: send again later"
+        return None
 
     def _enqueue(self, pending: Pending) -> list[Outgoing]:
         client = pending.client
@@ -183,18 +248,19 @@ class BrokerState:
         return self._dispatch(service)
 
     def on_set_vocab_mapping(self, peer: bytes, message: SetVocabMapping, frames: list[Any]) -> list[Outgoing]:
-        client = self._client(peer)
+        client, out = self._known_client(peer, message.request_id)
         if client is None:
-            return self.error(peer, message.request_id, "this rank has not said hello; connect through RemoteEagle3Target")
+            return out
         if len(frames) != len(message.tensors):
-            return self.error(peer, message.request_id, f"header declares {len(message.tensors)} tensors, message carries {len(frames)}")
-        out = self._release_mapping(client)
-        record = self.mappings.get(message.digest)
-        if record is None:
-            record = self.mappings[message.digest] = MappingRecord(message, frames)
-        record.users.add(peer)
-        client.mapping_digest = message.digest
-        out.append(self.to_client(peer, Ack(request_id=message.request_id)))
+            return [to_client(peer, ErrorReply(request_id=message.request_id, message=f"header declares {len(message.tensors)} tensors, message carries {len(frames)}"))]
+        if client.mapping_digest != message.digest:
+            out = self._release_mapping(client)
+            record = self.mappings.get(message.digest)
+            if record is None:
+                record = self.mappings[message.digest] = MappingRecord(message, frames)
+            record.users.add(peer)
+            client.mapping_digest = message.digest
+        out.append(to_client(peer, Ack(request_id=message.request_id)))
         return out
 
     def _release_mapping(self, client: ClientRecord) -> list[Outgoing]:
@@ -210,23 +276,27 @@ class BrokerState:
         for worker in self.workers.values():
             if digest in worker.mappings_sent:
                 worker.mappings_sent.discard(digest)
-                out.append(self.to_worker(worker.peer, ForgetMapping(digest=digest)))
+                out.append(to_worker(worker.peer, ForgetMapping(digest=digest)))
         return out
 
     def on_model_info(self, peer: bytes, query: ModelInfoQuery) -> list[Outgoing]:
-        client = self._client(peer)
+        client, out = self._known_client(peer, query.request_id)
         if client is None:
-            return self.error(peer, query.request_id, "this rank has not said hello; connect through RemoteEagle3Target")
+            return out
         service = self.service(client.hello.service)
         if service.info is None:
             service.info_waiters.append((peer, query.request_id))
             return []
-        return [self.to_client(peer, ModelInfoReply(request_id=query.request_id, info=service.info))]
+        return [to_client(peer, ModelInfoReply(request_id=query.request_id, info=service.info))]
 
     def on_status(self, peer: bytes, query: StatusQuery) -> list[Outgoing]:
-        return [self.to_client(peer, StatusReply(request_id=query.request_id, status=self.status()))]
+        return [to_client(peer, StatusReply(request_id=query.request_id, status=self.status()))]
 
     def on_client_bye(self, peer: bytes) -> list[Outgoing]:
+        return self._forget_client(peer)
+
+    def _forget_client(self, peer: bytes) -> list[Outgoing]:
+        """Drop a rank and everything held for it: queued and parked work, its mapping, workers' links to it."""
         client = self.clients.pop(peer, None)
         if client is None:
             return []
@@ -234,96 +304,213 @@ class BrokerState:
         service = self.service(client.hello.service)
         service.queue = deque(p for p in service.queue if p.client is not client)
         service.info_waiters = [(p, r) for p, r in service.info_waiters if p != peer]
-        return out
+        client.parked.clear()
+        forget = ForgetClient(client=client.hello.client, reply_to=client.hello.data_endpoint)
+        for worker in self.workers.values():
+            if peer in worker.clients_served:
+                worker.clients_served.discard(peer)
+                out.append(to_worker(worker.peer, forget))
+        return out + self._dispatch(service)
 
     # ------------------------------------------------------------ workers
+    def _known_worker(self, peer: bytes) -> tuple[WorkerRecord | None, list[Outgoing]]:
+        worker = self.workers.get(peer)
+        if worker is None:
+            message = "this broker does not know this worker (it restarted, or the worker was silent too long): register again"
+            return None, [to_worker(peer, ErrorReply(message=message, code="unknown_peer"))]
+        worker.last_seen = self.clock()
+        return worker, []
+
     def on_register(self, peer: bytes, register: Register) -> list[Outgoing]:
+        if register.worker.encode() != peer:
+            return [to_worker(peer, ErrorReply(message=f"registration names worker {register.worker!r}, but this connection is {peer!r}"))]
+        out: list[Outgoing] = []
         if peer in self.workers:
-            return [self.to_worker(peer, ErrorReply(message=f"worker {register.worker} is registered already"))]
-        worker = WorkerRecord(peer, register)
+            # A worker registers again after it lost sight of the broker; it has dropped its queue and mappings.
+            out.extend(self._remove_worker(peer))
+        worker = WorkerRecord(peer, register, self.clock())
         self.workers[peer] = worker
         service = self.service(register.service)
         service.workers[peer] = worker
-        out = [self.to_worker(peer, Registered(broker=self.name))]
+        out.append(to_worker(peer, Registered(broker=self.name, instance=self.instance, liveness=self.settings.liveness_message)))
         for waiter, request_id in service.info_waiters:
-            out.append(self.to_client(waiter, ModelInfoReply(request_id=request_id, info=register.info)))
+            out.append(to_client(waiter, ModelInfoReply(request_id=request_id, info=register.info)))
         service.info_waiters.clear()
         out.extend(self._dispatch(service))
         return out
 
+    def on_worker_heartbeat(self, peer: bytes, heartbeat: WorkerHeartbeat) -> list[Outgoing]:
+        worker, out = self._known_worker(peer)
+        if worker is not None:
+            worker.rank_links, worker.mappings_held = heartbeat.rank_links, heartbeat.mappings
+        return out
+
+    def on_draining(self, peer: bytes) -> list[Outgoing]:
+        worker, out = self._known_worker(peer)
+        if worker is None:
+            return [to_worker(peer, DrainAck())]
+        worker.draining = True
+        return [to_worker(peer, DrainAck())]
+
+    def on_worker_bye(self, peer: bytes) -> list[Outgoing]:
+        return self._remove_worker(peer)
+
     def on_done(self, peer: bytes, done: Done) -> list[Outgoing]:
-        worker = self.workers.get(peer)
-        pending = worker.in_flight.pop(done.ticket, None) if worker else None
-        if worker is None or pending is None:
-            return []
-        worker.last_seen = time.monotonic()
+        worker, out = self._known_worker(peer)
+        if worker is None:
+            return out
+        pending = worker.in_flight.pop(done.ticket, None)
+        if pending is None:
+            return []  # an earlier attempt, already requeued elsewhere
+        service = self.service(worker.registration.service)
+        if done.retry:
+            worker.handed_back += 1
+            pending.excluded.add(peer)
+            pending.failures += 1
+            pending.last_error = f"worker {worker.registration.worker}: {done.message}"
+            return self._requeue([pending], service)
         if done.ok:
             worker.served += 1
+            service.completions.append(self.clock())
         else:
             worker.failed += 1
+        return self._complete(pending) + self._dispatch(service)
+
+    def _complete(self, pending: Pending) -> list[Outgoing]:
         client = pending.client
+        if client.requests.pop(pending.request.request_id, None) is None:
+            return []
         client.outstanding -= 1
         client.completed += 1
-        out = self._enqueue(client.parked.popleft()) if client.parked and client.peer in self.clients else []
-        return out + self._dispatch(self.service(worker.registration.service))
+        if client.parked and client.peer in self.clients:
+            return self._enqueue(client.parked.popleft())
+        return []
+
+    def _requeue(self, pendings: list[Pending], service: ServiceRecord) -> list[Outgoing]:
+        """Put requests back at the front of their queue, in their order; fail those out of attempts."""
+        out: list[Outgoing] = []
+        for pending in sorted(pendings, key=lambda p: p.enqueued_at, reverse=True):
+            if pending.client.peer not in self.clients:
+                continue
+            if pending.failures >= self.settings.max_attempts:
+                message = f"request failed on {pending.failures} workers of service {service.name!r}; last: {pending.last_error}"
+                out.append(to_client(pending.client.peer, ErrorReply(request_id=pending.request.request_id, message=message, code="failed")))
+                out.extend(self._complete(pending))
+                continue
+            self.counters["requeued"] += 1
+            service.queue.appendleft(pending)
+        return out + self._dispatch(service)
+
+    def _remove_worker(self, peer: bytes, *, died: bool = False) -> list[Outgoing]:
+        """Forget a worker and requeue what it held; a worker that died counts as a failure of each request."""
+        worker = self.workers.pop(peer, None)
+        if worker is None:
+            return []
+        service = self.service(worker.registration.service)
+        service.workers.pop(peer, None)
+        pendings = list(worker.in_flight.values())
+        worker.in_flight.clear()
+        if died:
+            for pending in pendings:
+                pending.failures += 1
+                pending.last_error = f"worker {worker.registration.worker} died while it held the request"
+        return self._requeue(pendings, service)
 
     # ------------------------------------------------------------ scheduling
     def _dispatch(self, service: ServiceRecord) -> list[Outgoing]:
+        if self.draining:
+            return []
         out: list[Outgoing] = []
+        kept: deque[Pending] = deque()
         while service.queue:
-            # Most free credits first; among equals the one that waited longest since its last request.
-            worker = max(service.workers.values(), key=lambda w: (w.free_credits, -w.last_assigned), default=None)
-            if worker is None or worker.free_credits <= 0:
+            if not any(w.free_credits > 0 for w in service.workers.values()):
                 break
             pending = service.queue.popleft()
             if pending.client.peer not in self.clients:
                 continue
+            candidates = [w for w in service.workers.values() if w.free_credits > 0 and w.peer not in pending.excluded]
+            if not candidates:
+                kept.append(pending)  # every free worker has handed this one back; wait for another
+                continue
+            # Most free credits first; among equals the one that waited longest since its last request.
+            worker = max(candidates, key=lambda w: (w.free_credits, -w.last_assigned))
             out.extend(self._assign(worker, pending))
+        kept.extend(service.queue)
+        service.queue = kept
         return out
 
     def _assign(self, worker: WorkerRecord, pending: Pending) -> list[Outgoing]:
         out: list[Outgoing] = []
-        digest = pending.client.mapping_digest if pending.request.kind == "eagle3" else None
+        client = pending.client
+        digest = client.mapping_digest if pending.request.kind == "eagle3" else None
         if digest is not None and digest not in worker.mappings_sent:
             mapping = self.mappings[digest]
-            out.append(self.to_worker(worker.peer, VocabMapping(digest=digest, tensors=mapping.header.tensors), mapping.frames))
+            out.append(to_worker(worker.peer, VocabMapping(digest=digest, tensors=mapping.header.tensors), mapping.frames))
             worker.mappings_sent.add(digest)
+        pending.ticket = self._next_ticket
+        self._next_ticket += 1
+        pending.attempts += 1
         worker.in_flight[pending.ticket] = pending
         worker.last_assigned = pending.ticket
+        worker.clients_served.add(client.peer)
         dispatch = Dispatch(
             ticket=pending.ticket,
-            client=pending.client.hello.client,
-            reply_to=pending.client.hello.data_endpoint,
-            service=pending.client.hello.service,
+            client=client.hello.client,
+            reply_to=client.hello.data_endpoint,
+            service=client.hello.service,
             mapping_digest=digest,
             request=pending.request,
         )
-        out.append(self.to_worker(worker.peer, dispatch, pending.frames))
+        out.append(to_worker(worker.peer, dispatch, pending.frames))
         return out
+
+    # ------------------------------------------------------------ time
+    def on_tick(self) -> list[Outgoing]:
+        """Expire silent peers and send everyone a heartbeat; call once per heartbeat interval."""
+        now = self.clock()
+        out: list[Outgoing] = []
+        window = self.settings.window_s
+        for peer in [p for p, w in self.workers.items() if now - w.last_seen > window]:
+            self.counters["workers_expired"] += 1
+            out.extend(self._remove_worker(peer, died=True))
+        for peer in [p for p, c in self.clients.items() if now - c.last_seen > window]:
+            self.counters["clients_expired"] += 1
+            out.extend(self._forget_client(peer))
+        beat = Heartbeat(instance=self.instance)
+        out.extend(to_client(peer, beat) for peer in self.clients)
+        out.extend(to_worker(peer, beat) for peer in self.workers)
+        for service in self.services.values():
+            while service.completions and now - service.completions[0] > THROUGHPUT_WINDOW_S:
+                service.completions.popleft()
+        return out
+
+    def start_draining(self) -> None:
+        """Dispatch nothing more; what workers hold still completes."""
+        self.draining = True
+
+    @property
+    def in_flight(self) -> int:
+        return sum(len(w.in_flight) for w in self.workers.values())
+
+    def goodbye(self) -> list[Outgoing]:
+        message = Goodbye(instance=self.instance)
+        return [to_client(peer, message) for peer in self.clients] + [to_worker(peer, message) for peer in self.workers]
 
     # ------------------------------------------------------------ observability
     def status(self) -> dict[str, Any]:
-        now = time.monotonic()
+        now = self.clock()
         return {
             "broker": self.name,
+            "instance": self.instance,
             "uptime_s": round(time.time() - self.started_at, 3),
+            "draining": self.draining,
+            "liveness_window_s": self.settings.window_s,
+            "counters": dict(self.counters),
             "services": {
                 name: {
                     "queued": len(service.queue),
-                    "workers": [
-                        {
-                            "worker": w.registration.worker,
-                            "host": w.registration.host,
-                            "pid": w.registration.pid,
-                            "engine": w.registration.engine,
-                            "capacity": w.registration.capacity,
-                            "in_flight": len(w.in_flight),
-                            "served": w.served,
-                            "failed": w.failed,
-                            "last_seen_s": round(now - w.last_seen, 3),
-                        }
-                        for w in service.workers.values()
-                    ],
+                    "requests_per_s": round(len(service.completions) / THROUGHPUT_WINDOW_S, 3),
+                    "workers": [self._worker_status(w, now) for w in service.workers.values()],
                 }
                 for name, service in sorted(self.services.items())
             },
@@ -334,11 +521,33 @@ class BrokerState:
                     "host": c.hello.host,
                     "pid": c.hello.pid,
                     "window": c.hello.window,
+                    "queued": sum(1 for p in self.service(c.hello.service).queue if p.client is c) + len(c.parked),
                     "outstanding": c.outstanding,
+                    "parked": len(c.parked),
                     "peak_outstanding": c.peak_outstanding,
                     "submitted": c.submitted,
                     "completed": c.completed,
+                    "last_heartbeat_s": round(now - c.last_seen, 3),
                 }
                 for c in self.clients.values()
             ],
+        }
+
+    @staticmethod
+    def _worker_status(w: WorkerRecord, now: float) -> dict[str, Any]:
+        state = "draining" if w.draining else ("busy" if w.in_flight else "idle")
+        return {
+            "worker": w.registration.worker,
+            "host": w.registration.host,
+            "pid": w.registration.pid,
+            "engine": w.registration.engine,
+            "state": state,
+            "capacity": w.registration.capacity,
+            "in_flight": len(w.in_flight),
+            "served": w.served,
+            "failed": w.failed,
+            "handed_back": w.handed_back,
+            "rank_links": w.rank_links,
+            "mappings": w.mappings_held,
+            "last_heartbeat_s": round(now - w.last_seen, 3),
         }

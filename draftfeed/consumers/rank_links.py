@@ -2,40 +2,64 @@
 
 from __future__ import annotations
 
-import logging
-from typing import Any
+from collections import OrderedDict
+from typing import Any, Literal
 
 import zmq
 
 from draftfeed.net import close_quietly
 
-log = logging.getLogger("draftfeed.worker")
+_FORGOTTEN_KEPT = 4096
 
 
 class RankLinks:
-    """Sends supervision straight to each rank (one hop, zero-copy); a rank that stops reading costs a timeout, not the worker."""
+    """Sends supervision straight to each rank (one hop, zero-copy).
 
-    def __init__(self, context: zmq.Context, send_timeout_s: float) -> None:
+    Sends never block here: messages queue only on a completed connection (ZMQ_IMMEDIATE), up to a
+    small high-water mark, and the worker decides how long to keep trying (see Worker._deliver). Ranks
+    the broker reported gone are remembered, so a late answer for one opens no socket to a dead endpoint.
+    """
+
+    def __init__(self, context: zmq.Context, hwm: int = 4) -> None:
         self._context = context
-        self._send_timeout_ms = int(send_timeout_s * 1000)
+        self._hwm = hwm
         self._sockets: dict[str, zmq.Socket] = {}
+        self._forgotten: OrderedDict[str, None] = OrderedDict()
 
-    def send(self, endpoint: str, frames: list[Any]) -> bool:
-        """Send one message; False if the rank did not take it within the send timeout."""
+    def __len__(self) -> int:
+        return len(self._sockets)
+
+    def socket(self, endpoint: str) -> zmq.Socket:
         sock = self._sockets.get(endpoint)
         if sock is None:
             sock = self._context.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDTIMEO, self._send_timeout_ms)
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.setsockopt(zmq.SNDHWM, self._hwm)
             sock.connect(endpoint)
             self._sockets[endpoint] = sock
+        return sock
+
+    def try_send(self, endpoint: str, frames: list[Any]) -> Literal["sent", "blocked", "forgotten"]:
+        """One non-blocking attempt: the rank is gone, its pipe is full (or not connected yet), or sent."""
+        if endpoint in self._forgotten:
+            return "forgotten"
         try:
-            sock.send_multipart(frames, copy=False)
-            return True
+            self.socket(endpoint).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            return "sent"
         except zmq.Again:
-            log.error("worker: rank at %s took no message for %.0f s; dropping its link", endpoint, self._send_timeout_ms / 1000)
-            self.drop(endpoint)
-            return False
+            return "blocked"
+
+    def remember(self, endpoint: str) -> None:
+        """The broker dispatches for this rank again (it came back after being declared gone)."""
+        self._forgotten.pop(endpoint, None)
+
+    def forget(self, endpoint: str) -> None:
+        """The rank is gone: close its link and send it nothing more."""
+        self.drop(endpoint)
+        self._forgotten[endpoint] = None
+        while len(self._forgotten) > _FORGOTTEN_KEPT:
+            self._forgotten.popitem(last=False)
 
     def drop(self, endpoint: str) -> None:
         close_quietly(self._sockets.pop(endpoint, None))

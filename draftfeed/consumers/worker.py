@@ -1,8 +1,13 @@
 """The target worker: pulls requests from the broker, runs the frozen target, pushes supervision to the rank.
 
-Two threads: the broker link (broker_link.py) and this compute loop, which owns the engine and the
-direct sockets to the ranks. A request that cannot be served is answered with a failure naming the
-reason; the worker goes on serving.
+Two threads: the broker link (broker_link.py: registration and heartbeats) and this compute loop, which
+owns the engine and the direct sockets to the ranks. The loop drains everything the link has passed on
+before it computes, so that a rank's departure or a re-registration takes effect on queued work at once.
+
+A request that cannot be served is answered with a failure that says why, and the worker serves on.
+An engine out of memory hands the request back to the broker, which gives it to another worker. On stop
+(SIGTERM) the worker tells the broker it is draining, finishes what it is computing, hands back what it
+had queued, and exits.
 """
 
 from __future__ import annotations
@@ -10,24 +15,46 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import zmq
 
-from draftfeed.consumers.broker_link import STOP, BrokerLink
+from draftfeed.consumers.broker_link import RESET, STOP, BrokerLink
 from draftfeed.consumers.rank_links import RankLinks
 from draftfeed.consumers.tasks.eagle3 import Eagle3Task, VocabMap
 from draftfeed.consumers.validation import BadRequest, validate_batch, validate_vocab_mapping
 from draftfeed.net import close_quietly, host_identity
 from draftfeed.schemas.errors import MalformedMessage
 from draftfeed.schemas.frames import pack, pack_tensors, unpack
-from draftfeed.schemas.messages import BACKEND_OUTBOUND, Dispatch, Done, ErrorReply, Failure, ForgetMapping, Register, Result, VocabMapping
+from draftfeed.schemas.messages import (
+    BACKEND_OUTBOUND,
+    Dispatch,
+    Done,
+    DrainAck,
+    Draining,
+    Failure,
+    ForgetClient,
+    ForgetMapping,
+    Register,
+    Result,
+    VocabMapping,
+    WorkerHeartbeat,
+)
 from draftfeed.schemas.tensor_codec import decode_tensors
 
 log = logging.getLogger("draftfeed.worker")
+
+
+class RetryableEngineError(RuntimeError):
+    """An engine error that another worker may not hit (out of memory, a transient device fault)."""
+
+
+RETRYABLE = (torch.OutOfMemoryError, MemoryError, RetryableEngineError)
 
 
 @dataclass
@@ -38,6 +65,13 @@ class WorkerConfig:
     name: str | None = None
     send_timeout_s: float = 60.0
     register_timeout_s: float = 60.0
+    drain_timeout_s: float = 10.0
+
+
+@dataclass
+class _Queued:
+    dispatch: Dispatch
+    frames: list[Any]
 
 
 class Worker:
@@ -48,7 +82,9 @@ class Worker:
         self.config = config
         self.name = config.name or f"{host_identity()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._mappings: dict[str, VocabMap | BadRequest] = {}
+        self._queue: deque[_Queued] = deque()
         self._stop = threading.Event()
+        self._ranks: RankLinks | None = None
         self.served = 0
 
     def registration(self) -> Register:
@@ -64,7 +100,11 @@ class Worker:
         )
 
     def stop(self) -> None:
+        """Drain and exit (safe from a signal handler)."""
         self._stop.set()
+
+    def _stats(self) -> WorkerHeartbeat:
+        return WorkerHeartbeat(rank_links=len(self._ranks) if self._ranks else 0, mappings=len(self._mappings))
 
     def run(self, on_ready: Callable[[], None] | None = None) -> None:
         context = zmq.Context()
@@ -72,57 +112,93 @@ class Worker:
         pipe = context.socket(zmq.PAIR)
         pipe.setsockopt(zmq.LINGER, 0)
         pipe.bind(pipe_endpoint)
-        link = BrokerLink(context, self.config.broker, self.registration(), pipe_endpoint)
-        ranks = RankLinks(context, self.config.send_timeout_s)
+        self._ranks = RankLinks(context, hwm=self.config.capacity + 1)
+        link = BrokerLink(context, self.config.broker, self.registration(), pipe_endpoint, self._stats)
         link.start()
         try:
-            if not link.registered.wait(self.config.register_timeout_s):
-                raise TimeoutError(
-                    f"worker {self.name}: no broker answered at {self.config.broker} within "
-                    f"{self.config.register_timeout_s:.0f} s; is `draftfeed launch broker` running there?"
-                )
-            if link.failure is not None:
-                raise RuntimeError(f"worker {self.name}: broker link failed: {link.failure}")
-            if link.refused is not None:
-                raise RuntimeError(f"worker {self.name}: the broker refused registration: {link.refused}")
+            self._await_registration(link)
             log.info("worker %s: serving %s on service %r", self.name, self.task.name, self.config.service)
             if on_ready is not None:
                 on_ready()
-            while not self._stop.is_set() and link.is_alive():
-                if not pipe.poll(100):
-                    continue
-                frames = pipe.recv_multipart(copy=False)
-                done = self._handle(frames, ranks)
-                if done is not None:
-                    pipe.send_multipart(pack(done))
+            self._serve(pipe, link)
         finally:
             if link.is_alive():
                 pipe.send(STOP)
                 link.join(timeout=5)
-            ranks.close()
+            self._ranks.close()
             close_quietly(pipe)
             context.term()
 
-    # ------------------------------------------------------------ messages from the broker
-    def _handle(self, frames: list[Any], ranks: RankLinks) -> Done | None:
+    def _await_registration(self, link: BrokerLink) -> None:
+        if not link.registered.wait(self.config.register_timeout_s):
+            raise TimeoutError(
+                f"worker {self.name}: no broker answered at {self.config.broker} within "
+                f"{self.config.register_timeout_s:.0f} s; is `draftfeed launch broker` running there?"
+            )
+        if link.failure is not None:
+            raise RuntimeError(f"worker {self.name}: broker link failed: {link.failure}")
+        if link.refused is not None:
+            raise RuntimeError(f"worker {self.name}: the broker refused registration: {link.refused}")
+
+    def _serve(self, pipe: zmq.Socket, link: BrokerLink) -> None:
+        drain_deadline: float | None = None
+        self._drain_acked = False
+        while link.is_alive():
+            if self._stop.is_set() and drain_deadline is None:
+                log.info("worker %s: draining: %d queued requests go back to the broker", self.name, len(self._queue))
+                pipe.send_multipart(pack(Draining()))
+                drain_deadline = time.monotonic() + self.config.drain_timeout_s
+            wait_ms = 0 if (self._queue and drain_deadline is None) else 100
+            while pipe.poll(wait_ms):
+                self._take(pipe.recv_multipart(copy=False), pipe)
+                wait_ms = 0
+            if drain_deadline is not None:
+                self._hand_back(pipe, "worker draining")
+                if self._drain_acked or time.monotonic() > drain_deadline:
+                    log.info("worker %s: drained after serving %d requests", self.name, self.served)
+                    return
+            elif self._queue:
+                queued = self._queue.popleft()
+                pipe.send_multipart(pack(self._serve_one(queued.dispatch, queued.frames, pipe)))
+
+    # ------------------------------------------------------------ messages from the link
+    def _take(self, frames: list[Any], pipe: zmq.Socket) -> None:
+        """File one message from the link."""
+        if len(frames) == 1 and frames[0].bytes == RESET:
+            self._queue.clear()  # the broker has requeued all of it
+            self._mappings.clear()
+            return
         try:
             message, tensor_frames = unpack(frames, BACKEND_OUTBOUND)
         except MalformedMessage as exc:
             log.warning("worker %s: ignoring a malformed message from the broker: %s", self.name, exc)
-            return None
+            return
         if isinstance(message, Dispatch):
-            reply, ok = self._serve(message, tensor_frames)
-            delivered = ranks.send(message.reply_to, reply)
-            if ok and delivered:
-                self.served += 1
-            return Done(ticket=message.ticket, ok=ok and delivered)
-        if isinstance(message, VocabMapping):
+            assert self._ranks is not None
+            self._ranks.remember(message.reply_to)
+            self._queue.append(_Queued(message, tensor_frames))
+        elif isinstance(message, VocabMapping):
             self._mappings[message.digest] = self._load_mapping(message, tensor_frames)
         elif isinstance(message, ForgetMapping):
             self._mappings.pop(message.digest, None)
-        elif isinstance(message, ErrorReply):
-            log.warning("worker %s: the broker reports: %s", self.name, message.message)
-        return None
+        elif isinstance(message, ForgetClient):
+            self._forget(message, pipe)
+        elif isinstance(message, DrainAck):
+            self._drain_acked = True
+
+    def _forget(self, message: ForgetClient, pipe: zmq.Socket) -> None:
+        assert self._ranks is not None
+        self._ranks.forget(message.reply_to)
+        dropped = [q for q in self._queue if q.dispatch.client == message.client]
+        self._queue = deque(q for q in self._queue if q.dispatch.client != message.client)
+        for queued in dropped:
+            pipe.send_multipart(pack(Done(ticket=queued.dispatch.ticket, ok=False, message="rank gone")))
+        log.info("worker %s: rank %s is gone; dropped %d of its queued requests", self.name, message.client, len(dropped))
+
+    def _hand_back(self, pipe: zmq.Socket, reason: str) -> None:
+        while self._queue:
+            queued = self._queue.popleft()
+            pipe.send_multipart(pack(Done(ticket=queued.dispatch.ticket, ok=False, retry=True, message=reason)))
 
     def _load_mapping(self, message: VocabMapping, tensor_frames: list[Any]) -> VocabMap | BadRequest:
         try:
@@ -134,26 +210,65 @@ class Worker:
         device = self.task.engine.device
         return VocabMap(ids.to(device), mask.to(device))
 
-    def _serve(self, dispatch: Dispatch, tensor_frames: list[Any]) -> tuple[list[Any], bool]:
+    # ------------------------------------------------------------ serving one request
+    def _serve_one(self, dispatch: Dispatch, tensor_frames: list[Any], pipe: zmq.Socket) -> Done:
         request = dispatch.request
         try:
-            if dispatch.service != self.config.service:
-                raise BadRequest(f"worker {self.name} serves {self.config.service!r}, not {dispatch.service!r}")
-            tensors = decode_tensors(request.tensors, tensor_frames)
-            if request.kind == "eagle3":
-                out = self._eagle3(dispatch, tensors)
-            elif request.kind == "input_embeddings":
-                out = {"weight": self.task.engine.input_embeddings()}
-            else:  # the message schema admits no other kind; kept for when it grows
-                raise BadRequest(f"worker {self.name} does not serve requests of kind {request.kind!r}")
-            frames = pack_tensors(Result, out, request_id=request.request_id, kind=request.kind, worker=self.name)
-            return frames, True
+            reply = self._compute(dispatch, tensor_frames)
+            ok = True
         except (BadRequest, MalformedMessage) as exc:
-            message = str(exc)
+            reply, ok = self._failure(request.request_id, request.token, str(exc)), False
+        except RETRYABLE as exc:
+            log.warning("worker %s: request %d of %s handed back: %s", self.name, request.request_id, dispatch.client, exc)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            return Done(ticket=dispatch.ticket, ok=False, retry=True, message=f"{type(exc).__name__}: {exc}")
         except Exception as exc:  # the engine failed on this batch; the worker serves on
             log.exception("worker %s: request %d of %s failed", self.name, request.request_id, dispatch.client)
             message = f"{type(exc).__name__} in the {self.task.engine.name} engine: {exc}"
-        return pack(Failure(request_id=request.request_id, worker=self.name, message=message)), False
+            reply, ok = self._failure(request.request_id, request.token, message), False
+        delivered = self._deliver(dispatch.reply_to, reply, pipe)
+        if ok and delivered:
+            self.served += 1
+        return Done(ticket=dispatch.ticket, ok=ok and delivered, message=None if delivered else "rank did not take the answer")
+
+    def _deliver(self, endpoint: str, frames: list[Any], pipe: zmq.Socket) -> bool:
+        """Send to a rank, meanwhile filing what the link passes on: a rank that died is reported by the
+        broker (forget_client) within its liveness window, and then the send is abandoned."""
+        assert self._ranks is not None
+        deadline = time.monotonic() + self.config.send_timeout_s
+        poller = zmq.Poller()
+        poller.register(pipe, zmq.POLLIN)
+        while True:
+            outcome = self._ranks.try_send(endpoint, frames)
+            if outcome != "blocked":
+                return outcome == "sent"
+            if time.monotonic() > deadline:
+                log.error("worker %s: rank at %s took nothing for %.0f s; dropping its link", self.name, endpoint, self.config.send_timeout_s)
+                self._ranks.drop(endpoint)
+                return False
+            sock = self._ranks.socket(endpoint)
+            poller.register(sock, zmq.POLLOUT)
+            events = dict(poller.poll(100))
+            poller.unregister(sock)
+            if pipe in events:
+                self._take(pipe.recv_multipart(copy=False), pipe)
+
+    def _failure(self, request_id: int, token: int, message: str) -> list[Any]:
+        return pack(Failure(request_id=request_id, token=token, worker=self.name, message=message))
+
+    def _compute(self, dispatch: Dispatch, tensor_frames: list[Any]) -> list[Any]:
+        request = dispatch.request
+        if dispatch.service != self.config.service:
+            raise BadRequest(f"worker {self.name} serves {self.config.service!r}, not {dispatch.service!r}")
+        tensors = decode_tensors(request.tensors, tensor_frames)
+        if request.kind == "eagle3":
+            out = self._eagle3(dispatch, tensors)
+        elif request.kind == "input_embeddings":
+            out = {"weight": self.task.engine.input_embeddings()}
+        else:  # the message schema admits no other kind; kept for when it grows
+            raise BadRequest(f"worker {self.name} does not serve requests of kind {request.kind!r}")
+        return pack_tensors(Result, out, request_id=request.request_id, token=request.token, kind=request.kind, worker=self.name)
 
     def _eagle3(self, dispatch: Dispatch, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         validate_batch(tensors, self.task.shape.vocab_size)

@@ -59,11 +59,16 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
     broker.add_argument("--frontend", default=DEFAULT_FRONTEND, help=f"where training ranks connect (default {DEFAULT_FRONTEND}; tcp://HOST:* picks a free port)")
     broker.add_argument("--backend", default=DEFAULT_BACKEND, help=f"where workers connect (default {DEFAULT_BACKEND})")
     broker.add_argument("--name", default=None, help="the broker's name in logs and status (default HOST-PID)")
+    broker.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats to and from every peer (default 1); peers adopt it")
+    broker.add_argument("--liveness", type=int, default=5, help="heartbeat intervals a peer may stay silent before it counts as dead (default 5)")
+    broker.add_argument("--max-queued", type=int, default=4096, help="requests one service may queue; past it ranks are told to send again later (default 4096)")
+    broker.add_argument("--max-attempts", type=int, default=3, help="workers a request may be tried on before the rank gets an error (default 3)")
+    broker.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds to wait for requests at workers before exiting (default 30)")
 
     worker = roles.add_parser("worker", parents=[common], help="run a frozen target and serve its supervision")
     worker.add_argument("--broker", required=True, help="the broker's worker (backend) endpoint, e.g. tcp://HOST:5556")
     worker.add_argument("--target", required=True, help="the target model: a local folder or hub id that AutoModelForCausalLM loads")
-    worker.add_argument("--engine", default="hf", choices=["hf"], help="what runs the target (default hf: transformers)")
+    worker.add_argument("--engine", default="hf", help="what runs the target: hf (transformers, the default) or package.module:Class for an engine of your own")
     worker.add_argument("--task", default="eagle3", choices=["eagle3"], help="which supervision to compute (default eagle3)")
     worker.add_argument("--service", default=None, help="the service name ranks ask for (default: <target folder>-<task>)")
     worker.add_argument("--device", default="cpu", help="torch device for the target, e.g. cuda:0 (default cpu)")
@@ -73,6 +78,7 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
     worker.add_argument("--name", default=None, help="the worker's name in logs and status (default HOST-PID-random)")
     worker.add_argument("--send-timeout", type=float, default=60.0, help="seconds a rank may take to accept supervision before the worker gives up on it (default 60)")
     worker.add_argument("--register-timeout", type=float, default=60.0, help="seconds to wait for the broker at start (default 60)")
+    worker.add_argument("--drain-timeout", type=float, default=10.0, help="on SIGTERM, seconds to wait for the broker to confirm the drain (default 10)")
 
 
 def _ready(**fields: str) -> None:
@@ -86,8 +92,13 @@ def _stop_on_signals(stop: callable) -> None:
 
 def run_broker(args: argparse.Namespace) -> int:
     from draftfeed.broker.broker import Broker
+    from draftfeed.broker.state import BrokerSettings
 
-    broker = Broker(args.frontend, args.backend, name=args.name)
+    settings = BrokerSettings(
+        heartbeat_interval_s=args.heartbeat_interval, liveness=args.liveness,
+        max_queued_per_service=args.max_queued, max_attempts=args.max_attempts,
+    )
+    broker = Broker(args.frontend, args.backend, name=args.name, settings=settings, drain_timeout_s=args.drain_timeout)
     frontend, backend = broker.bind()
     _stop_on_signals(broker.stop)
     _ready(role="broker", frontend=frontend, backend=backend)
@@ -112,7 +123,7 @@ def run_worker(args: argparse.Namespace) -> int:
     service = args.service or default_service_name(args.target, args.task)
     worker = Worker(task, WorkerConfig(
         broker=args.broker, service=service, capacity=args.capacity, name=args.name,
-        send_timeout_s=args.send_timeout, register_timeout_s=args.register_timeout,
+        send_timeout_s=args.send_timeout, register_timeout_s=args.register_timeout, drain_timeout_s=args.drain_timeout,
     ))
     _stop_on_signals(worker.stop)
     worker.run(on_ready=lambda: _ready(role="worker", worker=worker.name, service=service))

@@ -40,9 +40,13 @@ class Process:
         return self.popen.returncode
 
     def kill(self) -> None:
+        """SIGKILL: no chance to clean up, as when a machine or a job dies."""
         if self.popen.poll() is None:
             self.popen.kill()
             self.popen.wait(10)
+
+    def signal(self, sig: int) -> None:
+        self.popen.send_signal(sig)
 
 
 def _pump(stream: IO[str], lines: "queue.Queue[str | None]", tail: list[str], keep: int = 200) -> None:
@@ -83,9 +87,9 @@ def start(args: Sequence[str], *, ready_timeout_s: float = 120.0, env: dict[str,
         raise
 
 
-def start_broker(host: str = "127.0.0.1", **kwargs: object) -> Process:
+def start_broker(host: str = "127.0.0.1", extra: Sequence[str] = (), **kwargs: object) -> Process:
     """A broker on free ports of ``host``; its endpoints are in ``ready['frontend']`` and ``ready['backend']``."""
-    return start(["broker", "--frontend", f"tcp://{host}:*", "--backend", f"tcp://{host}:*"], **kwargs)  # type: ignore[arg-type]
+    return start(["broker", "--frontend", f"tcp://{host}:*", "--backend", f"tcp://{host}:*", *extra], **kwargs)  # type: ignore[arg-type]
 
 
 def start_worker(backend: str, target: str, *extra: str, **kwargs: object) -> Process:

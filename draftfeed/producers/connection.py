@@ -1,9 +1,15 @@
 """A training rank's connection: one IO thread owns its sockets, the caller's threads get futures.
 
-Sockets: a DEALER to the broker's frontend (requests, control) and a ROUTER bound on this host
-(supervision arrives straight from workers). The caller hands fully packed messages to the IO
-thread through an inproc pipe; the IO thread resolves one future per request. Errors from the
-pipeline, and the death of the IO thread itself, surface on those futures, where the caller waits.
+Sockets: a DEALER to the broker's frontend (requests, control, heartbeats) and a ROUTER bound on this
+host (supervision arrives straight from workers). The caller hands packed messages to the IO thread
+through an inproc pipe; the IO thread resolves one future per request. Errors from the pipeline, and
+the death of the IO thread itself, surface on those futures, where the caller waits.
+
+The IO thread keeps every unanswered request (its frames are small: token ids and masks). When the
+broker restarts (a new instance id), says it does not know this rank, says goodbye, or falls silent
+for its liveness window, the rank says hello again and, once welcomed by a new instance, resends its
+vocab mapping and every unanswered request. Each request is answered at most once: the first answer
+that echoes the request's random token resolves it; any later one is dropped and counted.
 """
 
 from __future__ import annotations
@@ -11,10 +17,12 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import random
 import threading
+import time
 import uuid
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import zmq
@@ -29,6 +37,8 @@ from draftfeed.schemas.messages import (
     Bye,
     ErrorReply,
     Failure,
+    Goodbye,
+    Heartbeat,
     Hello,
     ModelInfoReply,
     Result,
@@ -40,8 +50,9 @@ from draftfeed.schemas.tensor_codec import decode_tensors
 log = logging.getLogger("draftfeed.producer")
 
 _STOP = b"stop"
-# Control messages (hello, model info, mapping, status) that may be queued beside the window of requests.
-_CONTROL_SLACK = 8
+# Control messages (hello, heartbeats, model info, mapping, status) that may be queued beside the window.
+_CONTROL_SLACK = 16
+_BUSY_RETRY_S = (0.05, 1.0)
 
 
 @dataclass
@@ -49,6 +60,20 @@ class _Waiter:
     future: Future
     finish: Callable[[Any, dict[str, Any]], Any]
     holds_window_slot: bool
+    frames: list[Any]
+    token: int
+    resend: bool  # sent again after a broker restart (requests and queries; not status)
+    retry_at: float | None = None
+    busy_retries: int = 0
+
+
+@dataclass
+class ConnectionStats:
+    duplicates_dropped: int = 0
+    foreign_dropped: int = 0
+    resyncs: int = 0
+    busy_retries: int = 0
+    broker_instances: list[str] = field(default_factory=list)
 
 
 class Connection:
@@ -67,14 +92,19 @@ class Connection:
             raise ValueError(f"window must be at least 1, got {window}")
         self.broker, self.service, self.window = broker, service, window
         self.client_id = f"{host_identity()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.stats = ConnectionStats()
         self._data_bind = data_endpoint or f"tcp://{local_address_towards(broker)}:*"
         self._context = zmq.Context()
         self._ids = itertools.count()
+        self._random = random.SystemRandom()
         self._waiters: dict[int, _Waiter] = {}
+        self._mapping: _Waiter | None = None  # the last vocab mapping, resent after a broker restart
         self._lock = threading.Lock()
         self._window = threading.BoundedSemaphore(window)
         self._broken: BaseException | None = None
         self._welcome = threading.Event()
+        self.broker_instance: str | None = None
+        self.broker_last_heard = time.monotonic()
         self.in_flight = 0
         self.peak_in_flight = 0
         pipe_endpoint = f"inproc://draftfeed-rank-{uuid.uuid4().hex}"
@@ -91,13 +121,15 @@ class Connection:
     # ------------------------------------------------------------ caller side
     def request(
         self,
-        build: Callable[[int], list[Any]],
+        build: Callable[[int, int], list[Any]],
         finish: Callable[[Any, dict[str, Any]], Any],
         *,
         uses_window: bool,
         timeout_s: float | None = None,
+        resend: bool = True,
+        is_mapping: bool = False,
     ) -> Future:
-        """Send ``build(request_id)``; the future gets ``finish(reply_header, tensors)`` or the error."""
+        """Send ``build(request_id, token)``; the future gets ``finish(reply_header, tensors)`` or the error."""
         if self._broken is not None:
             raise RemoteTargetError(f"the connection to {self.broker} is broken: {self._broken}")
         if uses_window and not self._window.acquire(timeout=timeout_s):
@@ -106,20 +138,26 @@ class Connection:
                 "no worker answered; check `draftfeed status`"
             )
         request_id = next(self._ids)
-        future: Future = Future()
+        token = self._random.getrandbits(63)
+        frames = build(request_id, token)
+        waiter = _Waiter(Future(), finish, uses_window, frames, token, resend)
         with self._lock:
-            self._waiters[request_id] = _Waiter(future, finish, uses_window)
+            self._waiters[request_id] = waiter
+            if is_mapping:
+                self._mapping = waiter
             if uses_window:
                 self.in_flight += 1
                 self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
-            self._pipe.send_multipart(build(request_id), copy=False)
-        return future
+            self._pipe.send_multipart(frames, copy=False)
+        return waiter.future
+
+    def broker_silent_s(self) -> float:
+        return time.monotonic() - self.broker_last_heard
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Say goodbye to the broker, stop the IO thread, fail whatever is still outstanding."""
         with self._lock:
             if not self._pipe.closed and self._thread.is_alive():
-                self._pipe.send_multipart(pack(Bye()))
                 self._pipe.send(_STOP)
         self._thread.join(timeout_s)
         self._fail_all(TargetClosed("the remote target was closed while this request was outstanding"))
@@ -140,15 +178,16 @@ class Connection:
             control.setsockopt(zmq.RCVHWM, self.window + _CONTROL_SLACK)
             control.setsockopt(zmq.ROUTING_ID, self.client_id.encode())
             data.setsockopt(zmq.RCVHWM, self.window + 1)
-            data_endpoint = bind(data, self._data_bind)
-            pipe.connect(pipe_endpoint)
-            control.connect(self.broker)
-            hello = Hello(
-                client=self.client_id, service=self.service, data_endpoint=data_endpoint,
+            self._hello = Hello(
+                client=self.client_id, service=self.service, data_endpoint=bind(data, self._data_bind),
                 window=self.window, host=host_identity(), pid=os.getpid(),
             )
-            control.send_multipart(pack(hello))
+            pipe.connect(pipe_endpoint)
+            control.connect(self.broker)
+            control.send_multipart(pack(self._hello))
             self._serve(control, data, pipe)
+            control.send_multipart(pack(Bye()), flags=zmq.NOBLOCK)
+            control.close(linger=500)  # let the bye go out; the broker frees this rank's state at once
         except BaseException as exc:
             log.exception("draftfeed rank %s: IO thread failed", self.client_id)
             self._broken = exc
@@ -161,12 +200,14 @@ class Connection:
         poller = zmq.Poller()
         for sock in (control, data, pipe):
             poller.register(sock, zmq.POLLIN)
+        interval, liveness = 1.0, 5
+        next_beat = time.monotonic() + interval
         while True:
-            events = dict(poller.poll())
+            events = dict(poller.poll(max(0, int(min(next_beat - time.monotonic(), 0.05) * 1000))))
             if data in events:
                 self._drain(data, self._on_data)
             if control in events:
-                self._drain(control, self._on_control)
+                self._drain(control, lambda frames: self._on_control(frames, control))
             if pipe in events:
                 while True:
                     try:
@@ -176,6 +217,21 @@ class Connection:
                     if len(frames) == 1 and frames[0].bytes == _STOP:
                         return
                     control.send_multipart(frames, copy=False)
+            now = time.monotonic()
+            self._resend_busy(control, now)
+            if now >= next_beat:
+                if self._liveness is not None:
+                    interval, liveness = self._liveness
+                control.send_multipart(pack(Heartbeat()))
+                if now - self.broker_last_heard > interval * liveness:
+                    log.warning("draftfeed rank %s: broker %s silent for %.1f s; saying hello again", self.client_id, self.broker, now - self.broker_last_heard)
+                    self._hello_again(control)
+                    self.broker_last_heard = now  # try again after another window
+                next_beat = now + interval
+
+    _liveness: tuple[float, int] | None = None
+    _needs_resync = False
+    _hello: Hello
 
     @staticmethod
     def _drain(sock: zmq.Socket, handle: Callable[[list[Any]], None]) -> None:
@@ -189,25 +245,84 @@ class Connection:
             except MalformedMessage as exc:
                 log.warning("draftfeed rank: ignoring a malformed message: %s", exc)
 
-    def _on_control(self, frames: list[Any]) -> None:
-        message, tensors = unpack(frames, FRONTEND_OUTBOUND)
-        if isinstance(message, Welcome):
+    def _on_control(self, frames: list[Any], control: zmq.Socket) -> None:
+        message, _tensors = unpack(frames, FRONTEND_OUTBOUND)
+        self.broker_last_heard = time.monotonic()
+        if isinstance(message, Heartbeat):
+            if message.instance != self.broker_instance:
+                self._hello_again(control)  # a broker that has not welcomed this rank
+        elif isinstance(message, Welcome):
+            self._liveness = (message.liveness.heartbeat_interval_s, message.liveness.liveness)
+            if message.instance != self.broker_instance or self._needs_resync:
+                if self.broker_instance is not None:
+                    self._resync(control, message.instance)
+                self.broker_instance, self._needs_resync = message.instance, False
+                self.stats.broker_instances.append(message.instance)
             self._welcome.set()
+        elif isinstance(message, Goodbye):
+            log.warning("draftfeed rank %s: broker %s is shutting down; waiting for its successor", self.client_id, message.instance)
+            self._hello_again(control)
         elif isinstance(message, ErrorReply):
-            if message.request_id is None:
-                log.error("draftfeed rank %s: the broker reports: %s", self.client_id, message.message)
-            else:
-                self._resolve(message.request_id, error=RemoteTargetError(f"the broker refused the request: {message.message}"))
+            self._on_error(message, control)
         elif isinstance(message, (Ack, ModelInfoReply, StatusReply)):
             self._resolve(message.request_id, header=message, tensors={})
 
+    def _on_error(self, message: ErrorReply, control: zmq.Socket) -> None:
+        if message.code == "unknown_peer":
+            self._hello_again(control)
+        elif message.code == "busy" and message.request_id is not None:
+            with self._lock:
+                waiter = self._waiters.get(message.request_id)
+                if waiter is not None:
+                    waiter.busy_retries += 1
+                    low, high = _BUSY_RETRY_S
+                    waiter.retry_at = time.monotonic() + min(high, low * 2 ** min(waiter.busy_retries, 10))
+            self.stats.busy_retries += 1
+            log.info("draftfeed rank %s: %s", self.client_id, message.message)
+        elif message.request_id is None:
+            log.error("draftfeed rank %s: the broker reports: %s", self.client_id, message.message)
+        else:
+            self._resolve(message.request_id, error=RemoteTargetError(f"the broker refused the request: {message.message}"))
+
+    def _hello_again(self, control: zmq.Socket) -> None:
+        """Say hello; the welcome that answers it resends everything unanswered."""
+        self._needs_resync = True
+        control.send_multipart(pack(self._hello))
+
+    def _resync(self, control: zmq.Socket, instance: str) -> None:
+        """A new broker instance: send it the vocab mapping, then every unanswered request, in order."""
+        with self._lock:
+            waiters = sorted((rid, w) for rid, w in self._waiters.items() if w.resend)
+        self.stats.resyncs += 1
+        log.warning("draftfeed rank %s: broker instance %s; resending %d unanswered requests", self.client_id, instance, len(waiters))
+        if self._mapping is not None and all(w is not self._mapping for _, w in waiters):
+            control.send_multipart(self._mapping.frames, copy=False)
+        for _request_id, waiter in waiters:
+            control.send_multipart(waiter.frames, copy=False)
+
+    def _resend_busy(self, control: zmq.Socket, now: float) -> None:
+        with self._lock:
+            due = [w for w in self._waiters.values() if w.retry_at is not None and w.retry_at <= now]
+            for waiter in due:
+                waiter.retry_at = None
+        for waiter in due:
+            control.send_multipart(waiter.frames, copy=False)
+
     def _on_data(self, frames: list[Any]) -> None:
         message, tensor_frames = unpack(frames[1:], DATA_INBOUND)
+        with self._lock:
+            waiter = self._waiters.get(message.request_id)
+        if waiter is None:
+            self.stats.duplicates_dropped += 1
+            log.debug("draftfeed rank %s: dropping a second answer to request %d", self.client_id, message.request_id)
+            return
+        if waiter.token != message.token:
+            self.stats.foreign_dropped += 1
+            log.warning("draftfeed rank %s: dropping an answer to request %d with the wrong token (from %s)", self.client_id, message.request_id, message.worker)
+            return
         if isinstance(message, Failure):
-            self._resolve(
-                message.request_id,
-                error=RemoteTargetError(f"worker {message.worker} of service {self.service!r} could not serve the request: {message.message}"),
-            )
+            error = RemoteTargetError(f"worker {message.worker} of service {self.service!r} could not serve the request: {message.message}")
+            self._resolve(message.request_id, error=error)
         elif isinstance(message, Result):
             self._resolve(message.request_id, header=message, tensors=decode_tensors(message.tensors, tensor_frames))
 
@@ -217,7 +332,7 @@ class Connection:
             if waiter is not None and waiter.holds_window_slot:
                 self.in_flight -= 1
         if waiter is None:
-            log.warning("draftfeed rank %s: dropping a reply to unknown request %d", self.client_id, request_id)
+            self.stats.duplicates_dropped += 1
             return
         if waiter.holds_window_slot:
             self._window.release()

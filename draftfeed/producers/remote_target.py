@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -46,6 +47,7 @@ class RemoteEagle3Target:
         connect_timeout: float = 60.0,
         device: torch.device | str | None = None,
         data_endpoint: str | None = None,
+        wait_log_interval: float = 5.0,
     ) -> None:
         if prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be 0 or more, got {prefetch_depth}")
@@ -53,6 +55,7 @@ class RemoteEagle3Target:
         self.prefetch_depth = prefetch_depth
         self.request_timeout = request_timeout
         self.device = torch.device(device) if device is not None else None
+        self.wait_log_interval = wait_log_interval
         self._connection = Connection(
             broker, service, max(prefetch_depth, 1), data_endpoint=data_endpoint, connect_timeout_s=connect_timeout
         )
@@ -64,7 +67,7 @@ class RemoteEagle3Target:
         """num_hidden_layers, hidden_size, vocab_size and aux_layer_ids of the service's target (asked once)."""
         if self._info is None:
             future = self._connection.request(
-                lambda rid: pack(ModelInfoQuery(request_id=rid)), lambda reply, _: reply.info, uses_window=False
+                lambda rid, _token: pack(ModelInfoQuery(request_id=rid)), lambda reply, _: reply.info, uses_window=False
             )
             self._info = self._wait(future, "the model info (is a worker for this service running?)")
         return self._info
@@ -80,9 +83,10 @@ class RemoteEagle3Target:
         digest = hashlib.blake2b(ids.numpy().tobytes() + mask.numpy().tobytes(), digest_size=16).hexdigest()
         tensors = {"selected_token_ids": ids, "selected_token_mask": mask}
         future = self._connection.request(
-            lambda rid: pack_tensors(SetVocabMapping, tensors, request_id=rid, digest=digest),
+            lambda rid, _token: pack_tensors(SetVocabMapping, tensors, request_id=rid, digest=digest),
             lambda _reply, _tensors: None,
             uses_window=False,
+            is_mapping=True,
         )
         self._wait(future, "the broker's acknowledgement of the vocab mapping")
 
@@ -134,25 +138,36 @@ class RemoteEagle3Target:
     # ------------------------------------------------------------ plumbing
     def _submit(self, kind: str, tensors: dict[str, torch.Tensor], finish: Any) -> Future:
         return self._connection.request(
-            lambda rid: pack_tensors(Submit, tensors, request_id=rid, kind=kind),
+            lambda rid, token: pack_tensors(Submit, tensors, request_id=rid, kind=kind, token=token),
             finish,
             uses_window=True,
             timeout_s=self.request_timeout,
         )
 
     def _wait(self, future: Future, what: str) -> Any:
-        try:
-            return future.result(timeout=self.request_timeout)
-        except FutureTimeout:
-            raise RemoteTargetTimeout(
-                f"no answer with {what} from service {self.service!r} within {self.request_timeout:.0f} s "
-                "(request_timeout); check the workers with `draftfeed status`"
-            ) from None
+        """The future's result; says every few seconds what it waits for; raises after request_timeout."""
+        deadline = time.monotonic() + self.request_timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                return future.result(timeout=max(0.0, min(remaining, self.wait_log_interval)))
+            except FutureTimeout:
+                if time.monotonic() >= deadline:
+                    raise RemoteTargetTimeout(
+                        f"no answer with {what} from service {self.service!r} within {self.request_timeout:.0f} s "
+                        "(request_timeout): no worker of that service served it; check `draftfeed status`"
+                    ) from None
+                silent = self._connection.broker_silent_s()
+                broker = f"broker silent for {silent:.0f} s" if silent > 2 * self.wait_log_interval else "broker reachable"
+                log.warning(
+                    "draftfeed: waiting %.0f s for %s from service %r (%d batches in flight, %s)",
+                    self.request_timeout - remaining, what, self.service, self.in_flight, broker,
+                )
 
     def status(self) -> dict[str, Any]:
         """The broker's status document (services, workers, ranks, queues)."""
         future = self._connection.request(
-            lambda rid: pack(StatusQuery(request_id=rid)), lambda reply, _: reply.status, uses_window=False
+            lambda rid, _token: pack(StatusQuery(request_id=rid)), lambda reply, _: reply.status, uses_window=False, resend=False
         )
         return self._wait(future, "the broker status")
 
@@ -164,6 +179,16 @@ class RemoteEagle3Target:
     @property
     def peak_in_flight(self) -> int:
         return self._connection.peak_in_flight
+
+    @property
+    def client_id(self) -> str:
+        """This rank's name at the broker (as ``draftfeed status`` lists it)."""
+        return self._connection.client_id
+
+    @property
+    def connection_stats(self):
+        """Duplicate and foreign answers dropped, resyncs after broker restarts, busy retries."""
+        return self._connection.stats
 
     def close(self) -> None:
         """Release the sockets and the IO thread; outstanding requests fail with TargetClosed."""

@@ -14,6 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 Name = Annotated[str, Field(min_length=1, max_length=256)]
 RequestId = Annotated[int, Field(ge=0, lt=2**63)]
 RequestKind = Literal["eagle3", "input_embeddings"]
+Token = Annotated[int, Field(ge=0, lt=2**63)]
+Seconds = Annotated[float, Field(gt=0, le=3600)]
+ErrorCode = Literal["refused", "unknown_peer", "busy", "failed"]
 
 
 class Strict(BaseModel):
@@ -65,6 +68,8 @@ class Submit(Strict):
     type: Literal["submit"] = "submit"
     request_id: RequestId
     kind: RequestKind
+    # A random number the rank checks on the answer: a result that does not echo it is not for this request.
+    token: Token = 0
     tensors: list[TensorSpec] = Field(default_factory=list, max_length=8)
 
 
@@ -91,11 +96,31 @@ class Bye(Strict):
     type: Literal["bye"] = "bye"
 
 
+class Heartbeat(Strict):
+    """Liveness, in every direction. From the broker it carries the broker's instance id, so a peer sees a restart."""
+
+    type: Literal["heartbeat"] = "heartbeat"
+    instance: str | None = None
+
+
 # ---------------------------------------------------------------- broker -> trainer
+class Liveness(Strict):
+    """The broker's heartbeat settings, which its peers adopt: silent for interval x liveness seconds is dead."""
+
+    heartbeat_interval_s: Seconds
+    liveness: Annotated[int, Field(ge=1, le=100)]
+
+    @property
+    def window_s(self) -> float:
+        return self.heartbeat_interval_s * self.liveness
+
+
 class Welcome(Strict):
     type: Literal["welcome"] = "welcome"
     broker: Name
+    instance: Name
     services: list[str]
+    liveness: Liveness
 
 
 class Ack(Strict):
@@ -121,6 +146,16 @@ class ErrorReply(Strict):
     type: Literal["error"] = "error"
     request_id: RequestId | None = None
     message: str
+    # refused: final; unknown_peer: say hello / register again; busy: the queue is full, send again later;
+    # failed: the request failed on every worker it was tried on.
+    code: ErrorCode = "refused"
+
+
+class Goodbye(Strict):
+    """The broker is shutting down; peers reconnect to whichever broker comes up on the same address."""
+
+    type: Literal["goodbye"] = "goodbye"
+    instance: Name
 
 
 # ---------------------------------------------------------------- worker -> broker (backend)
@@ -137,17 +172,52 @@ class Register(Strict):
 
 
 class Done(Strict):
-    """The worker has answered the rank for this ticket (with a result or a failure) and has room for another."""
+    """The worker is finished with this ticket and has room for another.
+
+    ok: the rank has its result. Not ok and retry: the rank was told nothing, and the broker should give
+    the request to another worker (engine out of memory, worker draining). Not ok, no retry: the rank has
+    a failure message.
+    """
 
     type: Literal["done"] = "done"
     ticket: Annotated[int, Field(ge=0)]
     ok: bool
+    retry: bool = False
+    message: str | None = None
+
+
+class WorkerHeartbeat(Strict):
+    type: Literal["heartbeat"] = "heartbeat"
+    rank_links: Annotated[int, Field(ge=0)] = 0
+    mappings: Annotated[int, Field(ge=0)] = 0
+
+
+class Draining(Strict):
+    """The worker is stopping: send it no more work."""
+
+    type: Literal["draining"] = "draining"
 
 
 # ---------------------------------------------------------------- broker -> worker
 class Registered(Strict):
     type: Literal["registered"] = "registered"
     broker: Name
+    instance: Name
+    liveness: Liveness
+
+
+class DrainAck(Strict):
+    """Every dispatch to this worker came before this message; none follows."""
+
+    type: Literal["drain_ack"] = "drain_ack"
+
+
+class ForgetClient(Strict):
+    """A rank is gone: drop its queued work and close the link to it."""
+
+    type: Literal["forget_client"] = "forget_client"
+    client: Name
+    reply_to: Name
 
 
 class Dispatch(Strict):
@@ -181,6 +251,7 @@ class ForgetMapping(Strict):
 class Result(Strict):
     type: Literal["result"] = "result"
     request_id: RequestId
+    token: Token = 0
     kind: RequestKind
     worker: Name
     tensors: list[TensorSpec] = Field(max_length=16)
@@ -191,17 +262,21 @@ class Failure(Strict):
 
     type: Literal["failure"] = "failure"
     request_id: RequestId
+    token: Token = 0
     worker: Name
     message: str
 
 
 FrontendInbound = Annotated[
-    Union[Hello, Submit, SetVocabMapping, ModelInfoQuery, StatusQuery, Bye], Field(discriminator="type")
+    Union[Hello, Submit, SetVocabMapping, ModelInfoQuery, StatusQuery, Heartbeat, Bye], Field(discriminator="type")
 ]
-FrontendOutbound = Annotated[Union[Welcome, Ack, ModelInfoReply, StatusReply, ErrorReply], Field(discriminator="type")]
-BackendInbound = Annotated[Union[Register, Done], Field(discriminator="type")]
+FrontendOutbound = Annotated[
+    Union[Welcome, Ack, ModelInfoReply, StatusReply, ErrorReply, Heartbeat, Goodbye], Field(discriminator="type")
+]
+BackendInbound = Annotated[Union[Register, Done, WorkerHeartbeat, Draining, Bye], Field(discriminator="type")]
 BackendOutbound = Annotated[
-    Union[Registered, Dispatch, VocabMapping, ForgetMapping, ErrorReply], Field(discriminator="type")
+    Union[Registered, Dispatch, VocabMapping, ForgetMapping, ForgetClient, DrainAck, ErrorReply, Heartbeat, Goodbye],
+    Field(discriminator="type"),
 ]
 DataInbound = Annotated[Union[Result, Failure], Field(discriminator="type")]
 

@@ -1,0 +1,44 @@
+"""Engines for fault tests, loaded by real worker processes with ``--engine fake_engines:NAME``.
+
+Each is the real hf engine with one fault added where the real fault cannot be produced on demand here
+(a GPU running out of memory, a forward slow enough to kill a worker in the middle of it).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from draftfeed.consumers.engines.hf import HFEngine
+
+# Token id at input_ids[0, 0] that makes FakeFlakyEngine fail.
+OOM_MARKER = 7
+CRASH_MARKER = 8
+
+
+class FakeSlowEngine(HFEngine):
+    """The hf engine, taking at least FAKE_FORWARD_S seconds (default 0.3) per forward: a big target's pace."""
+
+    name = "fake-slow"
+
+    def forward(self, input_ids, attention_mask, layer_ids):
+        started = time.monotonic()
+        out = super().forward(input_ids, attention_mask, layer_ids)
+        time.sleep(max(0.0, float(os.environ.get("FAKE_FORWARD_S", "0.3")) - (time.monotonic() - started)))
+        return out
+
+
+class FakeFlakyEngine(HFEngine):
+    """The hf engine, out of memory on batches that start with OOM_MARKER, crashing on CRASH_MARKER."""
+
+    name = "fake-flaky"
+
+    def forward(self, input_ids, attention_mask, layer_ids):
+        first = int(input_ids[0, 0])
+        if first == OOM_MARKER:
+            raise torch.OutOfMemoryError("fake: CUDA out of memory. Tried to allocate 20.00 GiB")
+        if first == CRASH_MARKER:
+            raise ValueError("fake: the engine crashed on this batch")
+        return super().forward(input_ids, attention_mask, layer_ids)
