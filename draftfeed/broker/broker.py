@@ -12,6 +12,7 @@ from typing import Any
 import zmq
 
 from draftfeed.broker.state import BrokerSettings, BrokerState, Outgoing
+from draftfeed.logs import RateLimitedLog
 from draftfeed.net import bind, close_quietly
 from draftfeed.schemas.errors import MalformedMessage
 from draftfeed.schemas.frames import pack, unpack
@@ -34,26 +35,6 @@ from draftfeed.schemas.messages import (
 from draftfeed.schemas.protocol import DEFAULT_BACKEND, DEFAULT_FRONTEND
 
 log = logging.getLogger("draftfeed.broker")
-
-
-class RateLimitedLog:
-    """At most one line per ``interval`` seconds per key; the lines skipped meanwhile are counted."""
-
-    def __init__(self, logger: logging.Logger, interval: float = 5.0, max_keys: int = 1024) -> None:
-        self.logger, self.interval, self.max_keys = logger, interval, max_keys
-        self._last: dict[str, tuple[float, int]] = {}
-
-    def warning(self, key: str, message: str) -> None:
-        now = time.monotonic()
-        if len(self._last) > self.max_keys:
-            self._last.clear()
-        last, skipped = self._last.get(key, (-1e9, 0))
-        if now - last >= self.interval:
-            suffix = f" ({skipped} similar messages suppressed)" if skipped else ""
-            self.logger.warning("%s%s", message, suffix)
-            self._last[key] = (now, 0)
-        else:
-            self._last[key] = (last, skipped + 1)
 
 
 class Broker:
@@ -185,7 +166,7 @@ class Broker:
     def _reject(self, sock: zmq.Socket, peer: bytes, reason: str) -> None:
         side = "trainer" if sock is self._frontend else "worker"
         self.state.counters["rejected_messages"] += 1
-        self._bad_input.warning(f"{side}:{reason[:40]}", f"broker: rejected a message from {side} {peer[:64]!r}: {reason}")
+        self._bad_input.warning(f"{side}:{reason[:40]}", "broker: rejected a message from %s %r: %s", side, peer[:64], reason)
         self._send_one(sock, peer, pack(ErrorReply(message=f"rejected by the broker: {reason}")))
 
     def _send(self, outgoing: list[Outgoing]) -> None:
@@ -198,4 +179,4 @@ class Broker:
         try:
             sock.send_multipart([peer, *frames], flags=zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer left; EAGAIN: its pipe is full
-            self._bad_input.warning(f"send:{peer[:64]!r}", f"broker: could not send to {peer[:64]!r}: {exc}")
+            self._bad_input.warning(f"send:{peer[:64]!r}", "broker: could not send to %r: %s", peer[:64], exc)

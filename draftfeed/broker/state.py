@@ -374,7 +374,16 @@ class BrokerState:
             service.completions.append(self.clock())
         else:
             worker.failed += 1
-        return self._complete(pending) + self._dispatch(service)
+        out = self._complete(pending)
+        if done.rank_unreachable and pending.client.peer in self.clients:
+            hello = pending.client.hello
+            message = (
+                f"worker {worker.registration.worker} on {worker.registration.host} cannot reach this rank's data socket "
+                f"{hello.data_endpoint}; pass data_endpoint='tcp://<an address workers can reach>:*' to the remote target"
+            )
+            out.append(to_client(pending.client.peer, ErrorReply(message=message, code="unreachable")))
+            out.extend(self._forget_client(pending.client.peer))
+        return out + self._dispatch(service)
 
     def _complete(self, pending: Pending) -> list[Outgoing]:
         client = pending.client

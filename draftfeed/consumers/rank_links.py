@@ -24,6 +24,7 @@ class RankLinks:
         self._context = context
         self._hwm = hwm
         self._sockets: dict[str, zmq.Socket] = {}
+        self._reached: set[str] = set()
         self._forgotten: OrderedDict[str, None] = OrderedDict()
 
     def __len__(self) -> int:
@@ -46,9 +47,14 @@ class RankLinks:
             return "forgotten"
         try:
             self.socket(endpoint).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            self._reached.add(endpoint)
             return "sent"
         except zmq.Again:
             return "blocked"
+
+    def ever_sent(self, endpoint: str) -> bool:
+        """Whether a message ever went out on the current link to this endpoint."""
+        return endpoint in self._reached
 
     def remember(self, endpoint: str) -> None:
         """The broker dispatches for this rank again (it came back after being declared gone)."""
@@ -62,6 +68,7 @@ class RankLinks:
             self._forgotten.popitem(last=False)
 
     def drop(self, endpoint: str) -> None:
+        self._reached.discard(endpoint)
         close_quietly(self._sockets.pop(endpoint, None))
 
     def close(self) -> None:

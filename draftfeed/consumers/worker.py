@@ -64,6 +64,7 @@ class WorkerConfig:
     capacity: int = 2
     name: str | None = None
     send_timeout_s: float = 60.0
+    connect_timeout_s: float = 5.0
     register_timeout_s: float = 60.0
     drain_timeout_s: float = 10.0
 
@@ -227,26 +228,38 @@ class Worker:
             log.exception("worker %s: request %d of %s failed", self.name, request.request_id, dispatch.client)
             message = f"{type(exc).__name__} in the {self.task.engine.name} engine: {exc}"
             reply, ok = self._failure(request.request_id, request.token, message), False
-        delivered = self._deliver(dispatch.reply_to, reply, pipe)
-        if ok and delivered:
+        outcome = self._deliver(dispatch.reply_to, reply, pipe)
+        if ok and outcome == "sent":
             self.served += 1
-        return Done(ticket=dispatch.ticket, ok=ok and delivered, message=None if delivered else "rank did not take the answer")
+        return Done(
+            ticket=dispatch.ticket,
+            ok=ok and outcome == "sent",
+            message=None if outcome == "sent" else f"answer not delivered: rank {outcome}",
+            rank_unreachable=outcome == "unreachable",
+        )
 
-    def _deliver(self, endpoint: str, frames: list[Any], pipe: zmq.Socket) -> bool:
-        """Send to a rank, meanwhile filing what the link passes on: a rank that died is reported by the
-        broker (forget_client) within its liveness window, and then the send is abandoned."""
+    def _deliver(self, endpoint: str, frames: list[Any], pipe: zmq.Socket) -> str:
+        """Send to a rank: "sent", "forgotten" (the broker reported it gone), "unreachable" (never connected
+        within connect_timeout) or "stalled" (took nothing for send_timeout). Meanwhile it files what the
+        link passes on, so a rank that died (forget_client, within the liveness window) ends the wait."""
         assert self._ranks is not None
-        deadline = time.monotonic() + self.config.send_timeout_s
+        started = time.monotonic()
         poller = zmq.Poller()
         poller.register(pipe, zmq.POLLIN)
         while True:
             outcome = self._ranks.try_send(endpoint, frames)
             if outcome != "blocked":
-                return outcome == "sent"
-            if time.monotonic() > deadline:
-                log.error("worker %s: rank at %s took nothing for %.0f s; dropping its link", self.name, endpoint, self.config.send_timeout_s)
+                return outcome
+            waited = time.monotonic() - started
+            if not self._ranks.ever_sent(endpoint) and waited > self.config.connect_timeout_s:
+                # Never reached: a wrong or firewalled data endpoint. Fail fast for it from now on.
+                log.error("worker %s: cannot reach rank data endpoint %s within %.0f s; not trying it again", self.name, endpoint, waited)
+                self._ranks.forget(endpoint)
+                return "unreachable"
+            if waited > self.config.send_timeout_s:
+                log.error("worker %s: rank at %s took nothing for %.0f s; dropping its link", self.name, endpoint, waited)
                 self._ranks.drop(endpoint)
-                return False
+                return "stalled"
             sock = self._ranks.socket(endpoint)
             poller.register(sock, zmq.POLLOUT)
             events = dict(poller.poll(100))

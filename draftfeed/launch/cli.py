@@ -77,6 +77,7 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
     worker.add_argument("--capacity", type=int, default=2, help="requests the broker may hand this worker at once (default 2)")
     worker.add_argument("--name", default=None, help="the worker's name in logs and status (default HOST-PID-random)")
     worker.add_argument("--send-timeout", type=float, default=60.0, help="seconds a rank may take to accept supervision before the worker gives up on it (default 60)")
+    worker.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to reach a rank's data socket the first time before giving up on that rank (default 5)")
     worker.add_argument("--register-timeout", type=float, default=60.0, help="seconds to wait for the broker at start (default 60)")
     worker.add_argument("--drain-timeout", type=float, default=10.0, help="on SIGTERM, seconds to wait for the broker to confirm the drain (default 10)")
 
@@ -123,7 +124,7 @@ def run_worker(args: argparse.Namespace) -> int:
     service = args.service or default_service_name(args.target, args.task)
     worker = Worker(task, WorkerConfig(
         broker=args.broker, service=service, capacity=args.capacity, name=args.name,
-        send_timeout_s=args.send_timeout, register_timeout_s=args.register_timeout, drain_timeout_s=args.drain_timeout,
+        send_timeout_s=args.send_timeout, connect_timeout_s=args.connect_timeout, register_timeout_s=args.register_timeout, drain_timeout_s=args.drain_timeout,
     ))
     _stop_on_signals(worker.stop)
     worker.run(on_ready=lambda: _ready(role="worker", worker=worker.name, service=service))

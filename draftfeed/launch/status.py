@@ -31,18 +31,23 @@ def fetch_status(broker: str, timeout_s: float = 10.0) -> dict[str, Any]:
 
 
 def format_status(status: dict[str, Any]) -> str:
-    lines = [f"broker {status['broker']} (up {status['uptime_s']:.0f} s)"]
+    """A table for people; ``--json`` gives scripts the same numbers."""
+    state = " (draining)" if status.get("draining") else ""
+    lines = [
+        f"broker {status['broker']} instance {status['instance']}{state}, up {status['uptime_s']:.0f} s, "
+        f"liveness window {status['liveness_window_s']:.1f} s; " + ", ".join(f"{k} {v}" for k, v in status["counters"].items())
+    ]
     for name, service in status["services"].items():
-        lines.append(f"service {name}: {service['queued']} queued, {len(service['workers'])} workers")
+        lines.append(f"service {name}: {service['queued']} queued, {service['requests_per_s']:.1f} requests/s over the last 10 s, {len(service['workers'])} workers")
         for w in service["workers"]:
             lines.append(
-                f"  worker {w['worker']} on {w['host']} pid {w['pid']} ({w['engine']}): "
-                f"{w['in_flight']}/{w['capacity']} in flight, {w['served']} served, {w['failed']} failed, "
-                f"seen {w['last_seen_s']:.1f} s ago"
+                f"  worker {w['worker']:<28} host {w['host']} pid {w['pid']} {w['engine']:<8} {w['state']:<8} "
+                f"in flight {w['in_flight']}/{w['capacity']}  served {w['served']}  failed {w['failed']}  handed back {w['handed_back']}  "
+                f"rank links {w['rank_links']}  heartbeat {w['last_heartbeat_s']:.1f} s ago"
             )
     for c in status["clients"]:
         lines.append(
-            f"rank {c['client']} on {c['service']}: {c['outstanding']}/{c['window']} outstanding "
-            f"(peak {c['peak_outstanding']}), {c['completed']}/{c['submitted']} done"
+            f"rank {c['client']:<30} service {c['service']}: queued {c['queued']}, outstanding {c['outstanding']}/{c['window']} "
+            f"(peak {c['peak_outstanding']}), done {c['completed']}/{c['submitted']}, heartbeat {c['last_heartbeat_s']:.1f} s ago"
         )
     return "\n".join(lines)

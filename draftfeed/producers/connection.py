@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import zmq
 
+from draftfeed.logs import RateLimitedLog
 from draftfeed.net import bind, close_quietly, host_identity, local_address_towards
 from draftfeed.schemas.errors import MalformedMessage, RemoteTargetError, RemoteTargetTimeout, TargetClosed
 from draftfeed.schemas.frames import pack, unpack
@@ -71,6 +72,7 @@ class _Waiter:
 class ConnectionStats:
     duplicates_dropped: int = 0
     foreign_dropped: int = 0
+    malformed_dropped: int = 0
     resyncs: int = 0
     busy_retries: int = 0
     broker_instances: list[str] = field(default_factory=list)
@@ -93,6 +95,7 @@ class Connection:
         self.broker, self.service, self.window = broker, service, window
         self.client_id = f"{host_identity()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.stats = ConnectionStats()
+        self._bad_input = RateLimitedLog(log)
         self._data_bind = data_endpoint or f"tcp://{local_address_towards(broker)}:*"
         self._context = zmq.Context()
         self._ids = itertools.count()
@@ -233,8 +236,7 @@ class Connection:
     _needs_resync = False
     _hello: Hello
 
-    @staticmethod
-    def _drain(sock: zmq.Socket, handle: Callable[[list[Any]], None]) -> None:
+    def _drain(self, sock: zmq.Socket, handle: Callable[[list[Any]], None]) -> None:
         while True:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -243,7 +245,8 @@ class Connection:
             try:
                 handle(frames)
             except MalformedMessage as exc:
-                log.warning("draftfeed rank: ignoring a malformed message: %s", exc)
+                self.stats.malformed_dropped += 1
+                self._bad_input.warning(str(exc)[:40], "draftfeed rank %s: ignoring a malformed message: %s", self.client_id, exc)
 
     def _on_control(self, frames: list[Any], control: zmq.Socket) -> None:
         message, _tensors = unpack(frames, FRONTEND_OUTBOUND)
@@ -279,6 +282,10 @@ class Connection:
                     waiter.retry_at = time.monotonic() + min(high, low * 2 ** min(waiter.busy_retries, 10))
             self.stats.busy_retries += 1
             log.info("draftfeed rank %s: %s", self.client_id, message.message)
+        elif message.code == "unreachable":
+            log.error("draftfeed rank %s: %s", self.client_id, message.message)
+            self._broken = RemoteTargetError(message.message)
+            self._fail_all(RemoteTargetError(message.message))
         elif message.request_id is None:
             log.error("draftfeed rank %s: the broker reports: %s", self.client_id, message.message)
         else:
@@ -318,7 +325,7 @@ class Connection:
             return
         if waiter.token != message.token:
             self.stats.foreign_dropped += 1
-            log.warning("draftfeed rank %s: dropping an answer to request %d with the wrong token (from %s)", self.client_id, message.request_id, message.worker)
+            self._bad_input.warning("token", "draftfeed rank %s: dropping an answer to request %d with the wrong token (from %s)", self.client_id, message.request_id, message.worker)
             return
         if isinstance(message, Failure):
             error = RemoteTargetError(f"worker {message.worker} of service {self.service!r} could not serve the request: {message.message}")

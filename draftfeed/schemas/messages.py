@@ -16,7 +16,7 @@ RequestId = Annotated[int, Field(ge=0, lt=2**63)]
 RequestKind = Literal["eagle3", "input_embeddings"]
 Token = Annotated[int, Field(ge=0, lt=2**63)]
 Seconds = Annotated[float, Field(gt=0, le=3600)]
-ErrorCode = Literal["refused", "unknown_peer", "busy", "failed"]
+ErrorCode = Literal["refused", "unknown_peer", "busy", "failed", "unreachable"]
 
 
 class Strict(BaseModel):
@@ -147,7 +147,8 @@ class ErrorReply(Strict):
     request_id: RequestId | None = None
     message: str
     # refused: final; unknown_peer: say hello / register again; busy: the queue is full, send again later;
-    # failed: the request failed on every worker it was tried on.
+    # failed: the request failed on every worker it was tried on; unreachable: workers cannot reach the
+    # rank's data socket, and the broker has dropped the rank.
     code: ErrorCode = "refused"
 
 
@@ -184,6 +185,7 @@ class Done(Strict):
     ok: bool
     retry: bool = False
     message: str | None = None
+    rank_unreachable: bool = False
 
 
 class WorkerHeartbeat(Strict):
