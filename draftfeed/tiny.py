@@ -14,9 +14,11 @@ def build_tiny_target(
     vocab_size: int = 1000,
     seed: int = 0,
 ) -> Path:
-    """Save a random-weight causal LM (``llama`` or ``qwen3``) to ``path`` and return the folder.
+    """Save a random-weight causal LM to ``path`` and return the folder.
 
-    Loaded back with ``AutoModelForCausalLM.from_pretrained(path)``, the same way a real target is.
+    ``llama`` and ``qwen3`` are text models; ``gemma3-multimodal`` is an image-text model (its text
+    config under ``config.text_config``, scaled embeddings, logit soft-capping). Each loads back with
+    ``AutoModelForCausalLM.from_pretrained(path)``, the same way a real target is.
     """
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
@@ -35,11 +37,18 @@ def build_tiny_target(
         max_position_embeddings=4096,
         tie_word_embeddings=False,
     )
-    configs = {"llama": LlamaConfig, "qwen3": Qwen3Config}
-    if arch not in configs:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(configs)}")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(configs[arch](**common), dtype=torch.float32)
+    if arch in ("llama", "qwen3"):
+        config = (LlamaConfig if arch == "llama" else Qwen3Config)(**common)
+    elif arch == "gemma3-multimodal":
+        from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
+
+        text = Gemma3TextConfig(**common, sliding_window=16, final_logit_softcapping=30.0)
+        vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8)
+        config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4)
+    else:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose llama, qwen3 or gemma3-multimodal")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     path = Path(path)
     model.save_pretrained(path)
     return path

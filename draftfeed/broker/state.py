@@ -13,6 +13,7 @@ broker already holds is ignored, so resends are idempotent.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections import deque
@@ -27,6 +28,7 @@ from draftfeed.schemas.messages import (
     Dispatch,
     Done,
     DrainAck,
+    DSparkTargetInfo,
     Eagle3TargetInfo,
     ErrorReply,
     ForgetClient,
@@ -49,6 +51,7 @@ from draftfeed.schemas.messages import (
 )
 
 Side = Literal["frontend", "backend"]
+log = logging.getLogger("draftfeed.broker")
 THROUGHPUT_WINDOW_S = 10.0
 
 
@@ -132,12 +135,9 @@ class ServiceRecord:
     queue: deque[Pending] = field(default_factory=deque)
     info_waiters: list[tuple[bytes, int]] = field(default_factory=list)
     completions: deque[float] = field(default_factory=deque)
-
-    @property
-    def info(self) -> Eagle3TargetInfo | None:
-        for worker in self.workers.values():
-            return worker.registration.info
-        return None
+    # The service's target, fixed by its first worker or by a rank's checked expectation: every worker
+    # that registers later must match it, so a mis-launched worker can never feed a run.
+    info: Eagle3TargetInfo | DSparkTargetInfo | None = None
 
 
 @dataclass
@@ -168,7 +168,7 @@ class BrokerState:
         self.workers: dict[bytes, WorkerRecord] = {}
         self.mappings: dict[str, MappingRecord] = {}
         self.draining = False
-        self.counters = {"rejected_messages": 0, "workers_expired": 0, "clients_expired": 0, "requeued": 0}
+        self.counters = {"rejected_messages": 0, "workers_expired": 0, "clients_expired": 0, "requeued": 0, "workers_refused": 0}
         self._next_ticket = 0
         self.started_at = time.time()
 
@@ -190,12 +190,20 @@ class BrokerState:
     def on_hello(self, peer: bytes, hello: Hello) -> list[Outgoing]:
         if hello.client.encode() != peer:
             return [to_client(peer, ErrorReply(message=f"hello names rank {hello.client!r}, but this connection is {peer!r}: a rank speaks only for itself"))]
+        service = self.service(hello.service)
+        if hello.expect is not None:
+            if service.info is not None and service.info != hello.expect:
+                message = (
+                    f"service {service.name!r} serves another target than this rank checked: "
+                    f"{hello.expect.describe_mismatch(service.info, 'rank expects', 'workers serve')}"
+                )
+                return [to_client(peer, ErrorReply(message=message, code="mismatch"))]
+            service.info = hello.expect
         client = self.clients.get(peer)
         if client is None:
             self.clients[peer] = ClientRecord(peer, hello, self.clock())
         else:  # the same rank again (its link flickered): keep its requests, take its new settings
             client.hello, client.last_seen = hello, self.clock()
-        self.service(hello.service)
         welcome = Welcome(broker=self.name, instance=self.instance, services=sorted(self.services), liveness=self.settings.liveness_message)
         return [to_client(peer, welcome)]
 
@@ -235,6 +243,8 @@ class BrokerState:
                 f"its prefetch window is {client.hello.window}: wait for results before sending more"
             )
         service = self.service(client.hello.service)
+        if service.info is not None and submit.kind in ("eagle3", "dspark") and submit.kind != service.info.task:
+            return "refused", f"service {service.name!r} serves {service.info.task} supervision, not {submit.kind}: connect to a {submit.kind} service"
         if len(service.queue) >= self.settings.max_queued_per_service:
             return "busy", f"service {service.name!r} has {len(service.queue)} requests queued, its limit: send again later"
         return None
@@ -284,10 +294,16 @@ class BrokerState:
         if client is None:
             return out
         service = self.service(client.hello.service)
-        if service.info is None:
+        if service.info is None or not service.workers:
             service.info_waiters.append((peer, query.request_id))
             return []
-        return [to_client(peer, ModelInfoReply(request_id=query.request_id, info=service.info))]
+        return [to_client(peer, self._model_info_reply(service, query.request_id))]
+
+    @staticmethod
+    def _model_info_reply(service: ServiceRecord, request_id: int) -> ModelInfoReply:
+        assert service.info is not None
+        workers = sorted(w.registration.worker for w in service.workers.values())
+        return ModelInfoReply(request_id=request_id, info=service.info, workers=workers)
 
     def on_status(self, peer: bytes, query: StatusQuery) -> list[Outgoing]:
         return [to_client(peer, StatusReply(request_id=query.request_id, status=self.status()))]
@@ -328,13 +344,22 @@ class BrokerState:
         if peer in self.workers:
             # A worker registers again after it lost sight of the broker; it has dropped its queue and mappings.
             out.extend(self._remove_worker(peer))
+        service = self.service(register.service)
+        if service.info is not None and register.info != service.info:
+            self.counters["workers_refused"] += 1
+            reason = (
+                f"worker {register.worker} on {register.host} serves another target than service {service.name!r}: "
+                f"{register.info.describe_mismatch(service.info, 'worker has', 'service has')}"
+            )
+            log.warning("broker: refused registration: %s", reason)
+            return out + [to_worker(peer, ErrorReply(message=reason, code="refused"))]
+        service.info = register.info
         worker = WorkerRecord(peer, register, self.clock())
         self.workers[peer] = worker
-        service = self.service(register.service)
         service.workers[peer] = worker
         out.append(to_worker(peer, Registered(broker=self.name, instance=self.instance, liveness=self.settings.liveness_message)))
         for waiter, request_id in service.info_waiters:
-            out.append(to_client(waiter, ModelInfoReply(request_id=request_id, info=register.info)))
+            out.append(to_client(waiter, self._model_info_reply(service, request_id)))
         service.info_waiters.clear()
         out.extend(self._dispatch(service))
         return out
@@ -517,6 +542,8 @@ class BrokerState:
             "counters": dict(self.counters),
             "services": {
                 name: {
+                    "task": service.info.task if service.info else None,
+                    "target": service.info.model_dump() if service.info else None,
                     "queued": len(service.queue),
                     "requests_per_s": round(len(service.completions) / THROUGHPUT_WINDOW_S, 3),
                     "workers": [self._worker_status(w, now) for w in service.workers.values()],

@@ -37,6 +37,10 @@ STOP = b"stop"  # compute loop -> link: say bye and end
 RESET = b"reset"  # link -> compute loop: registered afresh; drop queued dispatches and mappings
 
 
+class _Refused(Exception):
+    """The broker refused this worker's registration: the link ends and the worker exits."""
+
+
 class BrokerLink(threading.Thread):
     def __init__(
         self,
@@ -71,6 +75,8 @@ class BrokerLink(threading.Thread):
             pipe.setsockopt(zmq.LINGER, 0)
             pipe.connect(self._pipe_endpoint)
             self._serve(dealer, pipe)
+        except _Refused:
+            log.error("worker %s: the broker refused registration: %s", self._registration.worker, self.refused)
         except BaseException as exc:  # reported to the compute loop, which exits with it
             self.failure = exc
             log.exception("worker: broker link failed")
@@ -137,9 +143,10 @@ class BrokerLink(threading.Thread):
             self.registered.set()
             return True
         if isinstance(message, ErrorReply):
-            if not self.registered.is_set():
+            if not self.registered.is_set() or (self._awaiting_registration and message.code == "refused"):
                 self.refused = message.message
                 self.registered.set()
+                raise _Refused(message.message)
             elif message.code == "unknown_peer":
                 log.warning("worker %s: the broker no longer knows this worker; registering again", self._registration.worker)
                 self._register_again(dealer, pipe)

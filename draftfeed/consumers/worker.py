@@ -26,6 +26,7 @@ import zmq
 
 from draftfeed.consumers.broker_link import RESET, STOP, BrokerLink
 from draftfeed.consumers.rank_links import RankLinks
+from draftfeed.consumers.tasks.dspark import DSparkTask
 from draftfeed.consumers.tasks.eagle3 import Eagle3Task, VocabMap
 from draftfeed.consumers.validation import BadRequest, validate_batch, validate_vocab_mapping
 from draftfeed.net import close_quietly, host_identity
@@ -76,9 +77,9 @@ class _Queued:
 
 
 class Worker:
-    """Serves one task (EAGLE-3) of one target for one service."""
+    """Serves one task (EAGLE-3 or DSpark) of one target for one service."""
 
-    def __init__(self, task: Eagle3Task, config: WorkerConfig) -> None:
+    def __init__(self, task: Eagle3Task | DSparkTask, config: WorkerConfig) -> None:
         self.task = task
         self.config = config
         self.name = config.name or f"{host_identity()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -92,7 +93,7 @@ class Worker:
         return Register(
             worker=self.name,
             service=self.config.service,
-            task="eagle3",
+            task=self.task.name,
             engine=self.task.engine.name,
             info=self.task.info(),
             capacity=self.config.capacity,
@@ -122,6 +123,8 @@ class Worker:
             if on_ready is not None:
                 on_ready()
             self._serve(pipe, link)
+            if link.refused is not None:
+                raise RuntimeError(f"worker {self.name}: the broker refused registration: {link.refused}")
         finally:
             if link.is_alive():
                 pipe.send(STOP)
@@ -275,18 +278,23 @@ class Worker:
         if dispatch.service != self.config.service:
             raise BadRequest(f"worker {self.name} serves {self.config.service!r}, not {dispatch.service!r}")
         tensors = decode_tensors(request.tensors, tensor_frames)
-        if request.kind == "eagle3":
-            out = self._eagle3(dispatch, tensors)
+        if request.kind == self.task.name:
+            out = self._supervise(dispatch, tensors)
         elif request.kind == "input_embeddings":
             out = {"weight": self.task.engine.input_embeddings()}
-        else:  # the message schema admits no other kind; kept for when it grows
-            raise BadRequest(f"worker {self.name} does not serve requests of kind {request.kind!r}")
+        elif request.kind == "output_embeddings":
+            out = {"weight": self.task.engine.output_embeddings()}
+        else:
+            raise BadRequest(
+                f"worker {self.name} serves {self.task.name} supervision, not {request.kind}: "
+                f"connect a Remote{'Eagle3' if request.kind == 'eagle3' else 'DSpark'}Target to a {request.kind} service"
+            )
         return pack_tensors(Result, out, request_id=request.request_id, token=request.token, kind=request.kind, worker=self.name)
 
-    def _eagle3(self, dispatch: Dispatch, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _supervise(self, dispatch: Dispatch, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         validate_batch(tensors, self.task.shape.vocab_size)
         vocab = None
-        if dispatch.mapping_digest is not None:
+        if dispatch.mapping_digest is not None and self.task.name == "eagle3":
             vocab = self._mappings.get(dispatch.mapping_digest)
             if vocab is None:
                 raise BadRequest(f"worker {self.name} has not received vocab mapping {dispatch.mapping_digest}")

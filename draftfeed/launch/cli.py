@@ -69,11 +69,13 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
     worker.add_argument("--broker", required=True, help="the broker's worker (backend) endpoint, e.g. tcp://HOST:5556")
     worker.add_argument("--target", required=True, help="the target model: a local folder or hub id that AutoModelForCausalLM loads")
     worker.add_argument("--engine", default="hf", help="what runs the target: hf (transformers, the default) or package.module:Class for an engine of your own")
-    worker.add_argument("--task", default="eagle3", choices=["eagle3"], help="which supervision to compute (default eagle3)")
+    worker.add_argument("--task", default="eagle3", choices=["eagle3", "dspark"], help="which supervision to compute (default eagle3)")
     worker.add_argument("--service", default=None, help="the service name ranks ask for (default: <target folder>-<task>)")
     worker.add_argument("--device", default="cpu", help="torch device for the target, e.g. cuda:0 (default cpu)")
     worker.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16 or float16")
     worker.add_argument("--aux-layer-ids", type=_layer_ids, default=None, help="EAGLE-3: 3 distinct decoder layers, e.g. 1,15,28 (default [1, L//2-1, L-4])")
+    worker.add_argument("--target-layer-ids", type=_layer_ids, default=None, help="DSpark: strictly increasing ids, -1 for the embeddings and L-1 for the final norm, e.g. -1,7,14,21,27 (default: --draft-layers ids spread over [1, L-1])")
+    worker.add_argument("--draft-layers", type=int, default=5, help="DSpark: layers of the draft, for the default target layer ids (default 5)")
     worker.add_argument("--capacity", type=int, default=2, help="requests the broker may hand this worker at once (default 2)")
     worker.add_argument("--name", default=None, help="the worker's name in logs and status (default HOST-PID-random)")
     worker.add_argument("--send-timeout", type=float, default=60.0, help="seconds a rank may take to accept supervision before the worker gives up on it (default 60)")
@@ -111,13 +113,19 @@ def run_worker(args: argparse.Namespace) -> int:
     import transformers
 
     from draftfeed.consumers.engines import load_engine
-    from draftfeed.consumers.tasks.eagle3 import Eagle3Task
+    from draftfeed.consumers.tasks import load_task
     from draftfeed.consumers.worker import Worker, WorkerConfig
 
     transformers.logging.disable_progress_bar()
     transformers.logging.set_verbosity_error()
+    misplaced = "--target-layer-ids" if args.task == "eagle3" else "--aux-layer-ids"
+    if (args.target_layer_ids if args.task == "eagle3" else args.aux_layer_ids) is not None:
+        print(f"draftfeed worker: {misplaced} does not apply to --task {args.task}", file=sys.stderr)
+        return 2
     try:
-        task = Eagle3Task(load_engine(args.engine, args.target, args.device, args.dtype), args.aux_layer_ids)
+        engine = load_engine(args.engine, args.target, args.device, args.dtype)
+        layer_ids = args.aux_layer_ids if args.task == "eagle3" else args.target_layer_ids
+        task = load_task(args.task, engine, layer_ids, args.draft_layers)
     except ValueError as exc:
         print(f"draftfeed worker: {exc}", file=sys.stderr)
         return 2
@@ -139,8 +147,27 @@ def run_status(args: argparse.Namespace) -> int:
     return 0
 
 
+_LAYER_ID_FLAGS = ("--target-layer-ids", "--aux-layer-ids")
+
+
+def _join_negative_layer_ids(argv: Sequence[str]) -> list[str]:
+    """``--target-layer-ids -1,7,14`` reads as a flag to argparse; join it into ``--target-layer-ids=-1,7,14``."""
+    out: list[str] = []
+    items = list(argv)
+    index = 0
+    while index < len(items):
+        item = items[index]
+        if item in _LAYER_ID_FLAGS and index + 1 < len(items) and items[index + 1].startswith("-"):
+            out.append(f"{item}={items[index + 1]}")
+            index += 2
+        else:
+            out.append(item)
+            index += 1
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_join_negative_layer_ids(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.command == "launch":
         return run_broker(args) if args.role == "broker" else run_worker(args)

@@ -87,12 +87,13 @@ class Connection:
         service: str,
         window: int,
         *,
+        task: str = "eagle3",
         data_endpoint: str | None = None,
         connect_timeout_s: float = 60.0,
     ) -> None:
         if window < 1:
             raise ValueError(f"window must be at least 1, got {window}")
-        self.broker, self.service, self.window = broker, service, window
+        self.broker, self.service, self.window, self.task = broker, service, window, task
         self.client_id = f"{host_identity()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.stats = ConnectionStats()
         self._bad_input = RateLimitedLog(log)
@@ -154,6 +155,12 @@ class Connection:
             self._pipe.send_multipart(frames, copy=False)
         return waiter.future
 
+    def expect(self, info: Any) -> None:
+        """Tell the broker which target this rank checked; it pins the service to it (also after a restart)."""
+        with self._lock:
+            self._hello = self._hello.model_copy(update={"expect": info})
+            self._pipe.send_multipart(pack(self._hello))
+
     def broker_silent_s(self) -> float:
         return time.monotonic() - self.broker_last_heard
 
@@ -183,7 +190,7 @@ class Connection:
             data.setsockopt(zmq.RCVHWM, self.window + 1)
             self._hello = Hello(
                 client=self.client_id, service=self.service, data_endpoint=bind(data, self._data_bind),
-                window=self.window, host=host_identity(), pid=os.getpid(),
+                window=self.window, host=host_identity(), pid=os.getpid(), task=self.task,
             )
             pipe.connect(pipe_endpoint)
             control.connect(self.broker)
@@ -282,7 +289,7 @@ class Connection:
                     waiter.retry_at = time.monotonic() + min(high, low * 2 ** min(waiter.busy_retries, 10))
             self.stats.busy_retries += 1
             log.info("draftfeed rank %s: %s", self.client_id, message.message)
-        elif message.code == "unreachable":
+        elif message.code in ("unreachable", "mismatch"):
             log.error("draftfeed rank %s: %s", self.client_id, message.message)
             self._broken = RemoteTargetError(message.message)
             self._fail_all(RemoteTargetError(message.message))

@@ -1,7 +1,7 @@
-"""RemoteEagle3Target: the training rank's view of a frozen EAGLE-3 target served by draftfeed workers.
+"""The training rank's view of a frozen target served by draftfeed workers: RemoteEagle3Target, RemoteDSparkTarget.
 
 Method and parameter names follow NeMo AutoModel's remote target backend, so a trainer written
-against it calls this class unchanged.
+against it calls these classes unchanged.
 """
 
 from __future__ import annotations
@@ -12,30 +12,42 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, TypeVar
+from typing import Any, Callable, ClassVar, Generic, TypeVar
 
 import torch
 from torch import nn
 
 from draftfeed.consumers.validation import BadRequest, validate_vocab_mapping
-from draftfeed.producers.connection import Connection
+from draftfeed.producers.connection import Connection, ConnectionStats
 from draftfeed.producers.prefetch import prefetch
 from draftfeed.schemas.errors import RemoteTargetTimeout
 from draftfeed.schemas.frames import pack, pack_tensors
-from draftfeed.schemas.messages import Eagle3TargetInfo, ModelInfoQuery, SetVocabMapping, StatusQuery, Submit
-from draftfeed.schemas.supervision import BATCH_KEYS, Eagle3Supervision
+from draftfeed.schemas.messages import (
+    DSparkTargetInfo,
+    Eagle3TargetInfo,
+    ModelInfoQuery,
+    SetVocabMapping,
+    StatusQuery,
+    Submit,
+)
+from draftfeed.schemas.supervision import BATCH_KEYS, DSparkSupervision, Eagle3Supervision, Supervision
 
 log = logging.getLogger("draftfeed.producer")
-T = TypeVar("T")
+Sup = TypeVar("Sup", bound=Supervision)
+Info = TypeVar("Info", Eagle3TargetInfo, DSparkTargetInfo)
 
 
-class RemoteEagle3Target:
-    """EAGLE-3 supervision from the workers of one service, through the broker at ``broker``.
+class RemoteTarget(Generic[Sup, Info]):
+    """A frozen target served by the workers of one service, through the broker at ``broker``.
 
     ``prefetch_depth`` is the one knob: at most that many batches of this rank are queued or in flight
-    anywhere in the pipeline (0 means one at a time, fetched only when asked for). It sets the
-    rank's credit window and its sockets' high-water marks.
+    anywhere in the pipeline (0 means one at a time, fetched only when asked for). It sets the rank's
+    credit window and its sockets' high-water marks.
     """
+
+    TASK: ClassVar[str]
+    SUPERVISION: ClassVar[type[Supervision]]
+    INFO: ClassVar[type]
 
     def __init__(
         self,
@@ -57,70 +69,72 @@ class RemoteEagle3Target:
         self.device = torch.device(device) if device is not None else None
         self.wait_log_interval = wait_log_interval
         self._connection = Connection(
-            broker, service, max(prefetch_depth, 1), data_endpoint=data_endpoint, connect_timeout_s=connect_timeout
+            broker, service, max(prefetch_depth, 1), task=self.TASK, data_endpoint=data_endpoint, connect_timeout_s=connect_timeout
         )
-        self._info: Eagle3TargetInfo | None = None
-        self._input_embeddings: nn.Embedding | None = None
+        self._info: Info | None = None
+        self._workers: list[str] = []
+        self._embeddings: dict[str, nn.Embedding] = {}
 
     # ------------------------------------------------------------ setup
-    def model_info(self) -> Eagle3TargetInfo:
-        """num_hidden_layers, hidden_size, vocab_size and aux_layer_ids of the service's target (asked once)."""
+    def model_info(self) -> Info:
+        """num_hidden_layers, hidden_size, vocab_size and the layer ids of the service's target (asked once)."""
         if self._info is None:
-            future = self._connection.request(
-                lambda rid, _token: pack(ModelInfoQuery(request_id=rid)), lambda reply, _: reply.info, uses_window=False
+            reply = self._wait(
+                self._connection.request(lambda rid, _token: pack(ModelInfoQuery(request_id=rid)), lambda r, _: r, uses_window=False),
+                "the model info (is a worker for this service running?)",
             )
-            self._info = self._wait(future, "the model info (is a worker for this service running?)")
+            if not isinstance(reply.info, self.INFO):
+                raise ValueError(
+                    f"service {self.service!r} serves {reply.info.task} supervision; {type(self).__name__} needs a {self.TASK} service"
+                )
+            self._info, self._workers = reply.info, reply.workers
+            self._connection.expect(reply.info)
         return self._info
 
-    def set_vocab_mapping(self, selected_token_ids: torch.Tensor, selected_token_mask: torch.Tensor) -> None:
-        """Use a draft vocabulary: ``selected_token_ids`` int64 [Vd] (draft id -> target id), ``selected_token_mask`` bool [V]."""
-        ids = selected_token_ids.detach().to("cpu", torch.int64).contiguous()
-        mask = selected_token_mask.detach().to("cpu", torch.bool).contiguous()
-        try:
-            validate_vocab_mapping(ids, mask, self.model_info().vocab_size)
-        except BadRequest as exc:
-            raise ValueError(f"set_vocab_mapping: {exc}") from None
-        digest = hashlib.blake2b(ids.numpy().tobytes() + mask.numpy().tobytes(), digest_size=16).hexdigest()
-        tensors = {"selected_token_ids": ids, "selected_token_mask": mask}
-        future = self._connection.request(
-            lambda rid, _token: pack_tensors(SetVocabMapping, tensors, request_id=rid, digest=digest),
-            lambda _reply, _tensors: None,
-            uses_window=False,
-            is_mapping=True,
-        )
-        self._wait(future, "the broker's acknowledgement of the vocab mapping")
+    def check_target_info(self, expected: Info) -> None:
+        """Raise ValueError naming the service, its workers and each mismatched field, unless the service's
+        target is ``expected``. Once checked, the broker refuses any worker of another target, later ones too."""
+        served = self.model_info()
+        mismatch = expected.describe_mismatch(served, "expected", "served")
+        if mismatch:
+            raise ValueError(f"service {self.service!r} (workers {', '.join(self._workers)}) serves another target: {mismatch}")
 
     def get_input_embeddings(self) -> nn.Embedding:
         """The target's input embedding as a frozen ``nn.Embedding`` ([V, H] weight), fetched once."""
-        if self._input_embeddings is None:
-            future = self._submit("input_embeddings", {}, lambda _reply, tensors: tensors["weight"])
-            weight = self._wait(future, "the input embeddings")
+        return self._embedding("input_embeddings")
+
+    def get_output_embeddings(self) -> nn.Embedding:
+        """The target's output embedding (lm_head) weight [V, H] as a frozen ``nn.Embedding``, fetched once."""
+        return self._embedding("output_embeddings")
+
+    def _embedding(self, kind: str) -> nn.Embedding:
+        if kind not in self._embeddings:
+            weight = self._wait(self._submit(kind, {}, lambda _reply, tensors: tensors["weight"]), f"the {kind.replace('_', ' ')}")
             if self.device is not None:
                 weight = weight.to(self.device)
-            self._input_embeddings = nn.Embedding.from_pretrained(weight, freeze=True)
-        return self._input_embeddings
+            self._embeddings[kind] = nn.Embedding.from_pretrained(weight, freeze=True)
+        return self._embeddings[kind]
 
     # ------------------------------------------------------------ supervision
-    def generate_batch_async(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor
-    ) -> Future:
-        """Send one batch; the future yields its Eagle3Supervision. Blocks while the prefetch window is full."""
-        tensors = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
-        for name, tensor in tensors.items():
+    def generate_batch_async(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> Future:
+        """Send one batch; the future yields its supervision. Blocks while the prefetch window is full."""
+        sent = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+        for name, tensor in sent.items():
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
 
-        def finish(_reply: Any, out: dict[str, torch.Tensor]) -> Eagle3Supervision:
-            supervision = Eagle3Supervision(**{name: out[name] for name in Eagle3Supervision.WIRE_FIELDS}, attention_mask=attention_mask)
-            return supervision.to(self.device, non_blocking=True) if self.device is not None else supervision
+        def finish(_reply: Any, received: dict[str, torch.Tensor]) -> Sup:
+            fields = {name: received[name] for name in self.SUPERVISION.WIRE_FIELDS}
+            supervision = self.SUPERVISION(**{**sent, **fields})
+            return supervision.to(self.device, non_blocking=True) if self.device is not None else supervision  # type: ignore[return-value]
 
-        return self._submit("eagle3", tensors, finish)
+        return self._submit(self.TASK, sent, finish)
 
-    def generate_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> Eagle3Supervision:
+    def generate_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> Sup:
         """Supervision of one batch, blocking."""
         return self._wait(self.generate_batch_async(input_ids, attention_mask, loss_mask), "supervision")
 
-    def iterate(self, dataloader: Iterable[Mapping[str, Any]]) -> Iterator[tuple[Mapping[str, Any], Eagle3Supervision]]:
+    def iterate(self, dataloader: Iterable[Mapping[str, Any]]) -> Iterator[tuple[Mapping[str, Any], Sup]]:
         """Yield ``(batch, supervision)`` in the dataloader's order, keeping ``prefetch_depth`` batches in flight.
 
         Each batch is a mapping with input_ids, attention_mask and loss_mask; it is yielded as it came,
@@ -136,7 +150,7 @@ class RemoteEagle3Target:
         return prefetch(dataloader, submit, lambda future: self._wait(future, "supervision"), self.prefetch_depth)
 
     # ------------------------------------------------------------ plumbing
-    def _submit(self, kind: str, tensors: dict[str, torch.Tensor], finish: Any) -> Future:
+    def _submit(self, kind: str, tensors: dict[str, torch.Tensor], finish: Callable[[Any, dict[str, torch.Tensor]], Any]) -> Future:
         return self._connection.request(
             lambda rid, token: pack_tensors(Submit, tensors, request_id=rid, kind=kind, token=token),
             finish,
@@ -186,16 +200,50 @@ class RemoteEagle3Target:
         return self._connection.client_id
 
     @property
-    def connection_stats(self):
-        """Duplicate and foreign answers dropped, resyncs after broker restarts, busy retries."""
+    def connection_stats(self) -> ConnectionStats:
+        """Duplicate, foreign and malformed answers dropped, resyncs after broker restarts, busy retries."""
         return self._connection.stats
 
     def close(self) -> None:
         """Release the sockets and the IO thread; outstanding requests fail with TargetClosed."""
         self._connection.close()
 
-    def __enter__(self) -> "RemoteEagle3Target":
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class RemoteEagle3Target(RemoteTarget[Eagle3Supervision, Eagle3TargetInfo]):
+    """EAGLE-3 supervision: aux hidden states, target probabilities over the draft vocab, position mask."""
+
+    TASK = "eagle3"
+    SUPERVISION = Eagle3Supervision
+    INFO = Eagle3TargetInfo
+
+    def set_vocab_mapping(self, selected_token_ids: torch.Tensor, selected_token_mask: torch.Tensor) -> None:
+        """Use a draft vocabulary: ``selected_token_ids`` int64 [Vd] (draft id -> target id), ``selected_token_mask`` bool [V]."""
+        ids = selected_token_ids.detach().to("cpu", torch.int64).contiguous()
+        mask = selected_token_mask.detach().to("cpu", torch.bool).contiguous()
+        try:
+            validate_vocab_mapping(ids, mask, self.model_info().vocab_size)
+        except BadRequest as exc:
+            raise ValueError(f"set_vocab_mapping: {exc}") from None
+        digest = hashlib.blake2b(ids.numpy().tobytes() + mask.numpy().tobytes(), digest_size=16).hexdigest()
+        tensors = {"selected_token_ids": ids, "selected_token_mask": mask}
+        future = self._connection.request(
+            lambda rid, _token: pack_tensors(SetVocabMapping, tensors, request_id=rid, digest=digest),
+            lambda _reply, _tensors: None,
+            uses_window=False,
+            is_mapping=True,
+        )
+        self._wait(future, "the broker's acknowledgement of the vocab mapping")
+
+
+class RemoteDSparkTarget(RemoteTarget[DSparkSupervision, DSparkTargetInfo]):
+    """DSpark supervision: the hidden states of chosen target layers and the post-norm last hidden state."""
+
+    TASK = "dspark"
+    SUPERVISION = DSparkSupervision
+    INFO = DSparkTargetInfo

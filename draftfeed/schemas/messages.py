@@ -13,10 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 Name = Annotated[str, Field(min_length=1, max_length=256)]
 RequestId = Annotated[int, Field(ge=0, lt=2**63)]
-RequestKind = Literal["eagle3", "input_embeddings"]
+RequestKind = Literal["eagle3", "dspark", "input_embeddings", "output_embeddings"]
 Token = Annotated[int, Field(ge=0, lt=2**63)]
 Seconds = Annotated[float, Field(gt=0, le=3600)]
-ErrorCode = Literal["refused", "unknown_peer", "busy", "failed", "unreachable"]
+ErrorCode = Literal["refused", "unknown_peer", "busy", "failed", "unreachable", "mismatch"]
 
 
 class Strict(BaseModel):
@@ -34,19 +34,65 @@ class TensorSpec(Strict):
         return math.prod(self.shape)
 
 
-class Eagle3TargetInfo(Strict):
-    """What an EAGLE-3 worker's target is; every worker of one service must report the same."""
+class _TargetInfo(Strict):
+    """What a worker's target is; every worker of one service must report the same."""
 
     num_hidden_layers: Annotated[int, Field(ge=1)]
     hidden_size: Annotated[int, Field(ge=1)]
     vocab_size: Annotated[int, Field(ge=1)]
-    aux_layer_ids: Annotated[list[int], Field(min_length=3, max_length=3)]
 
     def __getitem__(self, key: str) -> object:
         """Dict-style access (``info["hidden_size"]``), as trainers written for a dict of model info expect."""
         if key not in type(self).model_fields:
             raise KeyError(key)
         return getattr(self, key)
+
+    def mismatched_fields(self, other: "_TargetInfo") -> list[str]:
+        """Names of the fields whose values differ (the task included)."""
+        names = dict.fromkeys([*type(self).model_fields, *type(other).model_fields])
+        return [name for name in names if getattr(self, name, None) != getattr(other, name, None)]
+
+    def describe_mismatch(self, other: "_TargetInfo", mine: str = "expected", theirs: str = "served") -> str:
+        return "; ".join(
+            f"{name}: {mine} {getattr(self, name, None)!r}, {theirs} {getattr(other, name, None)!r}" for name in self.mismatched_fields(other)
+        )
+
+    @staticmethod
+    def _text_config(config: object) -> object:
+        get_text_config = getattr(config, "get_text_config", None)
+        return get_text_config() if callable(get_text_config) else getattr(config, "text_config", None) or config
+
+
+class Eagle3TargetInfo(_TargetInfo):
+    task: Literal["eagle3"] = "eagle3"
+    aux_layer_ids: Annotated[list[int], Field(min_length=3, max_length=3)]
+
+    @classmethod
+    def from_text_config(cls, text_config: object, aux_layer_ids: list[int]) -> "Eagle3TargetInfo":
+        """From a transformers config (a multimodal one's text config is used) and the aux layers the draft uses."""
+        config = cls._text_config(text_config)
+        return cls(
+            num_hidden_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+            vocab_size=config.vocab_size, aux_layer_ids=list(aux_layer_ids),
+        )
+
+
+class DSparkTargetInfo(_TargetInfo):
+    task: Literal["dspark"] = "dspark"
+    target_layer_ids: Annotated[list[int], Field(min_length=1, max_length=256)]
+
+    @classmethod
+    def from_text_config(cls, text_config: object, target_layer_ids: list[int]) -> "DSparkTargetInfo":
+        """From a transformers config (a multimodal one's text config is used) and the target layers the draft reads."""
+        config = cls._text_config(text_config)
+        return cls(
+            num_hidden_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+            vocab_size=config.vocab_size, target_layer_ids=list(target_layer_ids),
+        )
+
+
+TargetInfo = Annotated[Union[Eagle3TargetInfo, DSparkTargetInfo], Field(discriminator="task")]
+Task = Literal["eagle3", "dspark"]
 
 
 # ---------------------------------------------------------------- trainer -> broker (frontend)
@@ -60,6 +106,10 @@ class Hello(Strict):
     window: Annotated[int, Field(ge=1, le=1024)]
     host: Name
     pid: Annotated[int, Field(ge=0)]
+    task: Task = "eagle3"
+    # The target this rank checked (model_info / check_target_info): the broker pins the service to it and
+    # refuses workers that differ, also after a broker restart.
+    expect: TargetInfo | None = None
 
 
 class Submit(Strict):
@@ -131,7 +181,8 @@ class Ack(Strict):
 class ModelInfoReply(Strict):
     type: Literal["model_info_reply"] = "model_info_reply"
     request_id: RequestId
-    info: Eagle3TargetInfo
+    info: TargetInfo
+    workers: list[str] = Field(default_factory=list)
 
 
 class StatusReply(Strict):
@@ -148,7 +199,8 @@ class ErrorReply(Strict):
     message: str
     # refused: final; unknown_peer: say hello / register again; busy: the queue is full, send again later;
     # failed: the request failed on every worker it was tried on; unreachable: workers cannot reach the
-    # rank's data socket, and the broker has dropped the rank.
+    # rank's data socket, and the broker has dropped the rank; mismatch: the service serves another target
+    # than the rank checked.
     code: ErrorCode = "refused"
 
 
@@ -164,9 +216,9 @@ class Register(Strict):
     type: Literal["register"] = "register"
     worker: Name
     service: Name
-    task: Literal["eagle3"]
+    task: Task
     engine: Name
-    info: Eagle3TargetInfo
+    info: TargetInfo
     capacity: Annotated[int, Field(ge=1, le=64)]
     host: Name
     pid: Annotated[int, Field(ge=0)]

@@ -3,14 +3,33 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import ClassVar, TypeVar
 
 import torch
 
 BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask")
+S = TypeVar("S", bound="Supervision")
+
+
+class Supervision:
+    """Common helpers of the supervision dataclasses."""
+
+    # Tensors the worker computes and sends; the others are the rank's own copies of what it sent.
+    WIRE_FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    def to(self: S, device: torch.device | str, non_blocking: bool = False) -> S:
+        return type(self)(**{name: t.to(device, non_blocking=non_blocking) for name, t in self.as_dict().items()})
+
+    def as_dict(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.as_dict().values())
 
 
 @dataclass
-class Eagle3Supervision:
+class Eagle3Supervision(Supervision):
     """EAGLE-3 supervision of one batch (shapes for B rows of S tokens, H hidden, Vd draft vocab).
 
     aux_hidden_states [B, S, 3H] model dtype, the 3 aux layers' outputs concatenated, not shifted;
@@ -25,17 +44,19 @@ class Eagle3Supervision:
     loss_mask: torch.Tensor
     attention_mask: torch.Tensor
 
-    # Tensors the worker computes and sends; attention_mask is the rank's own copy.
-    WIRE_FIELDS = ("aux_hidden_states", "target_probs", "position_mask", "input_ids", "loss_mask")
+    WIRE_FIELDS: ClassVar[tuple[str, ...]] = ("aux_hidden_states", "target_probs", "position_mask", "input_ids", "loss_mask")
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Eagle3Supervision":
-        return Eagle3Supervision(
-            **{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)}
-        )
 
-    def as_dict(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+@dataclass
+class DSparkSupervision(Supervision):
+    """DSpark supervision of one batch: target_hidden_states [B, S, len(ids) * H] (the captured layers in id
+    order) and target_last_hidden_states [B, S, H] (post-norm), model dtype; input_ids, loss_mask and
+    attention_mask [B, S] as sent (DSpark shifts nothing)."""
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.as_dict().values())
+    target_hidden_states: torch.Tensor
+    target_last_hidden_states: torch.Tensor
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    attention_mask: torch.Tensor
+
+    WIRE_FIELDS: ClassVar[tuple[str, ...]] = ("target_hidden_states", "target_last_hidden_states")

@@ -1,11 +1,13 @@
-"""The reference engine: the target under transformers, decoder layer outputs caught by forward hooks."""
+"""The reference engine: the target under transformers, intermediate tensors caught by forward hooks."""
 
 from __future__ import annotations
+
+from contextlib import ExitStack
 
 import torch
 from torch import nn
 
-from draftfeed.consumers.engines.base import ForwardOutput, TargetShape
+from draftfeed.consumers.engines.base import Capture, ForwardOutput, TargetShape
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -18,14 +20,13 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return choices[dtype]
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layer stack of a causal LM (text model of a multimodal one included)."""
+def text_decoder(model: nn.Module) -> nn.Module:
+    """The text decoder of a causal LM (the language model of a multimodal one): the module with ``layers``."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
     for candidate in (decoder, getattr(decoder, "language_model", None), getattr(decoder, "text_model", None)):
-        layers = getattr(candidate, "layers", None)
-        if isinstance(layers, nn.ModuleList):
-            return layers
-    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}; the hf engine expects model.layers")
+        if isinstance(getattr(candidate, "layers", None), nn.ModuleList):
+            return candidate
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}; the hf engine expects a decoder with .layers")
 
 
 class HFEngine:
@@ -46,29 +47,56 @@ class HFEngine:
             hidden_size=text_config.hidden_size,
             vocab_size=text_config.vocab_size,
         )
-        self.layers = decoder_layers(self.model)
+        decoder = text_decoder(self.model)
+        self.layers: nn.ModuleList = decoder.layers
+        self.final_norm: nn.Module | None = getattr(decoder, "norm", None)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_ids: list[int]) -> ForwardOutput:
-        captured: dict[int, torch.Tensor] = {}
-        handles = [self.layers[i].register_forward_hook(self._catch(i, captured)) for i in layer_ids]
-        try:
-            out = self.model(
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture) -> ForwardOutput:
+        out = ForwardOutput()
+        with ExitStack() as hooks:
+            for layer_id in capture.layer_ids:
+                hooks.callback(self.layers[layer_id].register_forward_hook(self._store_layer(out, layer_id)).remove)
+            if capture.embeddings:
+                hooks.callback(self.layers[0].register_forward_pre_hook(self._store_embeddings(out), with_kwargs=True).remove)
+            if capture.final_hidden:
+                if self.final_norm is None:
+                    raise ValueError(f"{type(self.model).__name__} has no final norm module (decoder.norm) to capture")
+                hooks.callback(self.final_norm.register_forward_hook(self._store_final(out)).remove)
+            result = self.model(
                 input_ids=input_ids.to(self.device),
                 attention_mask=attention_mask.to(self.device),
                 use_cache=False,
+                # Without logits wanted, compute them for one position only (the lm_head over all is wasted work).
+                logits_to_keep=0 if capture.logits else 1,
             )
-        finally:
-            for handle in handles:
-                handle.remove()
-        return ForwardOutput(layer_outputs=captured, logits=out.logits)
+        if capture.logits:
+            out.logits = result.logits
+        return out
 
     @staticmethod
-    def _catch(layer_id: int, captured: dict[int, torch.Tensor]):
+    def _store_layer(out: ForwardOutput, layer_id: int):
         def hook(_module: nn.Module, _inputs: object, output: object) -> None:
-            captured[layer_id] = output[0] if isinstance(output, tuple) else output
+            out.layer_outputs[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    @staticmethod
+    def _store_embeddings(out: ForwardOutput):
+        def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+            out.embeddings = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    @staticmethod
+    def _store_final(out: ForwardOutput):
+        def hook(_module: nn.Module, _inputs: object, output: torch.Tensor) -> None:
+            out.final_hidden = output
 
         return hook
 
     def input_embeddings(self) -> torch.Tensor:
         return self.model.get_input_embeddings().weight.detach()
+
+    def output_embeddings(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight.detach()

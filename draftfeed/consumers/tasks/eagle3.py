@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftfeed.consumers.engines.base import Engine, TargetShape
+from draftfeed.consumers.engines.base import Capture, Engine, TargetShape
 from draftfeed.schemas.messages import Eagle3TargetInfo
 
 
@@ -83,6 +83,7 @@ class Eagle3Task:
         else:
             self.aux_layer_ids = check_aux_layer_ids(list(aux_layer_ids), layers, default=False)
         self._identity: VocabMap | None = None
+        self._capture = Capture(layer_ids=tuple(self.aux_layer_ids), logits=True)
 
     @property
     def shape(self) -> TargetShape:
@@ -106,7 +107,8 @@ class Eagle3Task:
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, vocab: VocabMap | None
     ) -> dict[str, torch.Tensor]:
         """Supervision tensors on the engine's device; the batch must already be validated."""
-        out = self.engine.forward(input_ids, attention_mask, self.aux_layer_ids)
+        out = self.engine.forward(input_ids, attention_mask, self._capture)
+        assert out.logits is not None
         device = out.logits.device
         return eagle3_from_forward(
             [out.layer_outputs[i] for i in self.aux_layer_ids],

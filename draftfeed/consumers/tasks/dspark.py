@@ -1,0 +1,94 @@
+"""DSpark supervision from one forward pass, as shared/reference/supervision-contract.md defines it.
+
+Layer ids: -1 is the embedding output (the input of decoder layer 0), L - 1 the final norm's output
+(post-norm), any other id the output of that decoder layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftfeed.consumers.engines.base import Capture, Engine, TargetShape
+from draftfeed.schemas.messages import DSparkTargetInfo
+
+DEFAULT_DRAFT_LAYERS = 5
+
+
+def default_target_layer_ids(num_hidden_layers: int, draft_layers: int = DEFAULT_DRAFT_LAYERS) -> list[int]:
+    """``draft_layers`` ids spread evenly over [1, L - 1], rounded half up (L = 6, 5 layers: [1, 2, 3, 4, 5])."""
+    if draft_layers == 1:
+        return [num_hidden_layers - 1]
+    span = num_hidden_layers - 2
+    return [int(1 + i * span / (draft_layers - 1) + 0.5) for i in range(draft_layers)]
+
+
+def check_target_layer_ids(layer_ids: list[int], num_hidden_layers: int, *, default: bool) -> list[int]:
+    """Strictly increasing ids, each -1 or in [0, L - 1]; the message names the first bad id and why."""
+    where = f"the default DSpark target layer ids {layer_ids}" if default else f"--target-layer-ids {layer_ids}"
+    advice = f"pass --target-layer-ids with strictly increasing ids from -1 (embeddings) to {num_hidden_layers - 1} (final norm)"
+    if not layer_ids:
+        raise ValueError(f"{where}: at least one layer is needed; {advice}")
+    for index, layer_id in enumerate(layer_ids):
+        if not -1 <= layer_id < num_hidden_layers:
+            raise ValueError(f"{where}: id {layer_id} is out of range for a {num_hidden_layers}-layer target; {advice}")
+        if index and layer_id <= layer_ids[index - 1]:
+            raise ValueError(f"{where}: id {layer_id} does not come after {layer_ids[index - 1]} (ids must be strictly increasing); {advice}")
+    return list(layer_ids)
+
+
+class DSparkTask:
+    """DSpark supervision on top of any engine."""
+
+    name = "dspark"
+
+    def __init__(self, engine: Engine, target_layer_ids: list[int] | None = None, draft_layers: int = DEFAULT_DRAFT_LAYERS) -> None:
+        self.engine = engine
+        layers = engine.shape.num_hidden_layers
+        if target_layer_ids is None:
+            self.target_layer_ids = check_target_layer_ids(default_target_layer_ids(layers, draft_layers), layers, default=True)
+        else:
+            self.target_layer_ids = check_target_layer_ids(list(target_layer_ids), layers, default=False)
+        last = layers - 1
+        self._capture = Capture(
+            layer_ids=tuple(i for i in self.target_layer_ids if 0 <= i < last),
+            embeddings=-1 in self.target_layer_ids,
+            final_hidden=True,
+        )
+
+    @property
+    def shape(self) -> TargetShape:
+        return self.engine.shape
+
+    def info(self) -> DSparkTargetInfo:
+        return DSparkTargetInfo(
+            num_hidden_layers=self.shape.num_hidden_layers,
+            hidden_size=self.shape.hidden_size,
+            vocab_size=self.shape.vocab_size,
+            target_layer_ids=self.target_layer_ids,
+        )
+
+    @torch.inference_mode()
+    def compute(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, vocab: object = None
+    ) -> dict[str, torch.Tensor]:
+        """target_hidden_states [B, S, len(ids) * H] and target_last_hidden_states [B, S, H].
+
+        input_ids and loss_mask are not shifted for DSpark, so the rank keeps its own copies; ``vocab``
+        is not used (DSpark has no draft-vocab mapping).
+        """
+        out = self.engine.forward(input_ids, attention_mask, self._capture)
+        assert out.final_hidden is not None
+        last = self.shape.num_hidden_layers - 1
+
+        def layer(layer_id: int) -> torch.Tensor:
+            if layer_id == -1:
+                assert out.embeddings is not None
+                return out.embeddings
+            if layer_id == last:
+                return out.final_hidden
+            return out.layer_outputs[layer_id]
+
+        return {
+            "target_hidden_states": torch.cat([layer(i) for i in self.target_layer_ids], dim=-1),
+            "target_last_hidden_states": out.final_hidden,
+        }
