@@ -16,8 +16,8 @@ def build_tiny_target(
 ) -> Path:
     """Save a random-weight causal LM to ``path`` and return the folder.
 
-    ``llama`` and ``qwen3`` are text models; ``gemma3-multimodal`` is an image-text model (its text
-    config under ``config.text_config``, scaled embeddings, logit soft-capping). Each loads back with
+    ``llama`` and ``qwen3`` are text models; ``gemma3`` a text model with scaled embeddings and logit
+    soft-capping; ``gemma3-multimodal`` an image-text model (its text config under ``config.text_config``). Each loads back with
     ``AutoModelForCausalLM.from_pretrained(path)``, the same way a real target is.
     """
     import torch
@@ -40,6 +40,10 @@ def build_tiny_target(
     torch.manual_seed(seed)
     if arch in ("llama", "qwen3"):
         config = (LlamaConfig if arch == "llama" else Qwen3Config)(**common)
+    elif arch == "gemma3":
+        from transformers import Gemma3TextConfig
+
+        config = Gemma3TextConfig(**common, sliding_window=16, final_logit_softcapping=30.0)
     elif arch == "gemma3-multimodal":
         from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
 
@@ -47,7 +51,7 @@ def build_tiny_target(
         vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8)
         config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4)
     else:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose llama, qwen3 or gemma3-multimodal")
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose llama, qwen3, gemma3 or gemma3-multimodal")
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     path = Path(path)
     model.save_pretrained(path)

@@ -6,11 +6,14 @@ import threading
 
 import pytest
 import torch
+import zmq
 
 from conftest import assert_supervision_equal, make_batch, reference_eagle3
-from draftfeed import DSparkTargetInfo, Eagle3TargetInfo, RemoteDSparkTarget, RemoteEagle3Target, RemoteTargetError
+from draftfeed import DSparkTargetInfo, Eagle3TargetInfo, RemoteDSparkTarget, RemoteEagle3Target
 from draftfeed.consumers.tasks.dspark import check_target_layer_ids, default_target_layer_ids
 from draftfeed.launch import processes
+from draftfeed.schemas.frames import pack, pack_tensors, unpack
+from draftfeed.schemas.messages import FRONTEND_OUTBOUND, ErrorReply, Hello, Submit
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -122,8 +125,27 @@ def test_a_rank_of_the_wrong_task_is_told_so(services):
     with RemoteEagle3Target(services.frontend, DEFAULT, request_timeout=30) as target:
         with pytest.raises(ValueError, match="service 'ds-default' serves dspark supervision; RemoteEagle3Target needs a eagle3 service"):
             target.model_info()
-        with pytest.raises(RemoteTargetError, match="serves dspark supervision, not eagle3"):
+        with pytest.raises(ValueError, match="serves dspark supervision"):
             target.generate_batch(**make_batch(1, 4, 1000, seed=0))
+    # A peer that skips the check is refused by the broker.
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, b"skips-checks")
+    try:
+        sock.connect(services.frontend)
+        sock.send_multipart(pack(Hello(client="skips-checks", service=DEFAULT, data_endpoint="tcp://127.0.0.1:9", window=1, host="h", pid=1)))
+        sock.send_multipart(pack_tensors(Submit, make_batch(1, 4, 1000, seed=0), request_id=1, kind="eagle3"), copy=False)
+        replies = []
+        while sock.poll(10_000):
+            replies.append(unpack(sock.recv_multipart(), FRONTEND_OUTBOUND)[0])
+            if isinstance(replies[-1], ErrorReply):
+                break
+        assert isinstance(replies[-1], ErrorReply) and replies[-1].request_id == 1
+        assert "serves dspark supervision, not eagle3" in replies[-1].message
+    finally:
+        sock.close(0)
+        context.term()
 
 
 FIELDS = {"num_hidden_layers": 6, "hidden_size": 32, "vocab_size": 900, "target_layer_ids": [1, 2, 3, 4, 5]}

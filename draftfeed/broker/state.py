@@ -302,8 +302,14 @@ class BrokerState:
     @staticmethod
     def _model_info_reply(service: ServiceRecord, request_id: int) -> ModelInfoReply:
         assert service.info is not None
-        workers = sorted(w.registration.worker for w in service.workers.values())
-        return ModelInfoReply(request_id=request_id, info=service.info, workers=workers)
+        registrations = sorted((w.registration for w in service.workers.values()), key=lambda r: r.worker)
+        return ModelInfoReply(
+            request_id=request_id,
+            info=service.info,
+            workers=[r.worker for r in registrations],
+            supervision=sorted({r.supervision for r in registrations}),
+            logit_transform=registrations[0].logit_transform if registrations else None,
+        )
 
     def on_status(self, peer: bytes, query: StatusQuery) -> list[Outgoing]:
         return [to_client(peer, StatusReply(request_id=query.request_id, status=self.status()))]

@@ -96,6 +96,8 @@ class Worker:
             task=self.task.name,
             engine=self.task.engine.name,
             info=self.task.info(),
+            supervision=getattr(self.task, "supervision", "probs"),
+            logit_transform=getattr(self.task, "logit_transform", self.task.engine.logit_transform),
             capacity=self.config.capacity,
             host=host_identity(),
             pid=os.getpid(),
@@ -283,13 +285,23 @@ class Worker:
         elif request.kind == "input_embeddings":
             out = {"weight": self.task.engine.input_embeddings()}
         elif request.kind == "output_embeddings":
-            out = {"weight": self.task.engine.output_embeddings()}
+            out = {"weight": self._output_embedding_rows(tensors.get("rows"))}
         else:
             raise BadRequest(
                 f"worker {self.name} serves {self.task.name} supervision, not {request.kind}: "
                 f"connect a Remote{'Eagle3' if request.kind == 'eagle3' else 'DSpark'}Target to a {request.kind} service"
             )
         return pack_tensors(Result, out, request_id=request.request_id, token=request.token, kind=request.kind, worker=self.name)
+
+    def _output_embedding_rows(self, rows: torch.Tensor | None) -> torch.Tensor:
+        """The lm_head weight, or only the given rows (the draft vocab's, for the compact EAGLE-3 form)."""
+        weight = self.task.engine.output_embeddings()
+        if rows is None:
+            return weight
+        vocab = self.task.shape.vocab_size
+        if rows.dtype != torch.int64 or rows.dim() != 1 or (rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= vocab)):
+            raise BadRequest(f"rows must be a 1-D int64 tensor of ids in [0, {vocab})")
+        return weight.index_select(0, rows.to(weight.device))
 
     def _supervise(self, dispatch: Dispatch, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         validate_batch(tensors, self.task.shape.vocab_size)

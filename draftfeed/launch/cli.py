@@ -75,6 +75,7 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
     worker.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16 or float16")
     worker.add_argument("--aux-layer-ids", type=_layer_ids, default=None, help="EAGLE-3: 3 distinct decoder layers, e.g. 1,15,28 (default [1, L//2-1, L-4])")
     worker.add_argument("--target-layer-ids", type=_layer_ids, default=None, help="DSpark: strictly increasing ids, -1 for the embeddings and L-1 for the final norm, e.g. -1,7,14,21,27 (default: --draft-layers ids spread over [1, L-1])")
+    worker.add_argument("--supervision", default="probs", choices=["probs", "probs-bf16", "hidden"], help="EAGLE-3: send target_probs as float32 probs (default, the contract's form), bfloat16 probs (lossy, half the bytes), or the final hidden state and argmax from which ranks rebuild them (compact)")
     worker.add_argument("--draft-layers", type=int, default=5, help="DSpark: layers of the draft, for the default target layer ids (default 5)")
     worker.add_argument("--capacity", type=int, default=2, help="requests the broker may hand this worker at once (default 2)")
     worker.add_argument("--name", default=None, help="the worker's name in logs and status (default HOST-PID-random)")
@@ -125,7 +126,7 @@ def run_worker(args: argparse.Namespace) -> int:
     try:
         engine = load_engine(args.engine, args.target, args.device, args.dtype)
         layer_ids = args.aux_layer_ids if args.task == "eagle3" else args.target_layer_ids
-        task = load_task(args.task, engine, layer_ids, args.draft_layers)
+        task = load_task(args.task, engine, layer_ids, args.draft_layers, args.supervision)
     except ValueError as exc:
         print(f"draftfeed worker: {exc}", file=sys.stderr)
         return 2

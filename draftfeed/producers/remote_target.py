@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from draftfeed.consumers.validation import BadRequest, validate_vocab_mapping
+from draftfeed.producers.compact import CompactEagle3
 from draftfeed.producers.connection import Connection, ConnectionStats
 from draftfeed.producers.prefetch import prefetch
 from draftfeed.schemas.errors import RemoteTargetTimeout
@@ -25,6 +26,7 @@ from draftfeed.schemas.frames import pack, pack_tensors
 from draftfeed.schemas.messages import (
     DSparkTargetInfo,
     Eagle3TargetInfo,
+    LogitTransform,
     ModelInfoQuery,
     SetVocabMapping,
     StatusQuery,
@@ -73,6 +75,8 @@ class RemoteTarget(Generic[Sup, Info]):
         )
         self._info: Info | None = None
         self._workers: list[str] = []
+        self._forms: list[str] = []
+        self._logit_transform: LogitTransform | None = None
         self._embeddings: dict[str, nn.Embedding] = {}
 
     # ------------------------------------------------------------ setup
@@ -88,6 +92,7 @@ class RemoteTarget(Generic[Sup, Info]):
                     f"service {self.service!r} serves {reply.info.task} supervision; {type(self).__name__} needs a {self.TASK} service"
                 )
             self._info, self._workers = reply.info, reply.workers
+            self._forms, self._logit_transform = reply.supervision, reply.logit_transform
             self._connection.expect(reply.info)
         return self._info
 
@@ -109,11 +114,13 @@ class RemoteTarget(Generic[Sup, Info]):
 
     def _embedding(self, kind: str) -> nn.Embedding:
         if kind not in self._embeddings:
-            weight = self._wait(self._submit(kind, {}, lambda _reply, tensors: tensors["weight"]), f"the {kind.replace('_', ' ')}")
-            if self.device is not None:
-                weight = weight.to(self.device)
-            self._embeddings[kind] = nn.Embedding.from_pretrained(weight, freeze=True)
+            self._embeddings[kind] = nn.Embedding.from_pretrained(self._fetch_weight(kind), freeze=True)
         return self._embeddings[kind]
+
+    def _fetch_weight(self, kind: str, rows: torch.Tensor | None = None) -> torch.Tensor:
+        tensors = {} if rows is None else {"rows": rows}
+        weight = self._wait(self._submit(kind, tensors, lambda _reply, received: received["weight"]), f"the {kind.replace('_', ' ')}")
+        return weight.to(self.device) if self.device is not None else weight
 
     # ------------------------------------------------------------ supervision
     def generate_batch_async(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> Future:
@@ -123,12 +130,23 @@ class RemoteTarget(Generic[Sup, Info]):
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
 
+        self._before_submit()
+
         def finish(_reply: Any, received: dict[str, torch.Tensor]) -> Sup:
-            fields = {name: received[name] for name in self.SUPERVISION.WIRE_FIELDS}
-            supervision = self.SUPERVISION(**{**sent, **fields})
-            return supervision.to(self.device, non_blocking=True) if self.device is not None else supervision  # type: ignore[return-value]
+            own = sent
+            if self.device is not None:
+                received = {name: t.to(self.device, non_blocking=True) for name, t in received.items()}
+                own = {name: t.to(self.device, non_blocking=True) for name, t in sent.items()}
+            return self.SUPERVISION(**{**own, **self._from_wire(received)})  # type: ignore[return-value]
 
         return self._submit(self.TASK, sent, finish)
+
+    def _before_submit(self) -> None:
+        """Setup a task needs before its first batch (runs on the caller's thread)."""
+
+    def _from_wire(self, received: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The supervision fields from what the worker sent (on the IO thread)."""
+        return {name: received[name] for name in self.SUPERVISION.WIRE_FIELDS}
 
     def generate_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> Sup:
         """Supervision of one batch, blocking."""
@@ -239,6 +257,39 @@ class RemoteEagle3Target(RemoteTarget[Eagle3Supervision, Eagle3TargetInfo]):
             is_mapping=True,
         )
         self._wait(future, "the broker's acknowledgement of the vocab mapping")
+        self._mapping, self._compact = (ids, mask), None
+
+    _mapping: tuple[torch.Tensor, torch.Tensor] | None = None
+    _compact: CompactEagle3 | None = None
+
+    def _before_submit(self) -> None:
+        """If the service's workers send the compact form, fetch the lm_head's draft rows once."""
+        if self._info is None:
+            self.model_info()
+        if "hidden" not in self._forms or self._compact is not None:
+            return
+        if self._mapping is None:
+            vocab = self.model_info().vocab_size
+            rows, mask = None, torch.ones(vocab, dtype=torch.bool)
+        else:
+            rows, mask = self._mapping
+        weight = self._fetch_weight("output_embeddings", rows)
+        self._compact = CompactEagle3(weight, mask.to(weight.device), self._logit_transform)
+
+    def _from_wire(self, received: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if "final_hidden_states" not in received:  # probs or probs-bf16
+            fields = super()._from_wire(received)
+            fields["target_probs"] = fields["target_probs"].float()
+            return fields
+        if self._compact is None:
+            raise ValueError("a compact (hidden) answer came before the lm_head rows were fetched")
+        rebuilt = self._compact.rebuild(received["final_hidden_states"], received["target_argmax"], received["loss_mask"])
+        return {
+            "aux_hidden_states": received["aux_hidden_states"],
+            "input_ids": received["input_ids"],
+            "loss_mask": received["loss_mask"],
+            **rebuilt,
+        }
 
 
 class RemoteDSparkTarget(RemoteTarget[DSparkSupervision, DSparkTargetInfo]):

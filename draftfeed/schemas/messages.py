@@ -93,6 +93,26 @@ class DSparkTargetInfo(_TargetInfo):
 
 TargetInfo = Annotated[Union[Eagle3TargetInfo, DSparkTargetInfo], Field(discriminator="task")]
 Task = Literal["eagle3", "dspark"]
+# How an EAGLE-3 worker sends target_probs: as float32 probabilities (the contract's form), as bfloat16
+# probabilities (lossy, half the bytes), or as the post-norm final hidden state plus the full-vocab argmax,
+# from which the rank rebuilds probabilities and position mask with the lm_head's draft rows (compact).
+SupervisionForm = Literal["probs", "probs-bf16", "hidden"]
+
+
+class LogitTransform(Strict):
+    """What the target does to lm_head's output, in this order: x multiply, / divide, soft-cap (tanh)."""
+
+    multiply: float | None = None  # e.g. Cohere's logit_scale
+    divide: float | None = None  # e.g. Granite's logits_scaling
+    softcap: float | None = None  # e.g. Gemma's final_logit_softcapping
+
+    @classmethod
+    def from_text_config(cls, config: object) -> "LogitTransform":
+        return cls(
+            multiply=getattr(config, "logit_scale", None),
+            divide=getattr(config, "logits_scaling", None),
+            softcap=getattr(config, "final_logit_softcapping", None),
+        )
 
 
 # ---------------------------------------------------------------- trainer -> broker (frontend)
@@ -183,6 +203,8 @@ class ModelInfoReply(Strict):
     request_id: RequestId
     info: TargetInfo
     workers: list[str] = Field(default_factory=list)
+    supervision: list[SupervisionForm] = Field(default_factory=list)  # the forms the service's workers send
+    logit_transform: LogitTransform | None = None
 
 
 class StatusReply(Strict):
@@ -219,6 +241,8 @@ class Register(Strict):
     task: Task
     engine: Name
     info: TargetInfo
+    supervision: SupervisionForm = "probs"
+    logit_transform: LogitTransform = Field(default_factory=LogitTransform)
     capacity: Annotated[int, Field(ge=1, le=64)]
     host: Name
     pid: Annotated[int, Field(ge=0)]

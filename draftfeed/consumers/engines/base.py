@@ -7,6 +7,8 @@ from typing import Protocol
 
 import torch
 
+from draftfeed.schemas.messages import LogitTransform
+
 
 @dataclass(frozen=True)
 class TargetShape:
@@ -46,6 +48,7 @@ class Engine(Protocol):
     shape: TargetShape
     device: torch.device
     dtype: torch.dtype
+    logit_transform: LogitTransform  # what the target applies to lm_head's output, for ranks that rebuild logits
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture) -> ForwardOutput:
         """One forward over the batch as given (``use_cache=False``), returning what ``capture`` asks for."""

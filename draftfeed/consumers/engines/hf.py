@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from draftfeed.consumers.engines.base import Capture, ForwardOutput, TargetShape
+from draftfeed.schemas.messages import LogitTransform
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -47,6 +48,7 @@ class HFEngine:
             hidden_size=text_config.hidden_size,
             vocab_size=text_config.vocab_size,
         )
+        self.logit_transform = LogitTransform.from_text_config(text_config)
         decoder = text_decoder(self.model)
         self.layers: nn.ModuleList = decoder.layers
         self.final_norm: nn.Module | None = getattr(decoder, "norm", None)

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from draftfeed.consumers.engines.base import Capture, Engine, TargetShape
-from draftfeed.schemas.messages import Eagle3TargetInfo
+from draftfeed.schemas.messages import Eagle3TargetInfo, LogitTransform, SupervisionForm
 
 
 def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
@@ -34,6 +35,44 @@ def shift_left(tensor: torch.Tensor) -> torch.Tensor:
     shifted = torch.zeros_like(tensor)
     shifted[:, :-1] = tensor[:, 1:]
     return shifted
+
+
+def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, transform: LogitTransform) -> torch.Tensor:
+    """``hidden @ weight.T`` transformed as a target transforms its logits (multiply, divide, soft-cap, in that order)."""
+    logits = F.linear(hidden, weight.to(hidden.dtype))
+    if transform.multiply is not None:
+        logits = logits * transform.multiply
+    if transform.divide is not None:
+        logits = logits / transform.divide
+    if transform.softcap is not None:
+        logits = torch.tanh(logits / transform.softcap) * transform.softcap
+    return logits
+
+
+@torch.inference_mode()
+def verified_logit_transform(engine: Engine) -> LogitTransform:
+    """The transform that turns lm_head(final hidden) into this target's logits, checked on a probe batch.
+
+    Configs do not always say what the model does (a multimodal class may skip the soft-capping its text
+    config names), so the candidates are tried against a real forward; the compact form is refused for a
+    target whose logits none of them reproduces.
+    """
+    vocab = engine.shape.vocab_size
+    probe = (torch.arange(16) * 7919 % vocab).unsqueeze(0)
+    out = engine.forward(probe, torch.ones_like(probe), Capture(final_hidden=True, logits=True))
+    assert out.final_hidden is not None and out.logits is not None
+    weight = engine.output_embeddings()
+    candidates = [engine.logit_transform, LogitTransform()]
+    for candidate in candidates:
+        if torch.equal(lm_head_logits(out.final_hidden, weight, candidate), out.logits):
+            return candidate
+    for candidate in candidates:  # other kernels for the same math (fused lm_head on some engines)
+        if torch.allclose(lm_head_logits(out.final_hidden, weight, candidate), out.logits, rtol=1e-3, atol=1e-3):
+            return candidate
+    raise ValueError(
+        "--supervision hidden: this target's logits are not its lm_head applied to its final hidden state with a "
+        "known scaling or soft-capping, so ranks could not rebuild them; use --supervision probs"
+    )
 
 
 @dataclass(frozen=True)
@@ -71,19 +110,21 @@ def eagle3_from_forward(
 
 
 class Eagle3Task:
-    """EAGLE-3 supervision on top of any engine."""
+    """EAGLE-3 supervision on top of any engine, sent in one of three forms (see SupervisionForm)."""
 
     name = "eagle3"
 
-    def __init__(self, engine: Engine, aux_layer_ids: list[int] | None = None) -> None:
+    def __init__(self, engine: Engine, aux_layer_ids: list[int] | None = None, supervision: SupervisionForm = "probs") -> None:
         self.engine = engine
+        self.supervision = supervision
         layers = engine.shape.num_hidden_layers
         if aux_layer_ids is None:
             self.aux_layer_ids = check_aux_layer_ids(default_aux_layer_ids(layers), layers, default=True)
         else:
             self.aux_layer_ids = check_aux_layer_ids(list(aux_layer_ids), layers, default=False)
         self._identity: VocabMap | None = None
-        self._capture = Capture(layer_ids=tuple(self.aux_layer_ids), logits=True)
+        self._capture = Capture(layer_ids=tuple(self.aux_layer_ids), logits=True, final_hidden=supervision == "hidden")
+        self.logit_transform = verified_logit_transform(engine) if supervision == "hidden" else engine.logit_transform
 
     @property
     def shape(self) -> TargetShape:
@@ -110,10 +151,17 @@ class Eagle3Task:
         out = self.engine.forward(input_ids, attention_mask, self._capture)
         assert out.logits is not None
         device = out.logits.device
-        return eagle3_from_forward(
-            [out.layer_outputs[i] for i in self.aux_layer_ids],
-            out.logits,
-            input_ids.to(device),
-            loss_mask.to(device),
-            vocab or self.identity_vocab(),
-        )
+        aux = [out.layer_outputs[i] for i in self.aux_layer_ids]
+        if self.supervision == "hidden":
+            assert out.final_hidden is not None
+            return {
+                "aux_hidden_states": torch.cat(aux, dim=-1),
+                "final_hidden_states": out.final_hidden,  # post-norm, not shifted
+                "target_argmax": out.logits.argmax(-1),  # over the full vocab, not shifted
+                "input_ids": shift_left(input_ids.to(device)),
+                "loss_mask": shift_left(loss_mask.to(device)),
+            }
+        result = eagle3_from_forward(aux, out.logits, input_ids.to(device), loss_mask.to(device), vocab or self.identity_vocab())
+        if self.supervision == "probs-bf16":
+            result["target_probs"] = result["target_probs"].to(torch.bfloat16)
+        return result

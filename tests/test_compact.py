@@ -1,0 +1,113 @@
+"""The other forms of EAGLE-3 supervision: compact (final hidden state + argmax) and bfloat16 probabilities."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_supervision_equal, make_batch, reference_eagle3
+from draftfeed import RemoteEagle3Target
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def services(cluster, tiny_target, tmp_path_factory):
+    from draftfeed.tiny import build_tiny_target
+
+    gemma = build_tiny_target(tmp_path_factory.mktemp("gemma") / "gemma3", arch="gemma3", num_hidden_layers=6)
+    multimodal = build_tiny_target(tmp_path_factory.mktemp("gemma") / "gemma3-mm", arch="gemma3-multimodal", num_hidden_layers=6)
+    cluster.add_worker(tiny_target, "--service", "hidden", "--supervision", "hidden", "--name", "hidden-0")
+    cluster.add_worker(tiny_target, "--service", "bf16", "--supervision", "probs-bf16", "--name", "bf16-0")
+    cluster.add_worker(gemma, "--service", "gemma-hidden", "--supervision", "hidden", "--aux-layer-ids", "0,2,4", "--name", "gemma-0")
+    cluster.add_worker(multimodal, "--service", "mm-hidden", "--supervision", "hidden", "--aux-layer-ids", "0,2,4", "--name", "mm-0")
+    cluster.gemma, cluster.multimodal = gemma, multimodal
+    return cluster
+
+
+def draft_vocab(size: int, vocab: int = 1000):
+    ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(9))[:size]
+    mask = torch.zeros(vocab, dtype=torch.bool)
+    mask[ids] = True
+    return ids, mask
+
+
+def test_compact_form_with_the_identity_mapping_is_bit_identical(services, tiny_model):
+    batches = [make_batch(3, 25, 1000, seed=70 + i) for i in range(3)]
+    with RemoteEagle3Target(services.frontend, "hidden") as target:
+        for batch, supervision in target.iterate(batches):
+            assert_supervision_equal(supervision, reference_eagle3(tiny_model, batch, [1, 3, 4]))
+
+
+def test_compact_form_with_a_draft_vocab_is_within_float_tolerance(services, tiny_model):
+    ids, mask = draft_vocab(128)
+    batches = [make_batch(2, 30, 1000, seed=80 + i) for i in range(3)]
+    worst = 0.0
+    with RemoteEagle3Target(services.frontend, "hidden") as target:
+        target.set_vocab_mapping(ids, mask)
+        for batch, supervision in target.iterate(batches):
+            expected = reference_eagle3(tiny_model, batch, [1, 3, 4], ids, mask)
+            for name in ("aux_hidden_states", "position_mask", "input_ids", "loss_mask", "attention_mask"):
+                assert torch.equal(supervision.as_dict()[name], expected[name]), name
+            assert supervision.target_probs.dtype == torch.float32 and supervision.target_probs.shape == expected["target_probs"].shape
+            worst = max(worst, (supervision.target_probs - expected["target_probs"]).abs().max().item())
+    print(f"compact form, draft vocab 128 of 1000: max |target_probs - reference| = {worst:.3g}")
+    assert worst <= 1e-6
+
+
+@pytest.mark.parametrize("service, attr", [("gemma-hidden", "gemma"), ("mm-hidden", "multimodal")], ids=["soft-capped", "multimodal"])
+def test_compact_form_reproduces_the_targets_own_logits(services, service, attr):
+    """Gemma's text model soft-caps its logits; the multimodal class (in this transformers) names the
+    soft-cap in its config but does not apply it. Either way the rank must rebuild what the target computes."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(getattr(services, attr), dtype=torch.float32).eval()
+    assert model.config.get_text_config().final_logit_softcapping == 30.0
+    batch = make_batch(2, 14, 1000, seed=5)
+    with RemoteEagle3Target(services.frontend, service) as target:
+        supervision = target.generate_batch(**batch)
+    assert_supervision_equal(supervision, _reference_with_hooks(model, batch, [0, 2, 4]))
+
+
+def _reference_with_hooks(model, batch, aux_ids):
+    """reference_eagle3 with the aux layers caught by hooks, for decoders that are not model.model."""
+    decoder = model.get_decoder()
+    decoder = getattr(decoder, "language_model", decoder)
+    caught = {}
+    handles = [decoder.layers[i].register_forward_hook(lambda _m, _i, out, i=i: caught.__setitem__(i, out)) for i in aux_ids]
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    def shift(t):
+        return torch.cat([t[:, 1:], torch.zeros_like(t[:, :1])], dim=1)
+
+    shifted_logits = shift(logits)
+    shifted_loss = shift(batch["loss_mask"])
+    return {
+        "aux_hidden_states": torch.cat([caught[i] for i in aux_ids], dim=-1),
+        "target_probs": torch.softmax(shifted_logits.float(), dim=-1),
+        "position_mask": (shifted_loss.bool() & torch.ones(1000, dtype=torch.bool)[shifted_logits.argmax(-1)]).unsqueeze(-1),
+        "input_ids": shift(batch["input_ids"]),
+        "loss_mask": shifted_loss,
+        "attention_mask": batch["attention_mask"],
+    }
+
+
+def test_bfloat16_probs_are_lossy_within_bfloat16_precision(services, tiny_model):
+    ids, mask = draft_vocab(256)
+    batch = make_batch(2, 20, 1000, seed=90)
+    with RemoteEagle3Target(services.frontend, "bf16") as target:
+        target.set_vocab_mapping(ids, mask)
+        supervision = target.generate_batch(**batch)
+    expected = reference_eagle3(tiny_model, batch, [1, 3, 4], ids, mask)
+    assert supervision.target_probs.dtype == torch.float32
+    assert torch.equal(supervision.aux_hidden_states, expected["aux_hidden_states"])
+    assert torch.equal(supervision.position_mask, expected["position_mask"])
+    assert torch.equal(supervision.target_probs, expected["target_probs"].to(torch.bfloat16).float())
+    relative = ((supervision.target_probs - expected["target_probs"]).abs() / expected["target_probs"]).max().item()
+    print(f"bfloat16 probs: max relative error {relative:.3g}")
+    assert relative <= 2**-8
