@@ -11,9 +11,10 @@ import zmq
 
 from conftest import make_batch
 from draftfeed import RemoteEagle3Target, RemoteTargetTimeout
+from draftfeed.producers.connection import Connection
 from draftfeed.producers.prefetch import prefetch
 from draftfeed.schemas.frames import pack, pack_tensors, unpack
-from draftfeed.schemas.messages import FRONTEND_OUTBOUND, ErrorReply, Hello, Submit, Welcome
+from draftfeed.schemas.messages import FRONTEND_OUTBOUND, ErrorReply, Hello, StatusQuery, Submit, Welcome
 
 pytestmark = pytest.mark.timeout(180)
 SERVICE = "tiny-prefetch"
@@ -44,17 +45,25 @@ def test_in_flight_never_exceeds_the_depth_with_a_slow_trainer(served, depth):
 
 
 def test_window_is_exact_when_nothing_is_served(served):
-    """No worker serves this service, so nothing completes: the window fills exactly and then blocks."""
+    """No worker serves this service, so nothing completes: the rank's window fills exactly and then blocks."""
     batch = make_batch(1, 4, 1000, seed=0)
-    with RemoteEagle3Target(served.frontend, "nobody-serves-this", prefetch_depth=3, request_timeout=0.5) as target:
-        futures = [target.generate_batch_async(**batch) for _ in range(3)]
-        assert target.in_flight == 3
+    connection = Connection(served.frontend, "nobody-serves-this", window=3)
+    try:
+        def submit(timeout_s: float):
+            return connection.request(
+                lambda rid, token: pack_tensors(Submit, batch, request_id=rid, kind="eagle3", token=token),
+                lambda _reply, received: received, uses_window=True, timeout_s=timeout_s,
+            )
+
+        futures = [submit(1.0) for _ in range(3)]
+        assert connection.in_flight == 3
         with pytest.raises(RemoteTargetTimeout, match="all 3 prefetch slots"):
-            target.generate_batch_async(**batch)
+            submit(0.5)
         assert not any(f.done() for f in futures)
-        status = target.status()
-    queued = status["services"]["nobody-serves-this"]["queued"]
-    assert queued == 3
+        status = connection.request(lambda rid, _t: pack(StatusQuery(request_id=rid)), lambda r, _: r.status, uses_window=False).result(10)
+    finally:
+        connection.close()
+    assert status["services"]["nobody-serves-this"]["queued"] == 3
 
 
 def test_broker_refuses_a_rank_that_ignores_its_window(served):
