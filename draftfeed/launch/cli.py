@@ -45,6 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--prefetch-depth", type=int, default=2, help="batches in flight per rank (default 2)")
     demo.add_argument("--workdir", default=None, help="folder for the tiny target (default: a temporary folder)")
 
+    bench = commands.add_parser("bench", help="measure every part of the pipeline against baselines from the same run")
+    bench.add_argument("--quick", action="store_true", help="smaller payloads and fewer repetitions: under 2 minutes on 2 cores")
+    bench.add_argument("--scenario", action="append", choices=["codec", "data-plane", "broker", "overlap", "scaling", "real-target"], help="run only these (repeatable; default all)")
+    bench.add_argument("--json", dest="json_path", default=None, help="write the results as JSON to this path")
+    bench.add_argument("--report", action="store_true", help="render docs/performance.md and its plot from this run")
+    bench.add_argument("--docs", default="docs", help="where --report writes (default docs)")
+
     status = commands.add_parser("status", help="print the broker's services, workers, ranks and queues")
     status.add_argument("--broker", default="tcp://127.0.0.1:5555", help="the broker's trainer (frontend) endpoint")
     status.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
@@ -140,6 +147,24 @@ def run_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_bench(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from draftfeed.bench.runner import SCENARIOS, format_table, run, to_json
+
+    command = "draftfeed bench" + (" --quick" if args.quick else "")
+    with tempfile.TemporaryDirectory(prefix="draftfeed-bench-") as workdir:
+        rows = run(args.scenario or list(SCENARIOS), args.quick, Path(workdir))
+    print(format_table(rows))
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(to_json(rows, args.quick), indent=2))
+    if args.report:
+        from draftfeed.bench.report import render
+
+        print(f"wrote {render(rows, args.quick, command, Path(args.docs))}")
+    return 0
+
+
 def run_status(args: argparse.Namespace) -> int:
     from draftfeed.launch.status import fetch_status, format_status
 
@@ -172,6 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.command == "launch":
         return run_broker(args) if args.role == "broker" else run_worker(args)
+    if args.command == "bench":
+        return run_bench(args)
     if args.command == "demo":
         from draftfeed.launch.demo import run_demo
 

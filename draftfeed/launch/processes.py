@@ -57,10 +57,10 @@ def _pump(stream: IO[str], lines: "queue.Queue[str | None]", tail: list[str], ke
     lines.put(None)
 
 
-def start(args: Sequence[str], *, ready_timeout_s: float = 120.0, env: dict[str, str] | None = None) -> Process:
-    """Run ``python -m draftfeed.launch ARGS`` and wait for its ready line; raises with its log if it fails."""
+def start(args: Sequence[str], *, ready_timeout_s: float = 120.0, env: dict[str, str] | None = None, module: str = "draftfeed.launch") -> Process:
+    """Run ``python -m MODULE ARGS`` (``draftfeed.launch`` by default) and wait for its ready line; raises with its log if it fails."""
     popen = subprocess.Popen(
-        [sys.executable, "-m", "draftfeed.launch", *args],
+        [sys.executable, "-m", module, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

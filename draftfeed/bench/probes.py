@@ -1,0 +1,163 @@
+"""Measuring ends that run in their own processes, so each can get its own environment (malloc tunables).
+
+``python -m draftfeed.bench.probes raw-send ENDPOINT BYTES COUNT``: a raw pyzmq DEALER sending COUNT
+messages of BYTES, zero-copy from one buffer (the baseline's sender).
+``python -m draftfeed.bench.probes raw-recv BYTES COUNT``: binds a ROUTER, prints its endpoint, receives
+COUNT messages and prints the rate.
+``python -m draftfeed.bench.probes rank FRONTEND SERVICE TOKENS COUNT DEPTH``: a training rank receiving
+COUNT batches of synthetic supervision through the pipeline and printing the rate.
+``raw-worker BACKEND COUNT`` and ``raw-rank FRONTEND COUNT WINDOW``: minimal peers in raw pyzmq around a real
+broker, so that the broker's own routing rate shows.
+Each prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+
+import zmq
+
+
+def _faults() -> int:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt + usage.ru_majflt
+
+
+def raw_send(endpoint: str, nbytes: int, count: int) -> None:
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, -1)
+    sock.connect(endpoint)
+    payload = memoryview(bytearray(nbytes))
+    for _ in range(count + 1):  # one warm-up message
+        sock.send_multipart([b"x", payload], copy=False)
+    sock.close()
+    context.term()
+
+
+def raw_recv(nbytes: int, count: int) -> None:
+    context = zmq.Context()
+    sock = context.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    print(json.dumps({"endpoint": f"tcp://127.0.0.1:{port}"}), flush=True)
+    sock.recv_multipart(copy=False)  # warm-up
+    faults = _faults()
+    started = time.perf_counter()
+    for _ in range(count):
+        frames = sock.recv_multipart(copy=False)
+        assert frames[-1].buffer.nbytes == nbytes
+        del frames
+    elapsed = time.perf_counter() - started
+    print(json.dumps({"bytes_per_s": nbytes * count / elapsed, "seconds": elapsed, "faults_per_msg": (_faults() - faults) / count}), flush=True)
+    sock.close(0)
+    context.term()
+
+
+def rank(frontend: str, service: str, tokens: int, count: int, depth: int) -> None:
+    import torch
+
+    from draftfeed import RemoteEagle3Target
+
+    batch = {"input_ids": torch.zeros(1, tokens, dtype=torch.int64), "attention_mask": torch.ones(1, tokens, dtype=torch.int64), "loss_mask": torch.ones(1, tokens, dtype=torch.int64)}
+    with RemoteEagle3Target(frontend, service, prefetch_depth=depth) as target:
+        target.model_info()
+        nbytes = target.generate_batch(**batch).nbytes  # warm-up
+        faults = _faults()
+        started = time.perf_counter()
+        for _batch, supervision in target.iterate(batch for _ in range(count)):
+            del supervision
+        elapsed = time.perf_counter() - started
+    print(json.dumps({"bytes_per_s": nbytes * count / elapsed, "seconds": elapsed, "faults_per_msg": (_faults() - faults) / count, "bytes": nbytes}), flush=True)
+
+
+def raw_worker(backend: str, count: int) -> None:
+    """A minimal worker in raw pyzmq, so that the broker's own routing rate shows: it registers, then answers
+    each dispatch with a one-frame result to the rank and a done to the broker, parsing only the ticket."""
+    from draftfeed.schemas.frames import pack
+    from draftfeed.schemas.messages import Eagle3TargetInfo, Register
+
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, b"raw-worker")
+    sock.connect(backend)
+    info = Eagle3TargetInfo(num_hidden_layers=32, hidden_size=4096, vocab_size=32000, aux_layer_ids=[1, 15, 28])
+    sock.send_multipart(pack(Register(worker="raw-worker", service="raw", task="eagle3", engine="raw", info=info, capacity=64, host="h", pid=0)))
+    ranks: dict[str, zmq.Socket] = {}
+    served = 0
+    while served < count:
+        frames = sock.recv_multipart()
+        header = json.loads(frames[1])
+        if header.get("type") != "dispatch":
+            if header.get("type") == "heartbeat":
+                sock.send_multipart([b"draftfeed/1", b'{"type":"heartbeat"}'])
+            continue
+        endpoint = header["reply_to"]
+        if endpoint not in ranks:
+            ranks[endpoint] = context.socket(zmq.DEALER)
+            ranks[endpoint].setsockopt(zmq.LINGER, 0)
+            ranks[endpoint].connect(endpoint)
+        request = header["request"]
+        ranks[endpoint].send_multipart([b"draftfeed/1", json.dumps({"type": "result", "request_id": request["request_id"], "token": request["token"], "kind": "eagle3", "worker": "raw-worker", "tensors": []}).encode()])
+        sock.send_multipart([b"draftfeed/1", json.dumps({"type": "done", "ticket": header["ticket"], "ok": True}).encode()])
+        served += 1
+    for rank_sock in ranks.values():
+        rank_sock.close(0)
+    sock.close(0)
+    context.term()
+
+
+def raw_rank(frontend: str, count: int, window: int) -> None:
+    """A minimal rank in raw pyzmq: hello, then ``count`` submits with ``window`` outstanding."""
+    from draftfeed.schemas.frames import pack
+    from draftfeed.schemas.messages import Hello
+
+    context = zmq.Context()
+    control, data = context.socket(zmq.DEALER), context.socket(zmq.ROUTER)
+    for sock in (control, data):
+        sock.setsockopt(zmq.LINGER, 0)
+    control.setsockopt(zmq.ROUTING_ID, b"raw-rank")
+    port = data.bind_to_random_port("tcp://127.0.0.1")
+    control.connect(frontend)
+    control.send_multipart(pack(Hello(client="raw-rank", service="raw", data_endpoint=f"tcp://127.0.0.1:{port}", window=window, host="h", pid=0)))
+    control.recv_multipart()  # welcome
+    sent = received = 0
+    started = time.perf_counter()
+    while received < count:
+        while sent < count and sent - received < window:
+            control.send_multipart([b"draftfeed/1", b'{"type":"submit","request_id":%d,"kind":"eagle3","token":1}' % sent])
+            sent += 1
+        if data.poll(100):
+            data.recv_multipart()
+            received += 1
+        while control.poll(0):
+            control.recv_multipart()  # heartbeats
+    elapsed = time.perf_counter() - started
+    print(json.dumps({"requests_per_s": count / elapsed}), flush=True)
+    control.close(0)
+    data.close(0)
+    context.term()
+
+
+def main(argv: list[str]) -> None:
+    command, *args = argv
+    if command == "raw-send":
+        raw_send(args[0], int(args[1]), int(args[2]))
+    elif command == "raw-recv":
+        raw_recv(int(args[0]), int(args[1]))
+    elif command == "rank":
+        rank(args[0], args[1], int(args[2]), int(args[3]), int(args[4]))
+    elif command == "raw-worker":
+        raw_worker(args[0], int(args[1]))
+    elif command == "raw-rank":
+        raw_rank(args[0], int(args[1]), int(args[2]))
+    else:
+        raise SystemExit(f"unknown probe {command!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,36 @@
+"""The bench runs and reports (a smoke test: speed is shown by the bench itself, never asserted here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_bench_quick_scenarios_write_json_and_report(tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "draftfeed", "bench", "--quick", "--scenario", "codec", "--scenario", "overlap",
+         "--json", str(out), "--report", "--docs", str(tmp_path / "docs")],
+        capture_output=True, text=True, timeout=220,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads(out.read_text())
+    scenarios = {row["scenario"] for row in data["rows"]}
+    assert scenarios == {"codec", "overlap"}
+    assert all(row["value"] > 0 and row["baseline"] > 0 and row["ratio"] == pytest.approx(row["value"] / row["baseline"]) for row in data["rows"])
+    assert [row["case"].split(":")[0] for row in data["rows"] if row["scenario"] == "overlap"] == [f"depth {d}" for d in (0, 1, 2, 4)]
+    report = (tmp_path / "docs" / "performance.md").read_text()
+    assert "| hidden (compact) |" in report and "encode" in report
+    assert "ratio" in result.stdout
+
+
+def test_synthetic_worker_sizes_follow_the_8b_shapes():
+    from draftfeed.bench.synthetic import BYTES_PER_TOKEN, tokens_for
+
+    assert tokens_for(312_500_000) == 2048
+    assert abs(2048 * BYTES_PER_TOKEN - 312.5e6) / 312.5e6 < 0.01
