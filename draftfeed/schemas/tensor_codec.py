@@ -46,6 +46,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def tensor_frame(tensor: torch.Tensor) -> memoryview:
     """A memoryview over the bytes of ``tensor`` (CPU, contiguous), without copying when it already is."""
+    if tensor.is_cpu and tensor.dtype is not torch.bfloat16 and not tensor.requires_grad and tensor.is_contiguous() and tensor.numel():
+        # The common case, in the fewest calls: numpy shares the memory and holds the tensor alive.
+        return memoryview(tensor.numpy()).cast("B")
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
     if not tensor.is_contiguous():
