@@ -53,6 +53,10 @@ def timed(fn, device: torch.device, repeat: int) -> float:
 
 def build_target(path: Path, shape: str, device: torch.device) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
 
     config = LlamaConfig(**SHAPES[shape], max_position_embeddings=8192, tie_word_embeddings=False)
     with torch.device(device):
