@@ -50,6 +50,17 @@ def run_demo(args: argparse.Namespace) -> int:
                 process.stop()
 
 
+def _settled_status(target: RemoteEagle3Target, timeout_s: float = 5.0) -> dict:
+    """The broker's status once it has every done of this rank (a worker's done can trail its result)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = target.status()
+        me = next(c for c in status["clients"] if c["client"] == target.client_id)
+        if me["completed"] == me["submitted"] or time.monotonic() > deadline:
+            return status
+        time.sleep(0.05)
+
+
 def _train(frontend: str, args: argparse.Namespace) -> int:
     with RemoteEagle3Target(frontend, service=SERVICE, prefetch_depth=args.prefetch_depth) as target:
         info = target.model_info()
@@ -85,7 +96,7 @@ def _train(frontend: str, args: argparse.Namespace) -> int:
                 print(f"step {step:4d}  loss {loss.item():8.4f}  supervision {sup.nbytes / 1e6:6.2f} MB  in flight {target.in_flight}")
             mark = time.perf_counter()
         elapsed = time.perf_counter() - started
-        status = target.status()
+        status = _settled_status(target)
     served = {w["worker"]: w["served"] for s in status["services"].values() for w in s["workers"]}
     print(
         f"done: {args.steps} steps in {elapsed:.2f} s: {args.steps / elapsed:.1f} steps/s, {tokens / elapsed:,.0f} tokens/s, "
