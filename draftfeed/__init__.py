@@ -1,5 +1,6 @@
 """draftfeed: frozen-target supervision for speculative-decoding drafts, served over ZeroMQ."""
 
+from draftfeed.producers.fast_receive import reexec_with_hugepage_malloc
 from draftfeed.producers.remote_target import RemoteDSparkTarget, RemoteEagle3Target, RemoteTarget
 from draftfeed.schemas.errors import DraftfeedError, MalformedMessage, RemoteTargetError, RemoteTargetTimeout, TargetClosed
 from draftfeed.schemas.messages import DSparkTargetInfo, Eagle3TargetInfo
@@ -20,4 +21,5 @@ __all__ = [
     "RemoteTargetError",
     "RemoteTargetTimeout",
     "TargetClosed",
+    "reexec_with_hugepage_malloc",
 ]

@@ -84,11 +84,11 @@ absolute figures (shared hosts are noisy). Regenerate with `draftfeed bench --re
 
 libzmq allocates a fresh buffer for every received message; glibc serves chunks over 32 MB with a new mmap
 and unmaps them on free, so every 4 KiB page of every large message faults (shared/reference/measurements.md).
-The receiving process is the training rank, which the user starts: run it with
-`GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (and `THP_MEM_ALLOC_ENABLE=1` for torch's own allocations) in its
-environment, e.g. `GLIBC_TUNABLES=glibc.malloc.hugetlb=1 torchrun ... train.py`. The data-plane rows
-above show the difference with and without it. draftfeed cannot set it from inside a running process:
-glibc reads tunables once, at start.
+The receiving process is the training rank, which the user starts. glibc reads its tunables once, at
+start, so either start the ranks with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (and `THP_MEM_ALLOC_ENABLE=1`
+for torch's own allocations) in their environment, or call `draftfeed.reexec_with_hugepage_malloc()` first
+thing in the training script: the process restarts in place (same pid, arguments and environment, so
+torchrun notices nothing) with both set. The data-plane rows above show the difference with and without it.
 
 ## Fewer bytes: the forms of EAGLE-3 supervision
 

@@ -190,7 +190,7 @@ def bench_data_plane(quick: bool) -> list[Row]:
 
 # ---------------------------------------------------------------- 3. broker
 def bench_broker(quick: bool) -> list[Row]:
-    count = 3000 if quick else 20000
+    count = 2000 if quick else 20000
     with Pipeline(workers=2, tokens=1, compute_ms=0, capacity=32) as pipeline:
         from draftfeed import RemoteEagle3Target
 
@@ -198,7 +198,7 @@ def bench_broker(quick: bool) -> list[Row]:
         with RemoteEagle3Target(pipeline.frontend, "bench", prefetch_depth=64) as target:
             target.model_info()
             latencies = []
-            for _ in range(200 if quick else 1000):
+            for _ in range(100 if quick else 1000):
                 started = time.perf_counter()
                 target.generate_batch(**batch)
                 latencies.append(time.perf_counter() - started)
@@ -213,7 +213,7 @@ def bench_broker(quick: bool) -> list[Row]:
         worker.communicate(timeout=60)
     finally:
         broker.stop()
-    echo_rate, echo_latencies = _echo_baseline(count, 200 if quick else 1000)
+    echo_rate, echo_latencies = _echo_baseline(count, 100 if quick else 1000)
     p50, p99 = statistics.median(latencies), sorted(latencies)[int(0.99 * len(latencies))]
     e50, e99 = statistics.median(echo_latencies), sorted(echo_latencies)[int(0.99 * len(echo_latencies))]
     return [
@@ -296,7 +296,7 @@ def bench_overlap(quick: bool) -> list[Row]:
 def bench_scaling(quick: bool) -> list[Row]:
     from draftfeed import RemoteEagle3Target
 
-    compute_ms, count = 50, (40 if quick else 120)
+    compute_ms, count = 50, (30 if quick else 120)
     batch = {k: torch.zeros(1, 16, dtype=torch.int64) for k in ("input_ids", "attention_mask", "loss_mask")}
     rows, single = [], None
     for workers in (1, 2, 4):

@@ -396,9 +396,10 @@ class BrokerState:
         service = self.service(worker.registration.service)
         if done.retry:
             worker.handed_back += 1
-            pending.excluded.add(peer)
-            pending.failures += 1
-            pending.last_error = f"worker {worker.registration.worker}: {done.message}"
+            if not worker.draining:  # a draining worker hands work back through no fault of the request
+                pending.excluded.add(peer)
+                pending.failures += 1
+                pending.last_error = f"worker {worker.registration.worker}: {done.message}"
             return self._requeue([pending], service)
         if done.ok:
             worker.served += 1

@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", dest="json_path", default=None, help="write the results as JSON to this path")
     bench.add_argument("--report", action="store_true", help="render docs/performance.md and its plot from this run")
     bench.add_argument("--docs", default="docs", help="where --report writes (default docs)")
+    bench.add_argument("--from-json", default=None, help="measure nothing: render --report from the JSON of an earlier run")
 
     status = commands.add_parser("status", help="print the broker's services, workers, ranks and queues")
     status.add_argument("--broker", default="tcp://127.0.0.1:5555", help="the broker's trainer (frontend) endpoint")
@@ -150,11 +151,16 @@ def run_worker(args: argparse.Namespace) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     import tempfile
 
-    from draftfeed.bench.runner import SCENARIOS, format_table, run, to_json
+    from draftfeed.bench.runner import SCENARIOS, Row, format_table, run, to_json
 
+    if args.from_json:
+        data = json.loads(Path(args.from_json).read_text())
+        rows = [Row(**{k: v for k, v in row.items() if k != "ratio"}) for row in data["rows"]]
+        args.quick = data["quick"]
+    else:
+        with tempfile.TemporaryDirectory(prefix="draftfeed-bench-") as workdir:
+            rows = run(args.scenario or list(SCENARIOS), args.quick, Path(workdir))
     command = "draftfeed bench" + (" --quick" if args.quick else "")
-    with tempfile.TemporaryDirectory(prefix="draftfeed-bench-") as workdir:
-        rows = run(args.scenario or list(SCENARIOS), args.quick, Path(workdir))
     print(format_table(rows))
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(to_json(rows, args.quick), indent=2))

@@ -51,6 +51,7 @@ from draftfeed.schemas.tensor_codec import decode_tensors
 log = logging.getLogger("draftfeed.producer")
 
 _STOP = b"stop"
+_PACK = b"pack"  # caller -> IO thread: pack and send the request with this id
 # Control messages (hello, heartbeats, model info, mapping, status) that may be queued beside the window.
 _CONTROL_SLACK = 16
 _BUSY_RETRY_S = (0.05, 1.0)
@@ -61,9 +62,10 @@ class _Waiter:
     future: Future
     finish: Callable[[Any, dict[str, Any]], Any]
     holds_window_slot: bool
-    frames: list[Any]
+    build: Callable[[int, int], list[Any]]
     token: int
     resend: bool  # sent again after a broker restart (requests and queries; not status)
+    frames: list[Any] | None = None  # packed by the IO thread; kept for resending
     retry_at: float | None = None
     busy_retries: int = 0
 
@@ -109,6 +111,9 @@ class Connection:
         self._welcome = threading.Event()
         self.broker_instance: str | None = None
         self.broker_last_heard = time.monotonic()
+        self._hello: Hello  # built by the IO thread once its data socket is bound
+        self._liveness: tuple[float, int] | None = None  # the broker's heartbeat interval and liveness
+        self._needs_resync = False  # set when hello is sent again: the next welcome resends what is unanswered
         self.in_flight = 0
         self.peak_in_flight = 0
         pipe_endpoint = f"inproc://draftfeed-rank-{uuid.uuid4().hex}"
@@ -133,7 +138,11 @@ class Connection:
         resend: bool = True,
         is_mapping: bool = False,
     ) -> Future:
-        """Send ``build(request_id, token)``; the future gets ``finish(reply_header, tensors)`` or the error."""
+        """Send ``build(request_id, token)``; the future gets ``finish(reply_header, tensors)`` or the error.
+
+        ``build`` runs on the IO thread: tensors it packs must not change until the future is done
+        (they are sent zero-copy from their own memory).
+        """
         if self._broken is not None:
             raise RemoteTargetError(f"the connection to {self.broker} is broken: {self._broken}")
         if uses_window and not self._window.acquire(timeout=timeout_s):
@@ -142,9 +151,7 @@ class Connection:
                 "no worker answered; check `draftfeed status`"
             )
         request_id = next(self._ids)
-        token = self._random.getrandbits(63)
-        frames = build(request_id, token)
-        waiter = _Waiter(Future(), finish, uses_window, frames, token, resend)
+        waiter = _Waiter(Future(), finish, uses_window, build, self._random.getrandbits(63), resend)
         with self._lock:
             self._waiters[request_id] = waiter
             if is_mapping:
@@ -152,7 +159,8 @@ class Connection:
             if uses_window:
                 self.in_flight += 1
                 self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
-            self._pipe.send_multipart(frames, copy=False)
+            # The IO thread packs the message: the caller (a training loop) only hands it over.
+            self._pipe.send_multipart([_PACK, request_id.to_bytes(8, "little")])
         return waiter.future
 
     def expect(self, info: Any) -> None:
@@ -196,8 +204,11 @@ class Connection:
             control.connect(self.broker)
             control.send_multipart(pack(self._hello))
             self._serve(control, data, pipe)
-            control.send_multipart(pack(Bye()), flags=zmq.NOBLOCK)
-            control.close(linger=500)  # let the bye go out; the broker frees this rank's state at once
+            try:
+                control.send_multipart(pack(Bye()), flags=zmq.NOBLOCK)
+                control.close(linger=500)  # let the bye go out; the broker frees this rank's state at once
+            except zmq.Again:
+                pass  # the broker is unreachable: it forgets this rank after its liveness window
         except BaseException as exc:
             log.exception("draftfeed rank %s: IO thread failed", self.client_id)
             self._broken = exc
@@ -226,6 +237,9 @@ class Connection:
                         break
                     if len(frames) == 1 and frames[0].bytes == _STOP:
                         return
+                    if len(frames) == 2 and frames[0].bytes == _PACK:
+                        self._pack_and_send(int.from_bytes(frames[1].bytes, "little"), control)
+                        continue
                     control.send_multipart(frames, copy=False)
             now = time.monotonic()
             self._resend_busy(control, now)
@@ -239,9 +253,17 @@ class Connection:
                     self.broker_last_heard = now  # try again after another window
                 next_beat = now + interval
 
-    _liveness: tuple[float, int] | None = None
-    _needs_resync = False
-    _hello: Hello
+    def _pack_and_send(self, request_id: int, control: zmq.Socket) -> None:
+        with self._lock:
+            waiter = self._waiters.get(request_id)
+        if waiter is None:  # closed or failed meanwhile
+            return
+        try:
+            waiter.frames = waiter.build(request_id, waiter.token)
+        except Exception as exc:
+            self._resolve(request_id, error=RemoteTargetError(f"request {request_id} could not be packed: {exc}"))
+            return
+        control.send_multipart(waiter.frames, copy=False)
 
     def _drain(self, sock: zmq.Socket, handle: Callable[[list[Any]], None]) -> None:
         while True:
@@ -306,17 +328,19 @@ class Connection:
     def _resync(self, control: zmq.Socket, instance: str) -> None:
         """A new broker instance: send it the vocab mapping, then every unanswered request, in order."""
         with self._lock:
-            waiters = sorted((rid, w) for rid, w in self._waiters.items() if w.resend)
+            # Requests not packed yet go out when their turn in the pipe comes.
+            waiters = sorted((rid, w) for rid, w in self._waiters.items() if w.resend and w.frames is not None)
         self.stats.resyncs += 1
         log.warning("draftfeed rank %s: broker instance %s; resending %d unanswered requests", self.client_id, instance, len(waiters))
-        if self._mapping is not None and all(w is not self._mapping for _, w in waiters):
-            control.send_multipart(self._mapping.frames, copy=False)
+        mapping = self._mapping
+        if mapping is not None and mapping.frames is not None and all(w is not mapping for _, w in waiters):
+            control.send_multipart(mapping.frames, copy=False)
         for _request_id, waiter in waiters:
             control.send_multipart(waiter.frames, copy=False)
 
     def _resend_busy(self, control: zmq.Socket, now: float) -> None:
         with self._lock:
-            due = [w for w in self._waiters.values() if w.retry_at is not None and w.retry_at <= now]
+            due = [w for w in self._waiters.values() if w.retry_at is not None and w.retry_at <= now and w.frames is not None]
             for waiter in due:
                 waiter.retry_at = None
         for waiter in due:

@@ -32,6 +32,7 @@ from draftfeed.schemas.messages import (
     StatusQuery,
     Submit,
 )
+from draftfeed.schemas.tensor_codec import dtype_name
 from draftfeed.schemas.supervision import BATCH_KEYS, DSparkSupervision, Eagle3Supervision, Supervision
 
 log = logging.getLogger("draftfeed.producer")
@@ -124,11 +125,14 @@ class RemoteTarget(Generic[Sup, Info]):
 
     # ------------------------------------------------------------ supervision
     def generate_batch_async(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> Future:
-        """Send one batch; the future yields its supervision. Blocks while the prefetch window is full."""
+        """Send one batch; the future yields its supervision. Blocks while the prefetch window is full.
+
+        The tensors are sent from their own memory: do not modify them until the future is done."""
         sent = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
         for name, tensor in sent.items():
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+            dtype_name(tensor.dtype)  # raises here, not on the IO thread, for a dtype the codec cannot carry
 
         self._before_submit()
 
