@@ -13,6 +13,7 @@ broker already holds is ignored, so resends are idempotent.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -22,10 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from draftfeed.schemas.frames import pack
+from draftfeed.schemas.protocol import SIGNATURE
 from draftfeed.schemas.tensor_codec import DTYPES
 from draftfeed.schemas.messages import (
     Ack,
-    Dispatch,
     Done,
     DrainAck,
     DSparkTargetInfo,
@@ -87,6 +88,7 @@ class Pending:
     frames: list[Any]
     enqueued_at: float
     ticket: int = -1
+    request_json: bytes | None = None  # the request, encoded once for every dispatch of it
     attempts: int = 0  # dispatches so far
     failures: int = 0  # of those, handed back or lost with a dead worker (a poison batch must not kill every worker)
     excluded: set[bytes] = field(default_factory=set)
@@ -105,6 +107,7 @@ class ClientRecord:
     submitted: int = 0
     completed: int = 0
     mapping_digest: str | None = None
+    dispatch_fields: bytes | None = None  # this rank's part of every dispatch header, encoded once
 
 
 @dataclass
@@ -203,7 +206,7 @@ class BrokerState:
         if client is None:
             self.clients[peer] = ClientRecord(peer, hello, self.clock())
         else:  # the same rank again (its link flickered): keep its requests, take its new settings
-            client.hello, client.last_seen = hello, self.clock()
+            client.hello, client.last_seen, client.dispatch_fields = hello, self.clock(), None
         welcome = Welcome(broker=self.name, instance=self.instance, services=sorted(self.services), liveness=self.settings.liveness_message)
         return [to_client(peer, welcome)]
 
@@ -494,16 +497,22 @@ class BrokerState:
         worker.in_flight[pending.ticket] = pending
         worker.last_assigned = pending.ticket
         worker.clients_served.add(client.peer)
-        dispatch = Dispatch(
-            ticket=pending.ticket,
-            client=client.hello.client,
-            reply_to=client.hello.data_endpoint,
-            service=client.hello.service,
-            mapping_digest=digest,
-            request=pending.request,
-        )
-        out.append(to_worker(worker.peer, dispatch, pending.frames))
+        out.append(Outgoing("backend", worker.peer, [SIGNATURE, self._dispatch_header(pending, digest), *pending.frames]))
         return out
+
+    @staticmethod
+    def _dispatch_header(pending: Pending, digest: str | None) -> bytes:
+        """The ``dispatch`` header (messages.Dispatch) written directly: the hot path's one JSON document,
+        from the rank's fields (encoded once per rank) and the request (encoded once per request)."""
+        client = pending.client
+        if client.dispatch_fields is None:
+            hello = client.hello
+            client.dispatch_fields = json.dumps({"client": hello.client, "reply_to": hello.data_endpoint, "service": hello.service})[1:-1].encode()
+        if pending.request_json is None:
+            pending.request_json = pending.request.model_dump_json().encode()
+        return b'{"type":"dispatch","ticket":%d,%s,"mapping_digest":%s,"request":%s}' % (
+            pending.ticket, client.dispatch_fields, json.dumps(digest).encode(), pending.request_json,
+        )
 
     # ------------------------------------------------------------ time
     def on_tick(self) -> list[Outgoing]:

@@ -1,0 +1,148 @@
+"""The broker's policy on its own (no sockets): dispatch, credits, windows, requeues, refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftfeed.broker.state import BrokerSettings, BrokerState, ClientRecord, Pending
+from draftfeed.schemas.frames import unpack
+from draftfeed.schemas.messages import (
+    BACKEND_OUTBOUND,
+    FRONTEND_OUTBOUND,
+    Dispatch,
+    Done,
+    DSparkTargetInfo,
+    Eagle3TargetInfo,
+    ErrorReply,
+    Hello,
+    Register,
+    Submit,
+    TensorSpec,
+    WorkerHeartbeat,
+)
+
+INFO = Eagle3TargetInfo(num_hidden_layers=8, hidden_size=64, vocab_size=1000, aux_layer_ids=[1, 3, 4])
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def state(clock) -> BrokerState:
+    return BrokerState("test", BrokerSettings(heartbeat_interval_s=1.0, liveness=3, max_queued_per_service=4), clock)
+
+
+def register(state: BrokerState, name: str, capacity: int = 1, info=INFO):
+    return state.on_register(name.encode(), Register(worker=name, service="svc", task=info.task, engine="hf", info=info, capacity=capacity, host="h", pid=1))
+
+
+def hello(state: BrokerState, name: str, window: int = 2):
+    return state.on_hello(name.encode(), Hello(client=name, service="svc", data_endpoint=f"tcp://127.0.0.1:1/{name}", window=window, host="h", pid=1))
+
+
+def submit(state: BrokerState, client: str, request_id: int):
+    return state.on_submit(client.encode(), Submit(request_id=request_id, kind="eagle3", token=request_id + 100), [])
+
+
+def dispatches(out) -> list[tuple[bytes, Dispatch]]:
+    found = []
+    for item in out:
+        if item.side == "backend":
+            message, _ = unpack(item.frames, BACKEND_OUTBOUND)
+            if isinstance(message, Dispatch):
+                found.append((item.peer, message))
+    return found
+
+
+def errors(out) -> list[ErrorReply]:
+    return [m for m in (unpack(i.frames, FRONTEND_OUTBOUND)[0] for i in out if i.side == "frontend") if isinstance(m, ErrorReply)]
+
+
+def test_dispatch_header_is_the_dispatch_model():
+    client = ClientRecord(b"c", Hello(client='c"x', service="s\\1", data_endpoint="tcp://1.2.3.4:5", window=2, host="h", pid=1), 0.0)
+    request = Submit(request_id=3, kind="eagle3", token=9, tensors=[TensorSpec(name="input_ids", dtype="int64", shape=[1, 2])])
+    pending = Pending(client, request, [], 0.0, ticket=17)
+    for digest in (None, "abcdef0123456789"):
+        parsed = Dispatch.model_validate_json(BrokerState._dispatch_header(pending, digest))
+        assert parsed == Dispatch(ticket=17, client='c"x', reply_to="tcp://1.2.3.4:5", service="s\\1", mapping_digest=digest, request=request)
+
+
+def test_requests_go_to_the_worker_with_free_credits_and_wait_for_one(state):
+    register(state, "w1")
+    register(state, "w2")
+    hello(state, "r", window=4)
+    first = dispatches(submit(state, "r", 0)) + dispatches(submit(state, "r", 1))
+    assert sorted(peer for peer, _ in first) == [b"w1", b"w2"]
+    assert dispatches(submit(state, "r", 2)) == []  # both workers full: it queues
+    ticket = next(d.ticket for peer, d in first if peer == b"w1")
+    (peer, dispatch), = dispatches(state.on_done(b"w1", Done(ticket=ticket, ok=True)))
+    assert peer == b"w1" and dispatch.request.request_id == 2
+
+
+def test_a_dead_worker_requeues_under_a_new_ticket_and_its_late_done_is_ignored(state, clock):
+    register(state, "w1")
+    hello(state, "r")
+    (_, old), = dispatches(submit(state, "r", 0))
+    clock.now = 2.0
+    register(state, "w2")
+    state.on_client_heartbeat(b"r")
+    state.on_worker_heartbeat(b"w2", WorkerHeartbeat())
+    clock.now = 3.5  # w1 silent for 3.5 s > 3 s window; w2 and r heard at 2.0
+    (peer, new), = dispatches(state.on_tick())
+    assert peer == b"w2" and new.request.request_id == 0 and new.ticket != old.ticket
+    assert state.on_done(b"w2", Done(ticket=old.ticket, ok=True)) == []  # an old ticket matches nothing
+    assert state.clients[b"r"].outstanding == 1
+    state.on_done(b"w2", Done(ticket=new.ticket, ok=True))
+    assert state.clients[b"r"].outstanding == 0 and state.clients[b"r"].completed == 1
+
+
+def test_requests_past_the_window_are_parked_then_refused(state):
+    hello(state, "r", window=1)
+    submit(state, "r", 0)
+    assert submit(state, "r", 1) == []  # parked: sent after a result, before its done
+    (refusal,) = errors(submit(state, "r", 2))
+    assert refusal.request_id == 2 and "prefetch window is 1" in refusal.message
+    assert submit(state, "r", 0) == []  # a resend of a held request is ignored
+
+
+def test_a_full_service_queue_answers_busy(state):
+    for index in range(3):
+        hello(state, f"r{index}", window=2)
+    for index in range(2):
+        submit(state, f"r{index}", 0)
+        submit(state, f"r{index}", 1)
+    (busy,) = errors(submit(state, "r2", 0))
+    assert busy.code == "busy" and "limit" in busy.message
+
+
+def test_a_worker_of_another_target_is_refused(state):
+    register(state, "w1")
+    out = register(state, "w2", info=INFO.model_copy(update={"aux_layer_ids": [0, 3, 4]}))
+    (refusal,) = [unpack(i.frames, BACKEND_OUTBOUND)[0] for i in out]
+    assert isinstance(refusal, ErrorReply) and refusal.code == "refused" and "aux_layer_ids: worker has [0, 3, 4], service has [1, 3, 4]" in refusal.message
+    out = register(state, "w3", info=DSparkTargetInfo(num_hidden_layers=8, hidden_size=64, vocab_size=1000, target_layer_ids=[1, 2]))
+    assert "task: worker has 'dspark', service has 'eagle3'" in unpack(out[0].frames, BACKEND_OUTBOUND)[0].message
+    assert list(state.services["svc"].workers) == [b"w1"] and state.counters["workers_refused"] == 2
+
+
+def test_unknown_peers_are_told_to_introduce_themselves(state):
+    (reply,) = errors(submit(state, "stranger", 5))
+    assert reply.code == "unknown_peer" and reply.request_id == 5
+    (reply,) = [unpack(i.frames, BACKEND_OUTBOUND)[0] for i in state.on_done(b"ghost", Done(ticket=1, ok=True))]
+    assert reply.code == "unknown_peer"
+
+
+def test_a_hello_must_name_its_own_connection(state):
+    out = state.on_hello(b"someone-else", Hello(client="victim", service="svc", data_endpoint="tcp://x:1", window=2, host="h", pid=1))
+    (reply,) = errors(out)
+    assert "a rank speaks only for itself" in reply.message and b"someone-else" not in state.clients
