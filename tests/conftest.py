@@ -8,10 +8,12 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+import zmq
 
 from draftfeed.launch import processes
 
@@ -80,6 +82,22 @@ class Cluster:
     def stop(self) -> None:
         for process in [*self.workers, *self.others, self.broker]:
             process.stop(timeout_s=5)
+
+
+@contextmanager
+def raw_peer(endpoint: str, identity: bytes | None = None):
+    """A bare DEALER for speaking the protocol by hand (or breaking it); closed with linger 0 on exit."""
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if identity is not None:
+        sock.setsockopt(zmq.ROUTING_ID, identity)
+    sock.connect(endpoint)
+    try:
+        yield sock
+    finally:
+        sock.close(0)
+        context.term()
 
 
 def wait_until(condition, timeout_s: float = 30.0, what: str = "the condition", poll_s: float = 0.05):

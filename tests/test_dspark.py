@@ -6,9 +6,8 @@ import threading
 
 import pytest
 import torch
-import zmq
 
-from conftest import assert_supervision_equal, make_batch, reference_eagle3
+from conftest import assert_supervision_equal, make_batch, raw_peer, reference_eagle3
 from draftfeed import DSparkTargetInfo, Eagle3TargetInfo, RemoteDSparkTarget, RemoteEagle3Target
 from draftfeed.consumers.tasks.dspark import check_target_layer_ids, default_target_layer_ids
 from draftfeed.launch import processes
@@ -128,12 +127,7 @@ def test_a_rank_of_the_wrong_task_is_told_so(services):
         with pytest.raises(ValueError, match="serves dspark supervision"):
             target.generate_batch(**make_batch(1, 4, 1000, seed=0))
     # A peer that skips the check is refused by the broker.
-    context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.ROUTING_ID, b"skips-checks")
-    try:
-        sock.connect(services.frontend)
+    with raw_peer(services.frontend, b"skips-checks") as sock:
         sock.send_multipart(pack(Hello(client="skips-checks", service=DEFAULT, data_endpoint="tcp://127.0.0.1:9", window=1, host="h", pid=1)))
         sock.send_multipart(pack_tensors(Submit, make_batch(1, 4, 1000, seed=0), request_id=1, kind="eagle3"), copy=False)
         replies = []
@@ -143,9 +137,6 @@ def test_a_rank_of_the_wrong_task_is_told_so(services):
                 break
         assert isinstance(replies[-1], ErrorReply) and replies[-1].request_id == 1
         assert "serves dspark supervision, not eagle3" in replies[-1].message
-    finally:
-        sock.close(0)
-        context.term()
 
 
 FIELDS = {"num_hidden_layers": 6, "hidden_size": 32, "vocab_size": 900, "target_layer_ids": [1, 2, 3, 4, 5]}

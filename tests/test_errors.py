@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import zmq
 
-from conftest import assert_supervision_equal, make_batch, reference_eagle3
+from conftest import assert_supervision_equal, make_batch, raw_peer, reference_eagle3
 from draftfeed import RemoteEagle3Target, RemoteTargetError, RemoteTargetTimeout
 from draftfeed.launch import processes
 from draftfeed.schemas.frames import pack, unpack
@@ -68,11 +67,7 @@ def test_invalid_vocab_mapping_is_refused_at_the_rank(served, ids, mask, match):
 
 
 def test_broker_answers_junk_with_an_error_and_serves_on(served, tiny_model):
-    context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(served.frontend)
+    with raw_peer(served.frontend) as sock:
         for junk in ([b"GET / HTTP/1.1"], [b"draftfeed/1", b"{oops"], [b"draftfeed/9", b"{}"], [b"draftfeed/1", b'{"type": "done", "ticket": 1, "ok": true}']):
             sock.send_multipart(junk)
             assert sock.poll(10_000), f"no answer to {junk!r}"
@@ -86,9 +81,6 @@ def test_broker_answers_junk_with_an_error_and_serves_on(served, tiny_model):
         sock.send_multipart(pack(StatusQuery(request_id=9)))
         assert sock.poll(10_000)
         assert isinstance(unpack(sock.recv_multipart(), FRONTEND_OUTBOUND)[0], StatusReply)
-    finally:
-        sock.close(0)
-        context.term()
     batch = make_batch(1, 8, 1000, seed=1)
     with RemoteEagle3Target(served.frontend, SERVICE) as target:
         assert_supervision_equal(target.generate_batch(**batch), reference_eagle3(tiny_model, batch, [1, 3, 4]))

@@ -7,9 +7,8 @@ from concurrent.futures import Future
 
 import pytest
 import torch
-import zmq
 
-from conftest import make_batch, wait_until
+from conftest import make_batch, raw_peer, wait_until
 from draftfeed import RemoteEagle3Target, RemoteTargetTimeout
 from draftfeed.producers.connection import Connection
 from draftfeed.producers.prefetch import prefetch
@@ -70,12 +69,7 @@ def test_window_is_exact_when_nothing_is_served(served):
 
 
 def test_broker_refuses_a_rank_that_ignores_its_window(served):
-    context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.ROUTING_ID, b"greedy")
-    try:
-        sock.connect(served.frontend)
+    with raw_peer(served.frontend, b"greedy") as sock:
         sock.send_multipart(pack(Hello(client="greedy", service="nobody-serves-this-either", data_endpoint="tcp://127.0.0.1:1", window=1, host="h", pid=1)))
         assert sock.poll(10_000)
         assert isinstance(unpack(sock.recv_multipart(), FRONTEND_OUTBOUND)[0], Welcome)
@@ -86,9 +80,6 @@ def test_broker_refuses_a_rank_that_ignores_its_window(served):
         reply, _ = unpack(sock.recv_multipart(), FRONTEND_OUTBOUND)
         assert isinstance(reply, ErrorReply) and reply.request_id == 2
         assert "prefetch window is 1" in reply.message
-    finally:
-        sock.close(0)
-        context.term()
 
 
 def test_prefetch_yields_in_order_when_results_finish_out_of_order():

@@ -7,9 +7,10 @@ so a peer that sends a worker message to the trainer port gets a validation erro
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal, Union
+from typing import Annotated, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from typing_extensions import Self
 
 Name = Annotated[str, Field(min_length=1, max_length=256)]
 RequestId = Annotated[int, Field(ge=0, lt=2**63)]
@@ -57,38 +58,30 @@ class _TargetInfo(Strict):
             f"{name}: {mine} {getattr(self, name, None)!r}, {theirs} {getattr(other, name, None)!r}" for name in self.mismatched_fields(other)
         )
 
-    @staticmethod
-    def _text_config(config: object) -> object:
-        get_text_config = getattr(config, "get_text_config", None)
-        return get_text_config() if callable(get_text_config) else getattr(config, "text_config", None) or config
+    LAYER_FIELD: ClassVar[str]  # the field naming the layers this task's draft reads
+
+    @classmethod
+    def from_text_config(cls, text_config: object, layer_ids: list[int]) -> Self:
+        """From a transformers config (of a multimodal target, its text config is used) and the layer ids
+        the draft reads: the aux layers for EAGLE-3, the target layers for DSpark."""
+        get_text_config = getattr(text_config, "get_text_config", None)
+        config = get_text_config() if callable(get_text_config) else getattr(text_config, "text_config", None) or text_config
+        return cls(
+            num_hidden_layers=config.num_hidden_layers, hidden_size=config.hidden_size, vocab_size=config.vocab_size,
+            **{cls.LAYER_FIELD: list(layer_ids)},
+        )
 
 
 class Eagle3TargetInfo(_TargetInfo):
+    LAYER_FIELD: ClassVar[str] = "aux_layer_ids"
     task: Literal["eagle3"] = "eagle3"
     aux_layer_ids: Annotated[list[int], Field(min_length=3, max_length=3)]
 
-    @classmethod
-    def from_text_config(cls, text_config: object, aux_layer_ids: list[int]) -> "Eagle3TargetInfo":
-        """From a transformers config (a multimodal one's text config is used) and the aux layers the draft uses."""
-        config = cls._text_config(text_config)
-        return cls(
-            num_hidden_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-            vocab_size=config.vocab_size, aux_layer_ids=list(aux_layer_ids),
-        )
-
 
 class DSparkTargetInfo(_TargetInfo):
+    LAYER_FIELD: ClassVar[str] = "target_layer_ids"
     task: Literal["dspark"] = "dspark"
     target_layer_ids: Annotated[list[int], Field(min_length=1, max_length=256)]
-
-    @classmethod
-    def from_text_config(cls, text_config: object, target_layer_ids: list[int]) -> "DSparkTargetInfo":
-        """From a transformers config (a multimodal one's text config is used) and the target layers the draft reads."""
-        config = cls._text_config(text_config)
-        return cls(
-            num_hidden_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-            vocab_size=config.vocab_size, target_layer_ids=list(target_layer_ids),
-        )
 
 
 TargetInfo = Annotated[Union[Eagle3TargetInfo, DSparkTargetInfo], Field(discriminator="task")]
