@@ -42,7 +42,7 @@ def plot(rows: list[Row], path: Path) -> bool:
     return True
 
 
-def render(rows: list[Row], quick: bool, command: str, docs: Path) -> Path:
+def render(rows: list[Row], quick: bool, command: str, docs: Path, note: str | None = None) -> Path:
     docs.mkdir(parents=True, exist_ok=True)
     image = docs / "performance-data-plane.png"
     has_plot = plot(rows, image)
@@ -54,7 +54,7 @@ def render(rows: list[Row], quick: bool, command: str, docs: Path) -> Path:
 
 Numbers from `{command}`{' (quick mode: smaller payloads and fewer repetitions)' if quick else ''}, on this project's
 2-core build machine. Every value is measured beside its baseline in the same run; read the ratios, not the
-absolute figures (shared hosts are noisy). Regenerate with `draftfeed bench --report`.
+absolute figures (shared hosts are noisy). Regenerate with `draftfeed bench --report`.{chr(10) + chr(10) + "Note: " + note + "." if note else ""}
 
 ```
 {format_table(rows)}

@@ -156,8 +156,9 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
         rows = [Row(**{k: v for k, v in row.items() if k != "ratio"}) for row in data["rows"]]
-        args.quick = data["quick"]
+        args.quick, note = data["quick"], data.get("note")
     else:
+        note = None
         with tempfile.TemporaryDirectory(prefix="draftfeed-bench-") as workdir:
             rows = run(args.scenario or list(SCENARIOS), args.quick, Path(workdir))
     command = "draftfeed bench" + (" --quick" if args.quick else "")
@@ -167,7 +168,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.report:
         from draftfeed.bench.report import render
 
-        print(f"wrote {render(rows, args.quick, command, Path(args.docs))}")
+        print(f"wrote {render(rows, args.quick, command, Path(args.docs), note)}")
     return 0
 
 
