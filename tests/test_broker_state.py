@@ -146,3 +146,14 @@ def test_a_hello_must_name_its_own_connection(state):
     out = state.on_hello(b"someone-else", Hello(client="victim", service="svc", data_endpoint="tcp://x:1", window=2, host="h", pid=1))
     (reply,) = errors(out)
     assert "a rank speaks only for itself" in reply.message and b"someone-else" not in state.clients
+
+
+def test_requests_whose_frames_do_not_match_their_header_are_refused_before_queueing(state):
+    register(state, "w1")
+    hello(state, "r")
+    spec = TensorSpec(name="input_ids", dtype="int64", shape=[2, 3])
+    (short,) = errors(state.on_submit(b"r", Submit(request_id=1, kind="eagle3", tensors=[spec]), [b"\0" * 40]))
+    assert short.request_id == 1 and "needs 48 bytes but its frame holds 40" in short.message
+    (huge,) = errors(state.on_submit(b"r", Submit(request_id=2, kind="eagle3", tensors=[spec.model_copy(update={"shape": [1 << 30, 1 << 30]})]), [b""]))
+    assert "over the limit" in huge.message
+    assert state.clients[b"r"].outstanding == 0 and not state.services["svc"].queue

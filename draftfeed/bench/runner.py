@@ -18,9 +18,9 @@ import zmq
 
 from draftfeed.bench.synthetic import BYTES_PER_TOKEN, DRAFT_VOCAB, HIDDEN, tokens_for
 from draftfeed.launch import processes
-from draftfeed.schemas.frames import pack
+from draftfeed.schemas.frames import pack_tensors
 from draftfeed.schemas.messages import Result
-from draftfeed.schemas.tensor_codec import decode_tensors, encode_tensors
+from draftfeed.schemas.tensor_codec import DTYPES, decode_tensors, encode_tensors
 
 HUGETLB = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 MB = 1e6
@@ -74,7 +74,7 @@ def bench_codec(quick: bool) -> list[Row]:
 
     def encode() -> float:
         started = time.perf_counter()
-        pack(Result(request_id=0, kind="eagle3", worker="w", tensors=encode_tensors(tensors)[0]), encode_tensors(tensors)[1])
+        pack_tensors(Result, tensors, request_id=0, kind="eagle3", worker="w")
         return time.perf_counter() - started
 
     def blob_encode() -> float:
@@ -102,7 +102,7 @@ def bench_codec(quick: bool) -> list[Row]:
         raw = torch.frombuffer(bytearray(blob), dtype=torch.uint8)  # bytes are read-only: one copy
         offset = 0
         for spec in specs:
-            size = spec.numel() * torch.empty(0, dtype=getattr(torch, spec.dtype)).element_size()
+            size = spec.numel() * DTYPES[spec.dtype].itemsize
             raw[offset : offset + size].clone()
             offset += size
         return time.perf_counter() - started
@@ -119,7 +119,7 @@ def bench_codec(quick: bool) -> list[Row]:
 
 
 # ---------------------------------------------------------------- helpers for process scenarios
-def _probe(args: list[str], env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.Popen:
+def _probe(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "draftfeed.bench.probes", *args], stdout=subprocess.PIPE, text=True,
         env={**os.environ, **(env or {})},

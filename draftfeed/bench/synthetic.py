@@ -16,7 +16,7 @@ import torch
 
 from draftfeed.consumers.engines.base import TargetShape
 from draftfeed.consumers.worker import Worker, WorkerConfig
-from draftfeed.launch.cli import _ready
+from draftfeed.launch.cli import announce_ready
 from draftfeed.schemas.messages import Eagle3TargetInfo, LogitTransform
 
 # An 8B target's shape (Llama-3.1-8B: H = 4096, 32 layers) with a 32k draft vocabulary:
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     worker = Worker(SyntheticEagle3Task(args.tokens, args.compute_ms / 1000), WorkerConfig(args.broker, args.service, capacity=args.capacity, name=args.name))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.stop())
-    worker.run(on_ready=lambda: _ready(role="worker", worker=worker.name, service=args.service))
+    worker.run(on_ready=lambda: announce_ready(role="worker", worker=worker.name, service=args.service))
     return 0
 
 

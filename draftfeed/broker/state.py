@@ -24,7 +24,8 @@ from typing import Any, Literal
 
 from draftfeed.schemas.frames import pack
 from draftfeed.schemas.protocol import SIGNATURE
-from draftfeed.schemas.tensor_codec import DTYPES
+from draftfeed.schemas.errors import MalformedMessage
+from draftfeed.schemas.tensor_codec import check_frames
 from draftfeed.schemas.messages import (
     Ack,
     Done,
@@ -89,8 +90,7 @@ class Pending:
     enqueued_at: float
     ticket: int = -1
     request_json: bytes | None = None  # the request, encoded once for every dispatch of it
-    attempts: int = 0  # dispatches so far
-    failures: int = 0  # of those, handed back or lost with a dead worker (a poison batch must not kill every worker)
+    failures: int = 0  # dispatches handed back or lost with a dead worker (a poison batch must not kill every worker)
     excluded: set[bytes] = field(default_factory=set)
     last_error: str | None = None
 
@@ -234,12 +234,10 @@ class BrokerState:
         return self._enqueue(pending)
 
     def _refuse_submit(self, client: ClientRecord, submit: Submit, frames: list[Any]) -> tuple[str, str] | None:
-        if len(frames) != len(submit.tensors):
-            return "refused", f"header declares {len(submit.tensors)} tensors, message carries {len(frames)}"
-        for spec, frame in zip(submit.tensors, frames):
-            dtype = DTYPES.get(spec.dtype)
-            if dtype is None or spec.numel() * dtype.itemsize != len(frame):
-                return "refused", f"tensor {spec.name!r} ({spec.dtype} {spec.shape}) does not match its {len(frame)}-byte frame"
+        try:
+            check_frames(submit.tensors, frames)
+        except MalformedMessage as exc:
+            return "refused", str(exc)
         if client.outstanding >= client.hello.window and len(client.parked) >= client.hello.window:
             return "refused", (
                 f"rank {client.hello.client} has {client.outstanding + len(client.parked)} requests outstanding, "
@@ -264,8 +262,10 @@ class BrokerState:
         client, out = self._known_client(peer, message.request_id)
         if client is None:
             return out
-        if len(frames) != len(message.tensors):
-            return [to_client(peer, ErrorReply(request_id=message.request_id, message=f"header declares {len(message.tensors)} tensors, message carries {len(frames)}"))]
+        try:
+            check_frames(message.tensors, frames)
+        except MalformedMessage as exc:
+            return [to_client(peer, ErrorReply(request_id=message.request_id, message=str(exc)))]
         if client.mapping_digest != message.digest:
             out = self._release_mapping(client)
             record = self.mappings.get(message.digest)
@@ -380,10 +380,9 @@ class BrokerState:
         return out
 
     def on_draining(self, peer: bytes) -> list[Outgoing]:
-        worker, out = self._known_worker(peer)
-        if worker is None:
-            return [to_worker(peer, DrainAck())]
-        worker.draining = True
+        worker = self.workers.get(peer)
+        if worker is not None:
+            worker.draining = True
         return [to_worker(peer, DrainAck())]
 
     def on_worker_bye(self, peer: bytes) -> list[Outgoing]:
@@ -493,7 +492,6 @@ class BrokerState:
             worker.mappings_sent.add(digest)
         pending.ticket = self._next_ticket
         self._next_ticket += 1
-        pending.attempts += 1
         worker.in_flight[pending.ticket] = pending
         worker.last_assigned = pending.ticket
         worker.clients_served.add(client.peer)

@@ -93,7 +93,8 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
     worker.add_argument("--drain-timeout", type=float, default=10.0, help="on SIGTERM, seconds to wait for the broker to confirm the drain (default 10)")
 
 
-def _ready(**fields: str) -> None:
+def announce_ready(**fields: str) -> None:
+    """The line that process starters (launch/processes.py) wait for: the prefix, then JSON."""
     print(READY_PREFIX + json.dumps(fields), flush=True)
 
 
@@ -113,7 +114,7 @@ def run_broker(args: argparse.Namespace) -> int:
     broker = Broker(args.frontend, args.backend, name=args.name, settings=settings, drain_timeout_s=args.drain_timeout)
     frontend, backend = broker.bind()
     _stop_on_signals(broker.stop)
-    _ready(role="broker", frontend=frontend, backend=backend)
+    announce_ready(role="broker", frontend=frontend, backend=backend)
     broker.run()
     return 0
 
@@ -144,7 +145,7 @@ def run_worker(args: argparse.Namespace) -> int:
         send_timeout_s=args.send_timeout, connect_timeout_s=args.connect_timeout, register_timeout_s=args.register_timeout, drain_timeout_s=args.drain_timeout,
     ))
     _stop_on_signals(worker.stop)
-    worker.run(on_ready=lambda: _ready(role="worker", worker=worker.name, service=service))
+    worker.run(on_ready=lambda: announce_ready(role="worker", worker=worker.name, service=service))
     return 0
 
 

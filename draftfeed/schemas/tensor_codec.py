@@ -85,10 +85,23 @@ def decode_tensors(
 ) -> dict[str, torch.Tensor]:
     """Rebuild named tensors from header specs and received frames (zmq.Frame, bytes or memoryview).
 
-    Everything is checked before any tensor is built: frame count, dtype names, unique names,
-    declared sizes against the limits, and that each frame holds exactly shape x itemsize bytes.
-    Raises MalformedMessage with what is wrong.
+    Everything is checked (check_frames) before any tensor is built. Raises MalformedMessage with what is wrong.
     """
+    buffers = check_frames(specs, frames, max_tensor_bytes=max_tensor_bytes, max_message_bytes=max_message_bytes)
+    return {spec.name: _view(spec, buffer) for spec, buffer in zip(specs, buffers)}
+
+
+def check_frames(
+    specs: Sequence[TensorSpec],
+    frames: Sequence[Any],
+    *,
+    max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> list[memoryview]:
+    """The frames' buffers, once frame count, dtype names, unique names, declared sizes against the limits,
+    and each frame holding exactly shape x itemsize bytes are checked; nothing is allocated or copied.
+    Raises MalformedMessage with what is wrong. The broker checks requests with it, workers and ranks
+    decode with it."""
     if len(specs) > MAX_TENSORS_PER_MESSAGE:
         raise MalformedMessage(f"message declares {len(specs)} tensors; at most {MAX_TENSORS_PER_MESSAGE} are allowed")
     if len(specs) != len(frames):
@@ -117,7 +130,7 @@ def decode_tensors(
                 f"tensor {spec.name!r} ({spec.dtype} {spec.shape}) needs {nbytes} bytes but its frame holds {buffer.nbytes}"
             )
         buffers.append(buffer)
-    return {spec.name: _view(spec, buffer) for spec, buffer in zip(specs, buffers)}
+    return buffers
 
 
 def _view(spec: TensorSpec, buffer: memoryview) -> torch.Tensor:
