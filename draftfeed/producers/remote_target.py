@@ -268,13 +268,11 @@ class RemoteEagle3Target(RemoteTarget[Eagle3Supervision, Eagle3TargetInfo]):
 
     def _before_submit(self) -> None:
         """If the service's workers send the compact form, fetch the lm_head's draft rows once."""
-        if self._info is None:
-            self.model_info()
+        info = self.model_info()  # asked once; it also says which forms the workers send
         if "hidden" not in self._forms or self._compact is not None:
             return
         if self._mapping is None:
-            vocab = self.model_info().vocab_size
-            rows, mask = None, torch.ones(vocab, dtype=torch.bool)
+            rows, mask = None, torch.ones(info.vocab_size, dtype=torch.bool)
         else:
             rows, mask = self._mapping
         weight = self._fetch_weight("output_embeddings", rows)
