@@ -136,6 +136,11 @@ def make_batch(batch_size: int, seq_len: int, vocab_size: int, seed: int, ragged
     return {"input_ids": input_ids * attention_mask, "attention_mask": attention_mask, "loss_mask": loss_mask}
 
 
+def zero_padding(tensor: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The contract's padded positions: zeros, in every hidden state and in the logits."""
+    return tensor.masked_fill(attention_mask.unsqueeze(-1) == 0, 0)
+
+
 @torch.no_grad()
 def reference_eagle3(model, batch: dict[str, torch.Tensor], aux_layer_ids: list[int], selected_token_ids=None, selected_token_mask=None) -> dict[str, torch.Tensor]:
     """The supervision contract computed in-process, written from the contract text (not the worker's code).
@@ -150,8 +155,9 @@ def reference_eagle3(model, batch: dict[str, torch.Tensor], aux_layer_ids: list[
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False, output_hidden_states=True)
     finally:
         handle.remove()
-    layer_output = {i: out.hidden_states[i + 1] for i in range(last)} | {last: caught["last"]}
-    logits = out.logits
+    mask = batch["attention_mask"]
+    layer_output = {i: zero_padding(out.hidden_states[i + 1], mask) for i in range(last)} | {last: zero_padding(caught["last"], mask)}
+    logits = zero_padding(out.logits, mask)
     vocab = logits.shape[-1]
     if selected_token_ids is None:
         selected_token_ids = torch.arange(vocab)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_supervision_equal, make_batch, reference_eagle3
+from conftest import assert_supervision_equal, make_batch, reference_eagle3, zero_padding
 from draftfeed import RemoteEagle3Target
 
 pytestmark = pytest.mark.timeout(240)
@@ -85,10 +85,11 @@ def _reference_with_hooks(model, batch, aux_ids):
     def shift(t):
         return torch.cat([t[:, 1:], torch.zeros_like(t[:, :1])], dim=1)
 
-    shifted_logits = shift(logits)
+    mask = batch["attention_mask"]
+    shifted_logits = shift(zero_padding(logits, mask))
     shifted_loss = shift(batch["loss_mask"])
     return {
-        "aux_hidden_states": torch.cat([caught[i] for i in aux_ids], dim=-1),
+        "aux_hidden_states": torch.cat([zero_padding(caught[i], mask) for i in aux_ids], dim=-1),
         "target_probs": torch.softmax(shifted_logits.float(), dim=-1),
         "position_mask": (shifted_loss.bool() & torch.ones(1000, dtype=torch.bool)[shifted_logits.argmax(-1)]).unsqueeze(-1),
         "input_ids": shift(batch["input_ids"]),

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from conftest import assert_supervision_equal, make_batch, raw_peer, reference_eagle3
+from conftest import assert_supervision_equal, make_batch, raw_peer, reference_eagle3, zero_padding
 from draftfeed import DSparkTargetInfo, Eagle3TargetInfo, RemoteDSparkTarget, RemoteEagle3Target
 from draftfeed.consumers.tasks.dspark import check_target_layer_ids, default_target_layer_ids
 from draftfeed.launch import processes
@@ -34,7 +34,7 @@ def services(cluster, tiny_target):
 def reference_dspark(model, batch, layer_ids):
     """The contract in-process: -1 is output_hidden_states[0], L-1 the post-norm output_hidden_states[L], i the output of layer i."""
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False, output_hidden_states=True)
-    hidden = out.hidden_states
+    hidden = [zero_padding(h, batch["attention_mask"]) for h in out.hidden_states]
     last = len(hidden) - 2
 
     def layer(i: int) -> torch.Tensor:

@@ -1,7 +1,14 @@
-"""The engine interface: what a worker needs from whatever runs the frozen target."""
+"""The engine interface: what a worker needs from whatever runs the frozen target.
+
+Three engines implement it (``hf``, ``vllm``, ``sglang``); the tasks and the worker see only this
+interface. Layer semantics are the hf engine's (transformers' modules): "output of layer i" is what
+decoder layer i returns after its residual add; the embeddings are the input of decoder layer 0; the
+final hidden state is the final norm's output.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -19,7 +26,7 @@ class TargetShape:
 
 @dataclass(frozen=True)
 class Capture:
-    """What one forward must return besides nothing at all.
+    """What one forward must return.
 
     layer_ids: decoder layers whose output (what the layer returns, after its residual add) is wanted;
     embeddings: the input of decoder layer 0 (``output_hidden_states[0]`` in transformers);
@@ -46,12 +53,24 @@ class Engine(Protocol):
 
     name: str
     shape: TargetShape
-    device: torch.device
+    device: torch.device  # where forward's tensors land
     dtype: torch.dtype
     logit_transform: LogitTransform  # what the target applies to lm_head's output, for ranks that rebuild logits
 
+    def prepare(self, captures: Sequence[Capture]) -> None:
+        """Called once by the task, before any forward, with every capture it will ask for.
+
+        Engines that fix what they capture when they start (vllm, sglang) start here. Raises ValueError,
+        naming what cannot be captured and what to do instead, for a capture this engine cannot give.
+        """
+        ...
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture) -> ForwardOutput:
-        """One forward over the batch as given (``use_cache=False``), returning what ``capture`` asks for."""
+        """One forward over the batch [B, S], returning what ``capture`` asks for, each [B, S, ...].
+
+        Positions where ``attention_mask`` is 0 may hold anything; the tasks overwrite them
+        (``fill_padding``). Real positions must not depend on the other rows or on the padding.
+        """
         ...
 
     def input_embeddings(self) -> torch.Tensor:
@@ -61,3 +80,35 @@ class Engine(Protocol):
     def output_embeddings(self) -> torch.Tensor:
         """The output embedding (lm_head) weight [V, H]."""
         ...
+
+    def close(self) -> None:
+        """Release the engine's processes and memory; the engine is not used afterwards."""
+        ...
+
+
+def transform_logits(logits: torch.Tensor, transform: LogitTransform) -> torch.Tensor:
+    """Apply a target's logit scaling and soft-capping to lm_head's output: multiply, divide, soft-cap, in that order."""
+    if transform.multiply is not None:
+        logits = logits * transform.multiply
+    if transform.divide is not None:
+        logits = logits / transform.divide
+    if transform.softcap is not None:
+        logits = torch.tanh(logits / transform.softcap) * transform.softcap
+    return logits
+
+
+def fill_padding(out: ForwardOutput, attention_mask: torch.Tensor) -> ForwardOutput:
+    """Zero every tensor of ``out`` at the positions where ``attention_mask`` is 0, in place.
+
+    What a target computes for a padding token depends on the engine (transformers runs it, vLLM never
+    sees it), so every engine's padded positions are defined the same way: all zeros. Real positions are
+    untouched. A batch without padding costs one check.
+    """
+    if bool(attention_mask.all()):
+        return out
+    padding = (attention_mask == 0).unsqueeze(-1)
+    tensors = [*out.layer_outputs.values(), out.embeddings, out.final_hidden, out.logits]
+    for tensor in tensors:
+        if tensor is not None:
+            tensor.masked_fill_(padding.to(tensor.device), 0)
+    return out

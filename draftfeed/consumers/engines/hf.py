@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import ExitStack
 
 import torch
@@ -52,6 +53,12 @@ class HFEngine:
         decoder = text_decoder(self.model)
         self.layers: nn.ModuleList = decoder.layers
         self.final_norm: nn.Module | None = getattr(decoder, "norm", None)
+
+    def prepare(self, captures: Sequence[Capture]) -> None:
+        """Nothing to do: hooks are placed per forward, and every layer can be caught."""
+
+    def close(self) -> None:
+        """Nothing to release beyond what garbage collection frees."""
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture) -> ForwardOutput:

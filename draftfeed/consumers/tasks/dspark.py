@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from draftfeed.consumers.engines.base import Capture, Engine, TargetShape
+from draftfeed.consumers.engines.base import Capture, Engine, TargetShape, fill_padding
 from draftfeed.schemas.messages import DSparkTargetInfo
 
 DEFAULT_DRAFT_LAYERS = 5
@@ -54,6 +54,7 @@ class DSparkTask:
             embeddings=-1 in self.target_layer_ids,
             final_hidden=True,
         )
+        engine.prepare([self._capture])
 
     @property
     def shape(self) -> TargetShape:
@@ -76,7 +77,7 @@ class DSparkTask:
         input_ids and loss_mask are not shifted for DSpark, so the rank keeps its own copies; ``vocab``
         is not used (DSpark has no draft-vocab mapping).
         """
-        out = self.engine.forward(input_ids, attention_mask, self._capture)
+        out = fill_padding(self.engine.forward(input_ids, attention_mask, self._capture), attention_mask)
         assert out.final_hidden is not None
         last = self.shape.num_hidden_layers - 1
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from draftfeed.consumers.engines.base import Capture, Engine, TargetShape
+from draftfeed.consumers.engines.base import Capture, Engine, TargetShape, fill_padding, transform_logits
 from draftfeed.schemas.messages import Eagle3TargetInfo, LogitTransform, SupervisionForm
 
 
@@ -39,14 +39,7 @@ def shift_left(tensor: torch.Tensor) -> torch.Tensor:
 
 def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, transform: LogitTransform) -> torch.Tensor:
     """``hidden @ weight.T`` transformed as a target transforms its logits (multiply, divide, soft-cap, in that order)."""
-    logits = F.linear(hidden, weight.to(hidden.dtype))
-    if transform.multiply is not None:
-        logits = logits * transform.multiply
-    if transform.divide is not None:
-        logits = logits / transform.divide
-    if transform.softcap is not None:
-        logits = torch.tanh(logits / transform.softcap) * transform.softcap
-    return logits
+    return transform_logits(F.linear(hidden, weight.to(hidden.dtype)), transform)
 
 
 @torch.inference_mode()
@@ -124,6 +117,7 @@ class Eagle3Task:
             self.aux_layer_ids = check_aux_layer_ids(list(aux_layer_ids), layers, default=False)
         self._identity: VocabMap | None = None
         self._capture = Capture(layer_ids=tuple(self.aux_layer_ids), logits=True, final_hidden=supervision == "hidden")
+        engine.prepare([self._capture])
         self.logit_transform = verified_logit_transform(engine) if supervision == "hidden" else engine.logit_transform
 
     @property
@@ -148,7 +142,7 @@ class Eagle3Task:
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, vocab: VocabMap | None
     ) -> dict[str, torch.Tensor]:
         """Supervision tensors on the engine's device; the batch must already be validated."""
-        out = self.engine.forward(input_ids, attention_mask, self._capture)
+        out = fill_padding(self.engine.forward(input_ids, attention_mask, self._capture), attention_mask)
         assert out.logits is not None
         device = out.logits.device
         aux = [out.layer_outputs[i] for i in self.aux_layer_ids]
