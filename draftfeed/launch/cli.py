@@ -23,6 +23,17 @@ def _layer_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated layer ids like 1,15,28; got {text!r}") from None
 
 
+def _engine_option(text: str) -> tuple[str, object]:
+    """KEY=VALUE; VALUE is read as JSON when it parses (0.8, 2, true, {...}) and kept as a string otherwise."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip().isidentifier():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE like gpu_memory_utilization=0.8; got {text!r}")
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value
+
+
 def default_service_name(target: str, task: str) -> str:
     """``<target folder name>-<task>``, lower-cased, with anything but letters, digits, '.', '_' and '-' replaced."""
     base = Path(target.rstrip("/")).name or "target"
@@ -76,7 +87,8 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
     worker = roles.add_parser("worker", parents=[common], help="run a frozen target and serve its supervision")
     worker.add_argument("--broker", required=True, help="the broker's worker (backend) endpoint, e.g. tcp://HOST:5556")
     worker.add_argument("--target", required=True, help="the target model: a local folder or hub id that AutoModelForCausalLM loads")
-    worker.add_argument("--engine", default="hf", help="what runs the target: hf (transformers, the default) or package.module:Class for an engine of your own")
+    worker.add_argument("--engine", default="hf", help="what runs the target: hf (transformers, the default), vllm, sglang, or package.module:Class for an engine of your own (docs/engines.md)")
+    worker.add_argument("--engine-option", type=_engine_option, action="append", default=[], metavar="KEY=VALUE", help="an engine setting, repeatable; for vllm any vllm.LLM argument (gpu_memory_utilization=0.8, max_model_len=8192), for sglang any ServerArgs field")
     worker.add_argument("--task", default="eagle3", choices=["eagle3", "dspark"], help="which supervision to compute (default eagle3)")
     worker.add_argument("--service", default=None, help="the service name ranks ask for (default: <target folder>-<task>)")
     worker.add_argument("--device", default="cpu", help="torch device for the target, e.g. cuda:0 (default cpu)")
@@ -133,10 +145,15 @@ def run_worker(args: argparse.Namespace) -> int:
         print(f"draftfeed worker: {misplaced} does not apply to --task {args.task}", file=sys.stderr)
         return 2
     try:
-        engine = load_engine(args.engine, args.target, args.device, args.dtype)
+        engine = load_engine(args.engine, args.target, args.device, args.dtype, dict(args.engine_option))
+    except (ValueError, TypeError) as exc:
+        print(f"draftfeed worker: {exc}", file=sys.stderr)
+        return 2
+    try:
         layer_ids = args.aux_layer_ids if args.task == "eagle3" else args.target_layer_ids
         task = load_task(args.task, engine, layer_ids, args.draft_layers, args.supervision)
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:  # a bad layer id, or an engine option the engine's package rejects
+        engine.close()
         print(f"draftfeed worker: {exc}", file=sys.stderr)
         return 2
     service = args.service or default_service_name(args.target, args.task)
@@ -145,7 +162,10 @@ def run_worker(args: argparse.Namespace) -> int:
         send_timeout_s=args.send_timeout, connect_timeout_s=args.connect_timeout, register_timeout_s=args.register_timeout, drain_timeout_s=args.drain_timeout,
     ))
     _stop_on_signals(worker.stop)
-    worker.run(on_ready=lambda: announce_ready(role="worker", worker=worker.name, service=service))
+    try:
+        worker.run(on_ready=lambda: announce_ready(role="worker", worker=worker.name, service=service))
+    finally:
+        engine.close()
     return 0
 
 

