@@ -57,6 +57,16 @@ def test_worker_without_a_broker_fails_clearly(tiny_target):
     assert "no broker answered at tcp://127.0.0.1:1" in result.stderr
 
 
+def test_engine_options_are_checked_before_the_worker_starts(tiny_target):
+    base = ("-m", "draftfeed.launch", "worker", "--broker", "tcp://127.0.0.1:1", "--target", str(tiny_target))
+    result = run(*base, "--engine-option", "max_model_len=64")
+    assert result.returncode == 2 and "the hf engine takes no options" in result.stderr
+    result = run(*base, "--engine-option", "not an option")
+    assert result.returncode == 2 and "expected KEY=VALUE" in result.stderr
+    result = run(*base, "--engine", "sglang")
+    assert result.returncode == 2 and "sglang" in result.stderr and "own virtual environment" in result.stderr
+
+
 def test_status_of_a_running_broker(cluster):
     result = run("-m", "draftfeed", "status", "--broker", cluster.frontend, "--json")
     assert result.returncode == 0, result.stderr

@@ -1,0 +1,331 @@
+"""The sglang engine: the target under sglang's ``ModelRunner``, aux layers caught by its EAGLE-3 capture.
+
+sglang is driven in-process, below its server, through internal interfaces that move between releases;
+the engine is written against sglang 0.5.9 and refuses other versions at start (``SGLANG``; set
+DRAFTFEED_SKIP_ENGINE_VERSION_CHECK=1 to try anyway). What it uses, and nothing else:
+
+- ``sglang.srt.server_args.ServerArgs`` (``model_path``, ``dtype``, ``device``, ``enable_return_hidden_states``,
+  ``disable_cuda_graph``, ``disable_radix_cache``, ``page_size``, ``mem_fraction_static``, ``tp_size``, ``ep_size``
+  and any other field the user passes as ``--engine-option``);
+- ``sglang.srt.configs.model_config.ModelConfig.from_server_args``;
+- ``sglang.srt.model_executor.model_runner.ModelRunner(model_config=, mem_fraction_static=, gpu_id=, tp_rank=,
+  tp_size=, moe_ep_rank=, moe_ep_size=, pp_rank=, pp_size=, nccl_port=, server_args=, is_draft_worker=)``,
+  which sets up its own one-rank torch.distributed group (``init_distributed_environment`` and
+  ``initialize_model_parallel``) on ``nccl_port``, and its ``model``, ``model_config``, ``req_to_token_pool``,
+  ``token_to_kv_pool_allocator`` and ``forward(forward_batch).logits_output``;
+- the model's ``set_eagle3_layers_to_capture(ids)``, ``logits_processor`` (a ``LogitsProcessor``, whose
+  ``_get_logits(hidden_states, lm_head, logits_metadata)`` applies lm_head, the vocab cut and the model's
+  logit scaling or soft-capping), ``model.embed_tokens`` and ``lm_head``;
+- ``sglang.srt.layers.logits_processor.LogitsMetadata.from_forward_batch``;
+- ``sglang.srt.managers.schedule_batch.Req`` and ``ScheduleBatch.init_new(...).prepare_for_extend()``,
+  ``get_model_worker_batch()``; ``sglang.srt.mem_cache.radix_cache.RadixCache`` with
+  ``sglang.srt.mem_cache.cache_init_params.CacheInitParams`` (disabled: no prefix sharing between requests);
+- ``sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new`` and ``CaptureHiddenMode.FULL``;
+- ``sglang.srt.sampling.sampling_params.SamplingParams``, ``sglang.srt.speculative.spec_info.SpeculativeAlgorithm``;
+- ``sglang.srt.distributed.parallel_state.destroy_model_parallel`` / ``destroy_distributed_environment`` at close.
+
+Layer semantics. sglang's ``set_eagle3_layers_to_capture(ids)`` stores ``hidden_states + residual`` entering
+decoder layer id + 1, which is what transformers' layer id returns, so HF layer ids are passed unchanged.
+What sglang cannot give, and this engine refuses in ``prepare`` (use the hf or vllm engine instead):
+
+- the last layer L - 1 (there is no layer L to enter);
+- the embeddings (DSpark's layer id -1);
+- the post-norm final hidden state (``--supervision hidden``, and DSpark, whose ``target_last_hidden_states``
+  is that state): with aux layers captured, sglang's logits processor stores them instead of it.
+
+Logits over every position: with ``CaptureHiddenMode.FULL`` the logits processor sees the post-norm hidden
+state of every token; the engine wraps it (``FullLogits``) and keeps ``_get_logits`` of all positions, i.e.
+sglang's own lm_head, scaling and soft-capping, not a rebuild.
+
+Each row of a batch runs as its own request holding only its real tokens (attention_mask 1, in order);
+results go back to those positions of zero tensors, and the request and KV pools are cleared after each.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from draftfeed.consumers.engines.base import Capture, ForwardOutput, TargetShape
+from draftfeed.consumers.engines.hf import resolve_dtype
+from draftfeed.consumers.engines.packages import EnginePackage, import_engine_package
+from draftfeed.schemas.messages import LogitTransform
+
+log = logging.getLogger(__name__)
+
+SGLANG = EnginePackage(module="sglang", distributions="sglang", minimum=(0, 5, 9), below=(0, 6))
+# ServerArgs fields the engine sets itself; every other --engine-option goes to ServerArgs unchanged.
+OWN_OPTIONS = ("model_path", "dtype", "device", "enable_return_hidden_states", "disable_cuda_graph", "disable_radix_cache")
+INSTEAD = "use --engine hf or vllm"
+
+
+def refusal(capture: Capture, num_hidden_layers: int) -> str | None:
+    """Why sglang cannot give ``capture``, or None when it can."""
+    last = num_hidden_layers - 1
+    if capture.embeddings:
+        return (
+            "the sglang engine cannot capture the embeddings (the input of decoder layer 0, DSpark's layer id -1): "
+            f"sglang's EAGLE-3 capture only holds the inputs of layers 1..{last}; {INSTEAD}"
+        )
+    if capture.final_hidden:
+        return (
+            "the sglang engine cannot capture the post-norm final hidden state (final_hidden: --supervision hidden, "
+            f"and DSpark's target_last_hidden_states and layer id {last}): with aux layers captured sglang stores "
+            f"them in its place; {INSTEAD}"
+        )
+    bad = [i for i in capture.layer_ids if not 0 <= i < last]
+    if bad:
+        return (
+            f"the sglang engine cannot capture layer ids {bad} of a {num_hidden_layers}-layer target: sglang captures "
+            f"the input of layer id + 1, so only ids 0..{last - 1} exist (not the last layer {last}); {INSTEAD}"
+        )
+    return None
+
+
+def free_port() -> int:
+    """A free local TCP port for sglang's one-rank torch.distributed group."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class FullLogits(nn.Module):
+    """Stands in for the model's logits processor: passes its output through unchanged and, while
+    ``keep`` is set, also keeps the logits over every position (sglang's own ``_get_logits``)."""
+
+    def __init__(self, inner: nn.Module, metadata_class: Any) -> None:
+        super().__init__()
+        self.inner = inner
+        self.metadata_class = metadata_class
+        self.keep = False
+        self.logits: torch.Tensor | None = None
+
+    def forward(self, input_ids: Any, hidden_states: torch.Tensor, lm_head: nn.Module, logits_metadata: Any, *args: Any, **kwargs: Any) -> Any:
+        output = self.inner(input_ids, hidden_states, lm_head, logits_metadata, *args, **kwargs)
+        if self.keep:
+            metadata = logits_metadata
+            if not isinstance(metadata, self.metadata_class):
+                metadata = self.metadata_class.from_forward_batch(logits_metadata)
+            self.logits = self.inner._get_logits(hidden_states, lm_head, metadata)
+        return output
+
+    def take(self) -> torch.Tensor:
+        logits, self.logits = self.logits, None
+        if logits is None:
+            raise RuntimeError("sglang's logits processor was not called during the forward")
+        return logits
+
+
+class SGLangEngine:
+    """An sglang ``ModelRunner`` started once the task has said what it will capture (``prepare``)."""
+
+    name = "sglang"
+
+    def __init__(self, target: str, device: str = "cuda", dtype: str = "auto", **server_options: Any) -> None:
+        self._sglang = import_engine_package(SGLANG)
+        from transformers import AutoConfig
+
+        self.target = target
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        clashes = sorted(set(server_options) & set(OWN_OPTIONS))
+        if clashes:
+            raise ValueError(f"--engine-option {', '.join(clashes)}: the sglang engine sets these itself; leave them out")
+        self.server_options = server_options
+        text_config = AutoConfig.from_pretrained(target).get_text_config()
+        self.shape = TargetShape(
+            num_hidden_layers=text_config.num_hidden_layers,
+            hidden_size=text_config.hidden_size,
+            vocab_size=text_config.vocab_size,
+        )
+        self.logit_transform = LogitTransform.from_text_config(text_config)
+        self._ids: tuple[int, ...] = ()
+        self._runner: Any = None
+        self._logits: FullLogits | None = None
+        self._requests = 0
+
+    # ---------------------------------------------------------------- start
+    def prepare(self, captures: Sequence[Capture]) -> None:
+        for capture in captures:
+            reason = refusal(capture, self.shape.num_hidden_layers)
+            if reason is not None:
+                raise ValueError(reason)
+        ids = tuple(sorted({i for capture in captures for i in capture.layer_ids} | set(self._ids)))
+        if self._runner is None:
+            self._start()
+        if ids != self._ids and ids:
+            self._runner.model.set_eagle3_layers_to_capture(list(ids))
+        self._ids = ids
+
+    def _start(self) -> None:
+        from sglang.srt.configs.model_config import ModelConfig
+        from sglang.srt.layers.logits_processor import LogitsMetadata
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.radix_cache import RadixCache
+        from sglang.srt.model_executor.model_runner import ModelRunner
+        from sglang.srt.server_args import ServerArgs
+
+        args = ServerArgs(
+            model_path=self.target,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=self.device.type,
+            enable_return_hidden_states=True,
+            disable_cuda_graph=True,  # one extend per request, of any length
+            disable_radix_cache=True,  # no prefix sharing between requests
+            **self.server_options,
+        )
+        if args.tp_size != 1 or args.pp_size != 1:
+            raise ValueError("the sglang engine runs one rank (tp_size=1, pp_size=1): start one worker per GPU instead")
+        log.info("sglang engine: starting sglang %s on %s", self._sglang.__version__, self.target)
+        runner = ModelRunner(
+            model_config=ModelConfig.from_server_args(args),
+            mem_fraction_static=args.mem_fraction_static,
+            gpu_id=self.device.index or 0,
+            tp_rank=0,
+            tp_size=1,
+            moe_ep_rank=0,
+            moe_ep_size=args.ep_size,
+            pp_rank=0,
+            pp_size=1,
+            nccl_port=free_port(),
+            server_args=args,
+            is_draft_worker=False,
+        )
+        processor = getattr(runner.model, "logits_processor", None)
+        if not isinstance(processor, nn.Module):
+            raise ValueError(f"sglang's {type(runner.model).__name__} has no logits_processor module; the sglang engine reads full logits from it; {INSTEAD}")
+        if not hasattr(runner.model, "set_eagle3_layers_to_capture"):
+            raise ValueError(f"sglang's {type(runner.model).__name__} has no EAGLE-3 layer capture (set_eagle3_layers_to_capture); {INSTEAD}")
+        self._logits = FullLogits(processor, LogitsMetadata)
+        runner.model.logits_processor = self._logits
+        self._tree_cache = RadixCache(
+            CacheInitParams(
+                disable=True,
+                req_to_token_pool=runner.req_to_token_pool,
+                token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
+                page_size=args.page_size,
+            )
+        )
+        self._runner = runner
+
+    # ---------------------------------------------------------------- forward
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture) -> ForwardOutput:
+        if self._runner is None:
+            raise RuntimeError("SGLangEngine.forward before prepare(): the task starts the engine")
+        reason = refusal(capture, self.shape.num_hidden_layers)
+        if reason is not None:
+            raise ValueError(reason)
+        if not set(capture.layer_ids) <= set(self._ids):
+            raise ValueError(f"layer ids {sorted(set(capture.layer_ids) - set(self._ids))} were not prepared")
+        batch, seq = input_ids.shape
+        hidden = self.shape.hidden_size
+        out = ForwardOutput(layer_outputs={i: torch.zeros(batch, seq, hidden, dtype=self.dtype, device=self.device) for i in capture.layer_ids})
+        for row in range(batch):
+            positions = torch.nonzero(attention_mask[row], as_tuple=True)[0]
+            if not len(positions):
+                continue
+            aux, logits = self._extend(input_ids[row, positions].tolist(), want_logits=capture.logits)
+            positions = positions.to(self.device)
+            for i in capture.layer_ids:
+                out.layer_outputs[i][row, positions] = aux[i].to(self.device, self.dtype)
+            if logits is not None:
+                if out.logits is None:
+                    out.logits = torch.zeros(batch, seq, logits.shape[-1], dtype=logits.dtype, device=self.device)
+                out.logits[row, positions] = logits.to(self.device)
+        if capture.logits and out.logits is None:  # no real token in the batch
+            out.logits = torch.zeros(batch, seq, self.shape.vocab_size, dtype=self.dtype, device=self.device)
+        return out
+
+    def _extend(self, tokens: list[int], want_logits: bool) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
+        """One request's prefill: the captured layers {id: [n, H]} and, when wanted, its logits [n, V]."""
+        from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
+        from sglang.srt.sampling.sampling_params import SamplingParams
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        runner, head = self._runner, self._logits
+        assert head is not None
+        self._requests += 1
+        req = Req(
+            rid=f"draftfeed-{self._requests}",
+            origin_input_text="",
+            origin_input_ids=tokens,
+            sampling_params=SamplingParams(temperature=0, max_new_tokens=1),
+        )
+        req.fill_ids = req.origin_input_ids
+        req.extend_input_len = len(req.fill_ids) - len(req.prefix_indices)
+        req.logprob_start_len = len(tokens) - 1
+        head.keep = want_logits
+        try:
+            batch = ScheduleBatch.init_new(
+                reqs=[req],
+                req_to_token_pool=runner.req_to_token_pool,
+                token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
+                tree_cache=self._tree_cache,
+                model_config=runner.model_config,
+                enable_overlap=False,
+                spec_algorithm=SpeculativeAlgorithm.NONE,
+            )
+            batch.prepare_for_extend()
+            forward_batch = ForwardBatch.init_new(batch.get_model_worker_batch(), runner)
+            forward_batch.capture_hidden_mode = CaptureHiddenMode.FULL
+            output = runner.forward(forward_batch).logits_output
+            logits = head.take() if want_logits else None
+        finally:
+            head.keep = False
+            head.logits = None
+            runner.req_to_token_pool.clear()
+            runner.token_to_kv_pool_allocator.clear()
+        aux: dict[int, torch.Tensor] = {}
+        if self._ids:
+            stored = output.hidden_states  # the captured layers, in increasing id order, concatenated: [n, len(ids) * H]
+            expected = (len(tokens), len(self._ids) * self.shape.hidden_size)
+            if stored is None or tuple(stored.shape) != expected:
+                got = None if stored is None else tuple(stored.shape)
+                raise RuntimeError(f"sglang returned captured hidden states of shape {got}; expected {expected} for ids {list(self._ids)}")
+            aux = dict(zip(self._ids, stored.split(self.shape.hidden_size, dim=-1)))
+        if logits is not None and tuple(logits.shape) != (len(tokens), self.shape.vocab_size):
+            raise RuntimeError(f"sglang's logits have shape {tuple(logits.shape)}; expected {(len(tokens), self.shape.vocab_size)}")
+        return aux, logits
+
+    # ---------------------------------------------------------------- weights, close
+    def _weight(self, path: str) -> torch.Tensor:
+        if self._runner is None:
+            raise RuntimeError(f"SGLangEngine: {path} is read from sglang's model, which starts in prepare()")
+        module: Any = self._runner.model
+        for part in path.split("."):
+            module = getattr(module, part, None)
+        if not isinstance(module, torch.Tensor):
+            raise ValueError(f"sglang's {type(self._runner.model).__name__} has no {path}; the sglang engine reads the target's embeddings there; {INSTEAD}")
+        weight = module.detach()[: self.shape.vocab_size]  # sglang pads the vocab of its lm_head
+        if tuple(weight.shape) != (self.shape.vocab_size, self.shape.hidden_size):
+            raise ValueError(f"sglang's {path} has shape {tuple(module.shape)}, not [{self.shape.vocab_size}, {self.shape.hidden_size}]")
+        return weight.to(self.device)
+
+    def input_embeddings(self) -> torch.Tensor:
+        return self._weight("model.embed_tokens.weight")
+
+    def output_embeddings(self) -> torch.Tensor:
+        return self._weight("lm_head.weight")
+
+    def close(self) -> None:
+        if self._runner is None:
+            return
+        self._runner = None
+        self._logits = None
+        self._tree_cache = None
+        try:
+            from sglang.srt.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+            destroy_model_parallel()
+            destroy_distributed_environment()
+        except Exception as exc:  # closing must not fail the worker's shutdown
+            log.warning("sglang engine: could not tear down sglang's process groups: %s", exc)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

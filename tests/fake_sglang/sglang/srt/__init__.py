@@ -1,0 +1,1 @@
+"""Fake sglang (see sglang/__init__.py)."""

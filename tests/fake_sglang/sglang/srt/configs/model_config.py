@@ -1,0 +1,1 @@
+from sglang._fake import ModelConfig  # noqa: F401

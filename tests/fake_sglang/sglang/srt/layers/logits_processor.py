@@ -1,0 +1,1 @@
+from sglang._fake import LogitsMetadata, LogitsProcessor, LogitsProcessorOutput  # noqa: F401

@@ -1,0 +1,1 @@
+from sglang._fake import Req, ScheduleBatch  # noqa: F401

@@ -1,0 +1,1 @@
+from sglang._fake import CacheInitParams  # noqa: F401

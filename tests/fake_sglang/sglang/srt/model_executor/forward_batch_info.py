@@ -1,0 +1,1 @@
+from sglang._fake import CaptureHiddenMode, ForwardBatch  # noqa: F401

@@ -1,0 +1,1 @@
+from sglang._fake import ModelRunner, ModelRunnerOutput  # noqa: F401

@@ -1,0 +1,1 @@
+from sglang._fake import SamplingParams  # noqa: F401

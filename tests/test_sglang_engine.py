@@ -1,0 +1,141 @@
+"""The sglang engine, run against a FAKE sglang (tests/fake_sglang), since sglang cannot be installed here.
+
+The fake has the module paths, names and call signatures the adapter uses (sglang 0.5.9's), and copies
+sglang's capture semantics (``set_eagle3_layers_to_capture(ids)`` keeps what enters layer id + 1; the
+logits processor stores the aux states under ``CaptureHiddenMode.FULL``), computed with transformers on CPU.
+
+What this proves: the adapter's own logic, i.e. one request per row holding only its real tokens,
+results put back at the right positions, HF layer ids passed through unchanged, full logits taken from
+the logits processor, pools cleared between requests, the refusals and the version gate. What it does
+NOT prove: that the real sglang's internals have these signatures and behave this way (they move between
+versions), nor sglang's numerics on a GPU; that needs a run against a real sglang install.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_batch
+from draftfeed.consumers.engines import load_engine
+from draftfeed.consumers.engines.base import Capture
+from draftfeed.consumers.tasks import load_task
+
+FAKE = str(Path(__file__).parent / "fake_sglang")
+LAYERS = 6
+AUX_IDS = [0, 2, 4]
+
+
+def forget_sglang() -> None:
+    for name in [name for name in sys.modules if name == "sglang" or name.startswith("sglang.")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def fake_sglang(monkeypatch):
+    forget_sglang()
+    monkeypatch.syspath_prepend(FAKE)
+    import sglang
+
+    assert "fake" in (sglang.__doc__ or "").lower()
+    yield sglang
+    forget_sglang()
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    from draftfeed.tiny import build_tiny_target
+
+    return build_tiny_target(tmp_path_factory.mktemp("sglang") / "tiny", num_hidden_layers=LAYERS, hidden_size=64, vocab_size=512)
+
+
+@pytest.fixture
+def engine(fake_sglang, target):
+    from draftfeed.consumers.engines.sglang import SGLangEngine
+
+    engine = SGLangEngine(str(target), device="cpu", dtype="float32")
+    yield engine
+    engine.close()
+
+
+def test_eagle3_supervision_equals_hf(engine, target):
+    hf = load_engine("hf", str(target), "cpu", "float32")
+    batch = make_batch(3, 24, 512, seed=3)
+    assert not bool(batch["attention_mask"].all())  # padded rows
+    args = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None)
+    task = load_task("eagle3", engine, AUX_IDS)
+    expected = load_task("eagle3", hf, AUX_IDS).compute(*args)
+    for _ in range(2):  # a second batch runs only if the pools were cleared
+        got = task.compute(*args)
+        assert set(got) == set(expected)
+        for name, tensor in expected.items():
+            assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+            assert torch.allclose(got[name].float(), tensor.float(), rtol=0, atol=1e-6), name
+    assert engine.shape.num_hidden_layers == LAYERS and engine.shape.vocab_size == 512
+    assert torch.equal(engine.input_embeddings(), hf.input_embeddings())
+    assert torch.equal(engine.output_embeddings(), hf.output_embeddings())
+
+
+def test_padding_and_empty_rows_are_zero(engine):
+    engine.prepare([Capture(layer_ids=(1,), logits=True)])
+    ids = torch.tensor([[5, 6, 7, 0], [0, 0, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0]])
+    out = engine.forward(ids, mask, Capture(layer_ids=(1,), logits=True))
+    assert out.logits is not None and out.logits.shape == (2, 4, 512)
+    assert not out.logits[0, :3].eq(0).all()
+    assert out.logits[0, 3].eq(0).all() and out.logits[1].eq(0).all()
+    assert out.layer_outputs[1][1].eq(0).all()
+
+
+def test_refuses_hidden_supervision(engine):
+    with pytest.raises(ValueError, match=r"post-norm final hidden state.*use --engine hf or vllm"):
+        load_task("eagle3", engine, AUX_IDS, supervision="hidden")
+
+
+@pytest.mark.parametrize(("ids", "match"), [([-1, 1, 2], r"embeddings.*-1.*use --engine hf or vllm"), ([1, 2, LAYERS - 1], rf"final hidden state.*{LAYERS - 1}.*use --engine hf or vllm")])
+def test_refuses_dspark_edges(engine, ids, match):
+    with pytest.raises(ValueError, match=match):
+        load_task("dspark", engine, ids)
+
+
+def test_refuses_last_aux_layer(engine):
+    with pytest.raises(ValueError, match=rf"cannot capture layer ids \[{LAYERS - 1}\].*use --engine hf or vllm"):
+        load_task("eagle3", engine, [0, 2, LAYERS - 1])
+
+
+def test_missing_sglang_is_a_clear_error(monkeypatch, target):
+    forget_sglang()
+    monkeypatch.setitem(sys.modules, "sglang", None)  # import sglang fails, whatever is installed
+    from draftfeed.consumers.engines.sglang import SGLangEngine
+
+    with pytest.raises(ValueError, match=r"needs sglang.*sglang >=0\.5\.9,<0\.6"):
+        SGLangEngine(str(target), device="cpu")
+
+
+def test_wrong_version_is_refused(fake_sglang, monkeypatch, target):
+    from draftfeed.consumers.engines.sglang import SGLangEngine
+
+    monkeypatch.setattr(fake_sglang, "__version__", "0.4.0")
+    monkeypatch.delenv("DRAFTFEED_SKIP_ENGINE_VERSION_CHECK", raising=False)
+    with pytest.raises(ValueError, match=r"sglang 0\.4\.0 is installed.*>=0\.5\.9,<0\.6"):
+        SGLangEngine(str(target), device="cpu")
+
+
+def test_own_options_are_refused(fake_sglang, target):
+    from draftfeed.consumers.engines.sglang import SGLangEngine
+
+    with pytest.raises(ValueError, match="sets these itself"):
+        SGLangEngine(str(target), device="cpu", model_path="x")
+
+
+def test_close_tears_down(engine, fake_sglang):
+    from sglang._fake import DESTROYED
+
+    engine.prepare([Capture(layer_ids=(0,), logits=True)])
+    DESTROYED.clear()
+    engine.close()
+    assert DESTROYED == ["model_parallel", "distributed_environment"]
+    engine.close()  # a second close does nothing
