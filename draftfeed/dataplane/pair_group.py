@@ -1,0 +1,118 @@
+"""Tensors from one worker to one rank over a dedicated two-rank torch.distributed group.
+
+The group is the pair's own: its rendezvous is a ``TCPStore`` the worker (rank 0, the sender) hosts on a
+free port, and it is built with the backend's process-group class directly, so it never touches the
+training job's default process group and needs nothing but torch on the rank's side. The tensors' names,
+dtypes and shapes travel ahead on ZeroMQ (``TensorSpec``, as for frames), so the receiver allocates before
+it receives. Every tensor is sent as its raw bytes (a flat uint8 view) and viewed back as its dtype, so
+dtypes a backend does not carry (bool, bfloat16 on some) arrive bit for bit.
+
+A send or receive that fails or passes its timeout leaves the group out of step: the caller must
+``close()`` it (which aborts the group) and never send on it again; a new group, with a new generation,
+is built for the next attempt. Issue 7 wires this into the worker and the ranks; this module is the
+transport alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from draftfeed.schemas.messages import TensorSpec
+from draftfeed.schemas.tensor_codec import DTYPES, dtype_name
+
+BACKENDS = ("gloo", "nccl")
+SENDER, RECEIVER = 0, 1
+
+
+class DataPlaneError(RuntimeError):
+    """The pair's group failed (a peer died, a timeout, a backend error); it must be closed, not reused."""
+
+
+def host_store(host: str = "127.0.0.1", timeout_s: float = 30.0) -> dist.TCPStore:
+    """The sender's rendezvous store on a free port (``store.port``), returned without waiting for the receiver."""
+    return dist.TCPStore(host, 0, world_size=2, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def join_store(host: str, port: int, timeout_s: float = 30.0) -> dist.TCPStore:
+    """The receiver's client of the sender's store."""
+    return dist.TCPStore(host, port, world_size=2, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def describe(tensors: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
+    """What the receiver needs to allocate, in sending order."""
+    return [TensorSpec(name=name, dtype=dtype_name(tensor.dtype), shape=list(tensor.shape)) for name, tensor in tensors.items()]
+
+
+class PairGroup:
+    """One worker-rank pair's two-rank group: rank 0 sends, rank 1 receives."""
+
+    def __init__(self, store: dist.Store, rank: int, backend: str, generation: int = 0, timeout_s: float = 30.0) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"data plane backend {backend!r} is not one of {', '.join(BACKENDS)}")
+        if rank not in (SENDER, RECEIVER):
+            raise ValueError(f"a pair group has ranks 0 (the worker) and 1 (the training rank), not {rank}")
+        self.rank = rank
+        self.backend = backend
+        self.timeout = timedelta(seconds=timeout_s)
+        prefixed = dist.PrefixStore(f"draftfeed-pair/{generation}", store)
+        try:
+            if backend == "gloo":
+                self._group = dist.ProcessGroupGloo(prefixed, rank, 2, self.timeout)
+            else:
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = self.timeout
+                self._group = dist.ProcessGroupNCCL(prefixed, rank, 2, options)
+        except RuntimeError as exc:
+            raise DataPlaneError(f"the {backend} group of this pair could not be built: {exc}") from exc
+        self.closed = False
+
+    def send(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Send every tensor's bytes to the receiver, in order; returns when the backend is done with them."""
+        self._check_open()
+        for name, tensor in tensors.items():
+            self._wait(self._group.send([_as_bytes(tensor)], RECEIVER, 0), f"sending {name}")
+
+    def receive(self, specs: Sequence[TensorSpec], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """Receive the tensors ``specs`` describe (from the sender's ``describe``), allocated on ``device``."""
+        self._check_open()
+        out: dict[str, torch.Tensor] = {}
+        for spec in specs:
+            dtype = DTYPES[spec.dtype]
+            nbytes = spec.numel() * torch.empty((), dtype=dtype).element_size()
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self._wait(self._group.recv([buffer], SENDER, 0), f"receiving {spec.name}")
+            out[spec.name] = buffer.view(dtype).reshape(spec.shape)
+        return out
+
+    def close(self) -> None:
+        """Abort the group (a group that failed may be mid-transfer); safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._group.abort()
+        except RuntimeError:
+            pass
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as exc:
+            self.close()
+            raise DataPlaneError(f"{self.backend} pair group failed {what}: {exc}") from exc
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise DataPlaneError("this pair group was closed after a failure; build a new one")
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of the tensor's bytes (a contiguous copy first if it is not contiguous)."""
+    tensor = tensor.contiguous()
+    if tensor.dim() == 0:
+        tensor = tensor.reshape(1)
+    return tensor.view(torch.uint8).reshape(-1)

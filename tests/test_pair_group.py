@@ -1,0 +1,68 @@
+"""The pair group's transport through gloo on CPU: a real second process, a real TCPStore on loopback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import WORKER_ENV
+from draftfeed.dataplane.pair_group import RECEIVER, DataPlaneError, PairGroup, describe, host_store
+from pair_sender import sample_tensors
+
+SENDER_SCRIPT = str(Path(__file__).parent / "pair_sender.py")
+pytestmark = pytest.mark.timeout(120)
+
+
+def start_sender(port: int, mode: str) -> subprocess.Popen:
+    import os
+
+    return subprocess.Popen([sys.executable, SENDER_SCRIPT, str(port), mode], env={**os.environ, **WORKER_ENV}, stdout=subprocess.PIPE, text=True)
+
+
+@pytest.fixture
+def senders():
+    started: list[subprocess.Popen] = []
+    yield started
+    for process in started:
+        process.kill()
+        process.wait(timeout=10)
+
+
+def test_tensors_arrive_bit_for_bit(senders):
+    store = host_store(timeout_s=30)
+    senders.append(start_sender(store.port, "send"))
+    group = PairGroup(store, RECEIVER, "gloo", timeout_s=30)
+    expected = sample_tensors()
+    got = group.receive(describe(expected))
+    group.close()
+    assert list(got) == list(expected)
+    for name, tensor in expected.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert torch.equal(got[name], tensor), name
+    assert senders[0].wait(timeout=30) == 0
+
+
+def test_a_dead_sender_fails_the_receive_within_its_timeout_and_the_group_is_closed(senders):
+    store = host_store(timeout_s=30)
+    senders.append(start_sender(store.port, "die"))
+    group = PairGroup(store, RECEIVER, "gloo", timeout_s=5)
+    started = time.monotonic()
+    with pytest.raises(DataPlaneError, match="gloo pair group failed receiving"):
+        group.receive(describe(sample_tensors()))
+    assert time.monotonic() - started < 30
+    assert group.closed
+    with pytest.raises(DataPlaneError, match="closed after a failure"):
+        group.receive(describe(sample_tensors()))
+
+
+def test_unknown_backend_and_rank_are_refused():
+    store = host_store(timeout_s=5)
+    with pytest.raises(ValueError, match="not one of gloo, nccl"):
+        PairGroup(store, RECEIVER, "mpi")
+    with pytest.raises(ValueError, match="ranks 0 .* and 1"):
+        PairGroup(store, 2, "gloo")
