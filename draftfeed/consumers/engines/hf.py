@@ -44,11 +44,7 @@ class HFEngine:
         model = AutoModelForCausalLM.from_pretrained(target, dtype=self.dtype)
         self.model = model.to(self.device).eval().requires_grad_(False)
         text_config = model.config.get_text_config()
-        self.shape = TargetShape(
-            num_hidden_layers=text_config.num_hidden_layers,
-            hidden_size=text_config.hidden_size,
-            vocab_size=text_config.vocab_size,
-        )
+        self.shape = TargetShape.from_text_config(text_config)
         self.logit_transform = LogitTransform.from_text_config(text_config)
         decoder = text_decoder(self.model)
         self.layers: nn.ModuleList = decoder.layers

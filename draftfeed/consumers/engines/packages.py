@@ -74,3 +74,10 @@ def import_engine_package(package: EnginePackage) -> ModuleType:
         raise ValueError(f"this engine needs {package.module}, which cannot be imported here ({exc}); {package.advice()}") from None
     check_version(package, getattr(module, "__version__", "0"))
     return module
+
+
+def refuse_own_options(engine: str, options: dict[str, object], own: tuple[str, ...]) -> None:
+    """Raise ValueError if ``--engine-option`` names a setting the engine sets itself."""
+    clashes = sorted(set(options) & set(own))
+    if clashes:
+        raise ValueError(f"--engine-option {', '.join(clashes)}: the {engine} engine sets these itself; leave them out")

@@ -53,7 +53,7 @@ from torch import nn
 
 from draftfeed.consumers.engines.base import Capture, ForwardOutput, TargetShape
 from draftfeed.consumers.engines.hf import resolve_dtype
-from draftfeed.consumers.engines.packages import EnginePackage, import_engine_package
+from draftfeed.consumers.engines.packages import EnginePackage, import_engine_package, refuse_own_options
 from draftfeed.schemas.messages import LogitTransform
 
 log = logging.getLogger(__name__)
@@ -133,16 +133,10 @@ class SGLangEngine:
         self.target = target
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        clashes = sorted(set(server_options) & set(OWN_OPTIONS))
-        if clashes:
-            raise ValueError(f"--engine-option {', '.join(clashes)}: the sglang engine sets these itself; leave them out")
+        refuse_own_options("sglang", server_options, OWN_OPTIONS)
         self.server_options = server_options
         text_config = AutoConfig.from_pretrained(target).get_text_config()
-        self.shape = TargetShape(
-            num_hidden_layers=text_config.num_hidden_layers,
-            hidden_size=text_config.hidden_size,
-            vocab_size=text_config.vocab_size,
-        )
+        self.shape = TargetShape.from_text_config(text_config)
         self.logit_transform = LogitTransform.from_text_config(text_config)
         self._ids: tuple[int, ...] = ()
         self._runner: Any = None

@@ -25,11 +25,7 @@ class TargetHead:
 
         config = AutoConfig.from_pretrained(target)
         text_config = config.get_text_config()
-        self.shape = TargetShape(
-            num_hidden_layers=text_config.num_hidden_layers,
-            hidden_size=text_config.hidden_size,
-            vocab_size=text_config.vocab_size,
-        )
+        self.shape = TargetShape.from_text_config(text_config)
         self.logit_transform = LogitTransform.from_text_config(text_config)
         text_config.num_hidden_layers = 0
         if getattr(text_config, "layer_types", None) is not None:

@@ -29,7 +29,7 @@ import torch
 
 from draftfeed.consumers.engines.base import Capture, ForwardOutput
 from draftfeed.consumers.engines.hf import resolve_dtype
-from draftfeed.consumers.engines.packages import EnginePackage, import_engine_package
+from draftfeed.consumers.engines.packages import EnginePackage, import_engine_package, refuse_own_options
 from draftfeed.consumers.engines.target_head import TargetHead
 
 log = logging.getLogger(__name__)
@@ -71,9 +71,7 @@ class VLLMEngine:
                 f"select the GPU with CUDA_VISIBLE_DEVICES={self.device.index} and pass --device cuda"
             )
         self.dtype = resolve_dtype(dtype, self.device)
-        clashes = sorted(set(llm_options) & set(OWN_OPTIONS))
-        if clashes:
-            raise ValueError(f"--engine-option {', '.join(clashes)}: the vllm engine sets these itself; leave them out")
+        refuse_own_options("vllm", llm_options, OWN_OPTIONS)
         self.llm_options = llm_options
         self.head = TargetHead(target, self.device, self.dtype)
         self.shape = self.head.shape
