@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass
 from types import ModuleType
 
+from packaging.version import InvalidVersion, Version
+
 SKIP_VERSION_CHECK = "DRAFTFEED_SKIP_ENGINE_VERSION_CHECK"
 
 
@@ -37,28 +39,14 @@ def _dotted(version: tuple[int, ...]) -> str:
     return ".".join(map(str, version))
 
 
-def release(version: str) -> tuple[int, ...]:
-    """The numeric release of a version string: '0.32.0+cpu' -> (0, 32, 0), '0.5.9rc1' -> (0, 5, 9)."""
-    numbers = []
-    for part in version.split("+")[0].split("."):
-        digits = ""
-        for char in part:
-            if not char.isdigit():
-                break
-            digits += char
-        if not digits:
-            break
-        numbers.append(int(digits))
-        if len(digits) != len(part):
-            break
-    return tuple(numbers)
-
-
 def check_version(package: EnginePackage, version: str) -> None:
     """Raise ValueError if ``version`` is outside ``package``'s supported range (unless the check is switched off)."""
     if os.environ.get(SKIP_VERSION_CHECK) == "1":
         return
-    found = release(version)
+    try:
+        found = Version(version).release
+    except InvalidVersion:
+        found = ()
     if not package.minimum <= found < package.below:
         raise ValueError(
             f"{package.module} {version} is installed, but this engine supports {package.module} {package.supported}; "
