@@ -6,6 +6,9 @@ messages of BYTES, zero-copy from one buffer (the baseline's sender).
 COUNT messages and prints the rate.
 ``python -m draftfeed.bench.probes rank FRONTEND SERVICE TOKENS COUNT DEPTH``: a training rank receiving
 COUNT batches of synthetic supervision through the pipeline and printing the rate.
+``rank ... DEPTH DATA_PLANE`` asks for that data plane (default auto).
+``raw-gloo-recv BYTES COUNT`` hosts a pair group's store, prints its port, receives COUNT tensors of BYTES
+over gloo and prints the rate; ``raw-gloo-send PORT BYTES COUNT`` joins and sends (the pair plane's baseline).
 ``raw-worker BACKEND COUNT`` and ``raw-rank FRONTEND COUNT WINDOW``: minimal peers in raw pyzmq around a real
 broker, so that the broker's own routing rate shows.
 Each prints one JSON line.
@@ -57,21 +60,52 @@ def raw_recv(nbytes: int, count: int) -> None:
     context.term()
 
 
-def rank(frontend: str, service: str, tokens: int, count: int, depth: int) -> None:
+def rank(frontend: str, service: str, tokens: int, count: int, depth: int, data_plane: str = "auto") -> None:
     import torch
 
     from draftfeed import RemoteEagle3Target
 
     batch = {"input_ids": torch.zeros(1, tokens, dtype=torch.int64), "attention_mask": torch.ones(1, tokens, dtype=torch.int64), "loss_mask": torch.ones(1, tokens, dtype=torch.int64)}
-    with RemoteEagle3Target(frontend, service, prefetch_depth=depth) as target:
+    with RemoteEagle3Target(frontend, service, prefetch_depth=depth, data_plane=data_plane) as target:
         target.model_info()
-        nbytes = target.generate_batch(**batch).nbytes  # warm-up
+        for _ in range(3):  # warm-up; a pair group is built meanwhile
+            nbytes = target.generate_batch(**batch).nbytes
         faults = _faults()
         started = time.perf_counter()
         for _batch, supervision in target.iterate(batch for _ in range(count)):
             del supervision
         elapsed = time.perf_counter() - started
-    print(json.dumps({"bytes_per_s": nbytes * count / elapsed, "seconds": elapsed, "faults_per_msg": (_faults() - faults) / count, "bytes": nbytes}), flush=True)
+        over_pair = target.connection_stats.received_over_pair
+    print(json.dumps({"bytes_per_s": nbytes * count / elapsed, "seconds": elapsed, "faults_per_msg": (_faults() - faults) / count, "bytes": nbytes, "received_over_pair": over_pair}), flush=True)
+
+
+def raw_gloo_recv(nbytes: int, count: int) -> None:
+    from draftfeed.dataplane.pair_group import RECEIVER, PairGroup, host_store
+    from draftfeed.schemas.messages import TensorSpec
+
+    store = host_store()
+    print(json.dumps({"port": store.port}), flush=True)
+    group = PairGroup(store, RECEIVER, "gloo")
+    specs = [TensorSpec(name="payload", dtype="uint8", shape=[nbytes])]
+    group.receive(specs)  # warm-up
+    started = time.perf_counter()
+    for _ in range(count):
+        group.receive(specs)
+    elapsed = time.perf_counter() - started
+    print(json.dumps({"bytes_per_s": nbytes * count / elapsed, "seconds": elapsed}), flush=True)
+    group.close()
+
+
+def raw_gloo_send(port: int, nbytes: int, count: int) -> None:
+    import torch
+
+    from draftfeed.dataplane.pair_group import SENDER, PairGroup, join_store
+
+    group = PairGroup(join_store("127.0.0.1", port), SENDER, "gloo")
+    payload = {"payload": torch.zeros(nbytes, dtype=torch.uint8)}
+    for _ in range(count + 1):
+        group.send(payload)
+    group.close()
 
 
 def raw_worker(backend: str, count: int) -> None:
@@ -150,7 +184,11 @@ def main(argv: list[str]) -> None:
     elif command == "raw-recv":
         raw_recv(int(args[0]), int(args[1]))
     elif command == "rank":
-        rank(args[0], args[1], int(args[2]), int(args[3]), int(args[4]))
+        rank(args[0], args[1], int(args[2]), int(args[3]), int(args[4]), *args[5:6])
+    elif command == "raw-gloo-recv":
+        raw_gloo_recv(int(args[0]), int(args[1]))
+    elif command == "raw-gloo-send":
+        raw_gloo_send(int(args[0]), int(args[1]), int(args[2]))
     elif command == "raw-worker":
         raw_worker(args[0], int(args[1]))
     elif command == "raw-rank":

@@ -71,6 +71,9 @@ absolute figures (shared hosts are noisy). Regenerate with `draftfeed bench --re
   dispatch but not through the broker (one hop), against raw pyzmq zero-copy DEALER -> ROUTER of the same
   sizes between two processes. Each size runs with and without `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` in the
   receiving process; page faults per message are shown.
+- **pair plane**: the same synthetic supervision on a gloo pair group (docs/data-planes.md), against frames
+  through the same pipeline in the same run, and against raw gloo send/recv of one tensor of the same size
+  between two processes.
 - **broker**: one-byte requests routed through broker and synthetic workers and answered, per second, and
   the latency of one request at a time; the baseline is a direct DEALER -> ROUTER echo.
 - **overlap**: a training loop with a fixed step time and a worker with a fixed compute time shorter than it:

@@ -136,14 +136,14 @@ def _last_json(popen: subprocess.Popen, timeout: float = 300) -> dict:
 class Pipeline:
     """A broker and synthetic workers for one scenario; stopped on exit."""
 
-    def __init__(self, workers: int, tokens: int, compute_ms: float, capacity: int = 2) -> None:
+    def __init__(self, workers: int, tokens: int, compute_ms: float, capacity: int = 2, data_plane: str = "auto") -> None:
         self.started: list[processes.Process] = []
         self.broker = processes.start_broker(extra=["--log-level", "WARNING"])
         self.started.append(self.broker)
         for index in range(workers):
             self.started.append(processes.start(
                 ["--broker", self.broker.ready["backend"], "--service", "bench", "--tokens", str(tokens),
-                 "--compute-ms", str(compute_ms), "--capacity", str(capacity), "--name", f"synthetic-{index}"],
+                 "--compute-ms", str(compute_ms), "--capacity", str(capacity), "--name", f"synthetic-{index}", "--data-plane", data_plane],
                 module="draftfeed.bench.synthetic",
             ))
 
@@ -185,6 +185,36 @@ def bench_data_plane(quick: bool) -> list[Row]:
                     "data plane", f"{size_mb:g} MB worker -> rank{label} ({ours['faults_per_msg']:.0f} page faults/msg)",
                     ours["bytes_per_s"] / 1e9, raw["bytes_per_s"] / 1e9, "GB/s", f"raw pyzmq DEALER->ROUTER{label}", ">= 0.8",
                 ))
+    return rows
+
+
+def raw_gloo_rate(nbytes: int, count: int) -> dict:
+    receiver = _probe(["raw-gloo-recv", str(nbytes), str(count)])
+    assert receiver.stdout is not None
+    port = json.loads(receiver.stdout.readline())["port"]
+    sender = _probe(["raw-gloo-send", str(port), str(nbytes), str(count)])
+    result = _last_json(receiver)
+    sender.communicate(timeout=120)
+    return result
+
+
+def bench_pair_plane(quick: bool) -> list[Row]:
+    """Supervision on a gloo pair group against frames through the same pipeline, and against raw gloo."""
+    sizes = [16, 64] if quick else [16, 64, 256]
+    rows = []
+    for size_mb in sizes:
+        tokens = tokens_for(int(size_mb * MB))
+        nbytes = tokens * BYTES_PER_TOKEN
+        count = max(4, int((300 if quick else 1500) / size_mb))
+        with Pipeline(workers=1, tokens=tokens, compute_ms=0, data_plane="gloo") as pipeline:
+            over_frames = _last_json(_probe(["rank", pipeline.frontend, "bench", str(tokens), str(count), "2", "frames"]))
+            over_pair = _last_json(_probe(["rank", pipeline.frontend, "bench", str(tokens), str(count), "2", "gloo"]))
+        if over_pair["received_over_pair"] < count:
+            raise RuntimeError(f"only {over_pair['received_over_pair']} of {count} answers came on the gloo group")
+        raw = raw_gloo_rate(nbytes, count)
+        case = f"{size_mb:g} MB worker -> rank on a gloo pair group"
+        rows.append(Row("pair plane", f"{case}, against frames", over_pair["bytes_per_s"] / 1e9, over_frames["bytes_per_s"] / 1e9, "GB/s", "frames plane, same pipeline"))
+        rows.append(Row("pair plane", f"{case}, against raw gloo", over_pair["bytes_per_s"] / 1e9, raw["bytes_per_s"] / 1e9, "GB/s", "raw gloo send/recv of one tensor", ">= 0.8"))
     return rows
 
 
@@ -352,6 +382,7 @@ def bench_real_target(quick: bool, workdir: Path) -> list[Row]:
 SCENARIOS = {
     "codec": lambda quick, workdir: bench_codec(quick),
     "data-plane": lambda quick, workdir: bench_data_plane(quick),
+    "pair-plane": lambda quick, workdir: bench_pair_plane(quick),
     "broker": lambda quick, workdir: bench_broker(quick),
     "overlap": lambda quick, workdir: bench_overlap(quick),
     "scaling": lambda quick, workdir: bench_scaling(quick),

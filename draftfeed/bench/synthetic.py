@@ -80,9 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compute-ms", type=float, default=0.0)
     parser.add_argument("--capacity", type=int, default=2)
     parser.add_argument("--name", default=None)
+    parser.add_argument("--data-plane", default="auto", choices=["auto", "frames", "nccl", "gloo"])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    worker = Worker(SyntheticEagle3Task(args.tokens, args.compute_ms / 1000), WorkerConfig(args.broker, args.service, capacity=args.capacity, name=args.name))
+    worker = Worker(SyntheticEagle3Task(args.tokens, args.compute_ms / 1000), WorkerConfig(args.broker, args.service, capacity=args.capacity, name=args.name, data_plane=args.data_plane))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.stop())
     worker.run(on_ready=lambda: announce_ready(role="worker", worker=worker.name, service=args.service))

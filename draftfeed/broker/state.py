@@ -47,8 +47,10 @@ from draftfeed.schemas.messages import (
     StatusQuery,
     StatusReply,
     Submit,
+    PairStatus,
     VocabMapping,
     Welcome,
+    WorkerGone,
     WorkerHeartbeat,
 )
 
@@ -125,6 +127,7 @@ class WorkerRecord:
     draining: bool = False
     rank_links: int = 0
     mappings_held: int = 0
+    pairs: list[PairStatus] = field(default_factory=list)  # its data plane to each rank, from its heartbeats
 
     @property
     def free_credits(self) -> int:
@@ -376,7 +379,7 @@ class BrokerState:
     def on_worker_heartbeat(self, peer: bytes, heartbeat: WorkerHeartbeat) -> list[Outgoing]:
         worker, out = self._known_worker(peer)
         if worker is not None:
-            worker.rank_links, worker.mappings_held = heartbeat.rank_links, heartbeat.mappings
+            worker.rank_links, worker.mappings_held, worker.pairs = heartbeat.rank_links, heartbeat.mappings, heartbeat.pairs
         return out
 
     def on_draining(self, peer: bytes) -> list[Outgoing]:
@@ -457,7 +460,10 @@ class BrokerState:
             for pending in pendings:
                 pending.failures += 1
                 pending.last_error = f"worker {worker.registration.worker} died while it held the request"
-        return self._requeue(pendings, service)
+        # Ranks it served release their pair groups with it (docs/data-planes.md).
+        gone = WorkerGone(worker=worker.registration.worker)
+        out = [to_client(client, gone) for client in worker.clients_served if client in self.clients]
+        return out + self._requeue(pendings, service)
 
     # ------------------------------------------------------------ scheduling
     def _dispatch(self, service: ServiceRecord) -> list[Outgoing]:
@@ -505,7 +511,10 @@ class BrokerState:
         client = pending.client
         if client.dispatch_fields is None:
             hello = client.hello
-            client.dispatch_fields = json.dumps({"client": hello.client, "reply_to": hello.data_endpoint, "service": hello.service})[1:-1].encode()
+            fields = {"client": hello.client, "reply_to": hello.data_endpoint, "service": hello.service}
+            if hello.data_plane is not None:
+                fields["data_plane"] = hello.data_plane.model_dump(mode="json")
+            client.dispatch_fields = json.dumps(fields)[1:-1].encode()
         if pending.request_json is None:
             pending.request_json = pending.request.model_dump_json().encode()
         return b'{"type":"dispatch","ticket":%d,%s,"mapping_digest":%s,"request":%s}' % (
@@ -600,4 +609,5 @@ class BrokerState:
             "rank_links": w.rank_links,
             "mappings": w.mappings_held,
             "last_heartbeat_s": round(now - w.last_seen, 3),
+            "pairs": [pair.model_dump(mode="json") for pair in w.pairs],
         }

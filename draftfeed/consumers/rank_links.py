@@ -52,6 +52,17 @@ class RankLinks:
         except zmq.Again:
             return "blocked"
 
+    def incoming(self) -> list[tuple[str, list[Any]]]:
+        """Messages ranks sent back on these links (data-plane control), without blocking."""
+        received = []
+        for endpoint, sock in list(self._sockets.items()):
+            while True:
+                try:
+                    received.append((endpoint, sock.recv_multipart(zmq.NOBLOCK, copy=False)))
+                except zmq.Again:
+                    break
+        return received
+
     def ever_sent(self, endpoint: str) -> bool:
         """Whether a message ever went out on the current link to this endpoint."""
         return endpoint in self._reached

@@ -4,6 +4,10 @@ Two threads: the broker link (broker_link.py: registration and heartbeats) and t
 owns the engine and the direct sockets to the ranks. The loop drains everything the link has passed on
 before it computes, so that a rank's departure or a re-registration takes effect on queued work at once.
 
+Supervision goes to each rank on the plane chosen for that pair (pair_planes.py): frames on the direct
+socket, or a header on the socket and the tensors on the pair's own torch.distributed group; a pair
+group that fails is torn down and the answer goes again as frames.
+
 A request that cannot be served is answered with a failure that says why, and the worker serves on.
 An engine out of memory hands the request back to the broker, which gives it to another worker. On stop
 (SIGTERM) the worker tells the broker it is draining, finishes what it is computing, hands back what it
@@ -25,15 +29,19 @@ import torch
 import zmq
 
 from draftfeed.consumers.broker_link import RESET, STOP, BrokerLink
+from draftfeed.consumers.pair_planes import PairPlanes
 from draftfeed.consumers.rank_links import RankLinks
 from draftfeed.consumers.tasks.dspark import DSparkTask
 from draftfeed.consumers.tasks.eagle3 import Eagle3Task, VocabMap
 from draftfeed.consumers.validation import BadRequest, validate_batch, validate_vocab_mapping
+from draftfeed.dataplane.choice import local_offer
+from draftfeed.dataplane.pair_group import DataPlaneError, describe
 from draftfeed.net import close_quietly, host_identity
 from draftfeed.schemas.errors import MalformedMessage
 from draftfeed.schemas.frames import pack, pack_tensors, unpack
 from draftfeed.schemas.messages import (
     BACKEND_OUTBOUND,
+    DATA_OUTBOUND,
     Dispatch,
     Done,
     DrainAck,
@@ -41,6 +49,7 @@ from draftfeed.schemas.messages import (
     Failure,
     ForgetClient,
     ForgetMapping,
+    PairClose,
     Register,
     Result,
     VocabMapping,
@@ -68,6 +77,8 @@ class WorkerConfig:
     connect_timeout_s: float = 5.0
     register_timeout_s: float = 60.0
     drain_timeout_s: float = 10.0
+    data_plane: str = "auto"  # auto | frames | nccl | gloo (docs/data-planes.md)
+    pair_timeout_s: float = 30.0  # a pair group's rendezvous and each transfer on it
 
 
 @dataclass
@@ -87,6 +98,7 @@ class Worker:
         self._queue: deque[_Queued] = deque()
         self._stop = threading.Event()
         self._ranks: RankLinks | None = None
+        self._planes: PairPlanes | None = None
         self.served = 0
 
     def registration(self) -> Register:
@@ -108,7 +120,11 @@ class Worker:
         self._stop.set()
 
     def _stats(self) -> WorkerHeartbeat:
-        return WorkerHeartbeat(rank_links=len(self._ranks) if self._ranks else 0, mappings=len(self._mappings))
+        return WorkerHeartbeat(
+            rank_links=len(self._ranks) if self._ranks else 0,
+            mappings=len(self._mappings),
+            pairs=self._planes.statuses() if self._planes else [],
+        )
 
     def run(self, on_ready: Callable[[], None] | None = None) -> None:
         context = zmq.Context()
@@ -117,6 +133,11 @@ class Worker:
         pipe.setsockopt(zmq.LINGER, 0)
         pipe.bind(pipe_endpoint)
         self._ranks = RankLinks(context, hwm=self.config.capacity + 1)
+        ranks = self._ranks
+        self._planes = PairPlanes(
+            self.name, local_offer(self.config.data_plane, self.task.engine.device),
+            send=lambda endpoint, frames: ranks.try_send(endpoint, frames) == "sent", timeout_s=self.config.pair_timeout_s,
+        )
         link = BrokerLink(context, self.config.broker, self.registration(), pipe_endpoint, self._stats)
         link.start()
         try:
@@ -131,6 +152,7 @@ class Worker:
             if link.is_alive():
                 pipe.send(STOP)
                 link.join(timeout=5)
+            self._planes.close()
             self._ranks.close()
             close_quietly(pipe)
             context.term()
@@ -158,6 +180,7 @@ class Worker:
             while pipe.poll(wait_ms):
                 self._take(pipe.recv_multipart(copy=False), pipe)
                 wait_ms = 0
+            self._take_from_ranks()
             if drain_deadline is not None:
                 self._hand_back(pipe, "worker draining")
                 if self._drain_acked or time.monotonic() > drain_deadline:
@@ -173,6 +196,8 @@ class Worker:
         if len(frames) == 1 and frames[0].bytes == RESET:
             self._queue.clear()  # the broker has requeued all of it
             self._mappings.clear()
+            if self._planes is not None:
+                self._planes.close()  # the broker told the ranks this worker is gone: they closed their sides
             return
         try:
             message, tensor_frames = unpack(frames, BACKEND_OUTBOUND)
@@ -192,8 +217,21 @@ class Worker:
         elif isinstance(message, DrainAck):
             self._drain_acked = True
 
+    def _take_from_ranks(self) -> None:
+        """What ranks sent back on the data links: a rank that tore its side of a pair group down."""
+        assert self._ranks is not None and self._planes is not None
+        for endpoint, frames in self._ranks.incoming():
+            try:
+                message, _ = unpack(frames, DATA_OUTBOUND)
+            except MalformedMessage as exc:
+                log.warning("worker %s: ignoring a malformed message from rank %s: %s", self.name, endpoint, exc)
+                continue
+            if isinstance(message, PairClose):
+                self._planes.rank_closed(endpoint, message)
+
     def _forget(self, message: ForgetClient, pipe: zmq.Socket) -> None:
-        assert self._ranks is not None
+        assert self._ranks is not None and self._planes is not None
+        self._planes.forget(message.reply_to)
         self._ranks.forget(message.reply_to)
         dropped = [q for q in self._queue if q.dispatch.client == message.client]
         self._queue = deque(q for q in self._queue if q.dispatch.client != message.client)
@@ -219,8 +257,9 @@ class Worker:
     # ------------------------------------------------------------ serving one request
     def _serve_one(self, dispatch: Dispatch, tensor_frames: list[Any], pipe: zmq.Socket) -> Done:
         request = dispatch.request
+        tensors: dict[str, torch.Tensor] | None = None
         try:
-            reply = self._compute(dispatch, tensor_frames)
+            tensors = self._compute(dispatch, tensor_frames)
             ok = True
         except (BadRequest, MalformedMessage) as exc:
             reply, ok = self._failure(request.request_id, request.token, str(exc)), False
@@ -233,7 +272,10 @@ class Worker:
             log.exception("worker %s: request %d of %s failed", self.name, request.request_id, dispatch.client)
             message = f"{type(exc).__name__} in the {self.task.engine.name} engine: {exc}"
             reply, ok = self._failure(request.request_id, request.token, message), False
-        outcome = self._deliver(dispatch.reply_to, reply, pipe)
+        if tensors is not None:
+            outcome = self._deliver_result(dispatch, tensors, pipe)
+        else:
+            outcome = self._deliver(dispatch.reply_to, reply, pipe)
         if ok and outcome == "sent":
             self.served += 1
         return Done(
@@ -242,6 +284,31 @@ class Worker:
             message=None if outcome == "sent" else f"answer not delivered: rank {outcome}",
             rank_unreachable=outcome == "unreachable",
         )
+
+    def _deliver_result(self, dispatch: Dispatch, tensors: dict[str, torch.Tensor], pipe: zmq.Socket) -> str:
+        """Send the answer on the pair's group when it has a ready one, else (or when that fails) as frames."""
+        assert self._planes is not None
+        request, endpoint = dispatch.request, dispatch.reply_to
+        fields = dict(request_id=request.request_id, token=request.token, kind=request.kind, worker=self.name)
+        pair = self._planes.group_for(endpoint, dispatch.client, dispatch.data_plane)
+        if pair is not None:
+            group, generation = pair
+            header = Result(tensors=describe(tensors), plane="pair", generation=generation, **fields)
+            outcome = self._deliver(endpoint, pack(header), pipe)
+            if outcome != "sent":
+                self._planes.forget(endpoint)
+                return outcome
+            try:
+                group.send(tensors)
+                self._planes.sent(endpoint)
+                return "sent"
+            except DataPlaneError as exc:
+                self._planes.failed(endpoint, str(exc))  # the rank drops what it got; frames follow
+            except Exception as exc:  # e.g. a device error copying the tensors: the group is out of step too
+                log.exception("worker %s: sending on the pair group to %s failed", self.name, dispatch.client)
+                group.close()
+                self._planes.failed(endpoint, f"{type(exc).__name__}: {exc}")
+        return self._deliver(endpoint, pack_tensors(Result, tensors, **fields), pipe)
 
     def _deliver(self, endpoint: str, frames: list[Any], pipe: zmq.Socket) -> str:
         """Send to a rank: "sent", "forgotten" (the broker reported it gone), "unreachable" (never connected
@@ -259,10 +326,14 @@ class Worker:
             if not self._ranks.ever_sent(endpoint) and waited > self.config.connect_timeout_s:
                 # Never reached: a wrong or firewalled data endpoint. Fail fast for it from now on.
                 log.error("worker %s: cannot reach rank data endpoint %s within %.0f s; not trying it again", self.name, endpoint, waited)
+                assert self._planes is not None
+                self._planes.forget(endpoint)
                 self._ranks.forget(endpoint)
                 return "unreachable"
             if waited > self.config.send_timeout_s:
                 log.error("worker %s: rank at %s took nothing for %.0f s; dropping its link", self.name, endpoint, waited)
+                assert self._planes is not None
+                self._planes.forget(endpoint)
                 self._ranks.drop(endpoint)
                 return "stalled"
             sock = self._ranks.socket(endpoint)
@@ -275,7 +346,7 @@ class Worker:
     def _failure(self, request_id: int, token: int, message: str) -> list[Any]:
         return pack(Failure(request_id=request_id, token=token, worker=self.name, message=message))
 
-    def _compute(self, dispatch: Dispatch, tensor_frames: list[Any]) -> list[Any]:
+    def _compute(self, dispatch: Dispatch, tensor_frames: list[Any]) -> dict[str, torch.Tensor]:
         request = dispatch.request
         if dispatch.service != self.config.service:
             raise BadRequest(f"worker {self.name} serves {self.config.service!r}, not {dispatch.service!r}")
@@ -291,7 +362,7 @@ class Worker:
                 f"worker {self.name} serves {self.task.name} supervision, not {request.kind}: "
                 f"connect a Remote{'Eagle3' if request.kind == 'eagle3' else 'DSpark'}Target to a {request.kind} service"
             )
-        return pack_tensors(Result, out, request_id=request.request_id, token=request.token, kind=request.kind, worker=self.name)
+        return out
 
     def _output_embedding_rows(self, rows: torch.Tensor | None) -> torch.Tensor:
         """The lm_head weight, or only the given rows (the draft vocab's, for the compact EAGLE-3 form)."""

@@ -9,13 +9,17 @@ dtypes a backend does not carry (bool, bfloat16 on some) arrive bit for bit.
 
 A send or receive that fails or passes its timeout leaves the group out of step: the caller must
 ``close()`` it (which aborts the group) and never send on it again; a new group, with a new generation,
-is built for the next attempt. Issue 7 wires this into the worker and the ranks; this module is the
-transport alone.
+is built for the next attempt. The worker's side of the protocol is consumers/pair_planes.py, the rank's
+producers/pair_receivers.py; this module is the transport alone.
+
+gloo carries CPU tensors: on gloo the sender copies CUDA tensors to the host first and the receiver
+allocates on the CPU. On NCCL both sides use CUDA tensors and a wait ends when the device has finished.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 
 import torch
@@ -71,22 +75,23 @@ class PairGroup:
         self.closed = False
 
     def send(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Send every tensor's bytes to the receiver, in order; returns when the backend is done with them."""
+        """Send every tensor's bytes to the receiver (tag = its index); returns when the backend is done with them."""
         self._check_open()
-        for name, tensor in tensors.items():
-            self._wait(self._group.send([_as_bytes(tensor)], RECEIVER, 0), f"sending {name}")
+        flats = [_as_bytes(tensor.cpu() if self.backend == "gloo" else tensor) for tensor in tensors.values()]
+        self._transfer([(self._group.send, flat, RECEIVER, tag) for tag, flat in enumerate(flats)], what=f"sending {', '.join(tensors)}")
 
     def receive(self, specs: Sequence[TensorSpec], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        """Receive the tensors ``specs`` describe (from the sender's ``describe``), allocated on ``device``."""
+        """Receive the tensors ``specs`` describe (from the sender's ``describe``), allocated on ``device``
+        (always the CPU on gloo)."""
         self._check_open()
-        out: dict[str, torch.Tensor] = {}
+        if self.backend == "gloo":
+            device = "cpu"
+        buffers = []
         for spec in specs:
-            dtype = DTYPES[spec.dtype]
-            nbytes = spec.numel() * torch.empty((), dtype=dtype).element_size()
-            buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            self._wait(self._group.recv([buffer], SENDER, 0), f"receiving {spec.name}")
-            out[spec.name] = buffer.view(dtype).reshape(spec.shape)
-        return out
+            nbytes = spec.numel() * torch.empty((), dtype=DTYPES[spec.dtype]).element_size()
+            buffers.append(torch.empty(nbytes, dtype=torch.uint8, device=device))
+        self._transfer([(self._group.recv, buffer, SENDER, tag) for tag, buffer in enumerate(buffers)], what=f"receiving {', '.join(s.name for s in specs)}")
+        return {spec.name: buffer.view(DTYPES[spec.dtype]).reshape(spec.shape) for spec, buffer in zip(specs, buffers)}
 
     def close(self) -> None:
         """Abort the group (a group that failed may be mid-transfer); safe to call twice."""
@@ -98,12 +103,31 @@ class PairGroup:
         except RuntimeError:
             pass
 
-    def _wait(self, work: dist.Work, what: str) -> None:
+    def _transfer(self, operations: list[tuple[Callable[..., dist.Work], torch.Tensor, int, int]], what: str) -> None:
+        """Start every send or receive (each on its own tag, so they overlap), then wait for all; a failure
+        closes the group and raises DataPlaneError."""
         try:
-            work.wait(self.timeout)
+            works = [start([tensor], peer, tag) for start, tensor, peer, tag in operations]
+            for work in works:
+                if self.backend == "gloo":
+                    work.wait(self.timeout)  # blocks the CPU until done; a dead peer ends it at once
+                else:
+                    self._wait_for_device(work)
         except RuntimeError as exc:
             self.close()
             raise DataPlaneError(f"{self.backend} pair group failed {what}: {exc}") from exc
+
+    def _wait_for_device(self, work: dist.Work) -> None:
+        """NCCL work finishes on the device: poll it (its completion is a CUDA event) until the timeout,
+        so that the caller's tensors are done with when this returns and a hung peer cannot block forever."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        pause = 1e-5
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out after {self.timeout.total_seconds():.0f} s")
+            time.sleep(pause)  # polling a device event, not synchronising peers
+            pause = min(pause * 2, 1e-3)
+        work.wait()  # raises the backend's error if the work failed
 
     def _check_open(self) -> None:
         if self.closed:

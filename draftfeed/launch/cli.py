@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="measure every part of the pipeline against baselines from the same run")
     bench.add_argument("--quick", action="store_true", help="smaller payloads and fewer repetitions: under 2 minutes on 2 cores")
-    bench.add_argument("--scenario", action="append", choices=["codec", "data-plane", "broker", "overlap", "scaling", "real-target"], help="run only these (repeatable; default all)")
+    bench.add_argument("--scenario", action="append", choices=["codec", "data-plane", "pair-plane", "broker", "overlap", "scaling", "real-target"], help="run only these (repeatable; default all)")
     bench.add_argument("--json", dest="json_path", default=None, help="write the results as JSON to this path")
     bench.add_argument("--report", action="store_true", help="render docs/performance.md and its plot from this run")
     bench.add_argument("--docs", default="docs", help="where --report writes (default docs)")
@@ -102,6 +102,8 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
     worker.add_argument("--send-timeout", type=float, default=60.0, help="seconds a rank may take to accept supervision before the worker gives up on it (default 60)")
     worker.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to reach a rank's data socket the first time before giving up on that rank (default 5)")
     worker.add_argument("--register-timeout", type=float, default=60.0, help="seconds to wait for the broker at start (default 60)")
+    worker.add_argument("--data-plane", default="auto", choices=["auto", "frames", "nccl", "gloo"], help="how supervision reaches ranks: auto (NCCL to CUDA ranks on this machine, frames otherwise; the default), frames, nccl or gloo (docs/data-planes.md)")
+    worker.add_argument("--pair-timeout", type=float, default=30.0, help="seconds a pair group may take to build, and each transfer on it, before it is torn down and frames are used (default 30)")
     worker.add_argument("--drain-timeout", type=float, default=10.0, help="on SIGTERM, seconds to wait for the broker to confirm the drain (default 10)")
 
 
@@ -160,6 +162,7 @@ def run_worker(args: argparse.Namespace) -> int:
     worker = Worker(task, WorkerConfig(
         broker=args.broker, service=service, capacity=args.capacity, name=args.name,
         send_timeout_s=args.send_timeout, connect_timeout_s=args.connect_timeout, register_timeout_s=args.register_timeout, drain_timeout_s=args.drain_timeout,
+        data_plane=args.data_plane, pair_timeout_s=args.pair_timeout,
     ))
     _stop_on_signals(worker.stop)
     try:

@@ -45,6 +45,12 @@ def format_status(status: dict[str, Any]) -> str:
                 f"in flight {w['in_flight']}/{w['capacity']}  served {w['served']}  failed {w['failed']}  handed back {w['handed_back']}  "
                 f"rank links {w['rank_links']}  heartbeat {w['last_heartbeat_s']:.1f} s ago"
             )
+            for pair in w.get("pairs", []):
+                generation = "" if pair["generation"] is None else f" generation {pair['generation']}"
+                lines.append(
+                    f"    to rank {pair['client']}: {pair['plane']} ({pair['state']}{generation}), {pair['sent_over_pair']} sent on the group, "
+                    f"{pair['fallbacks']} fell back to frames; {pair['reason']}"
+                )
     for c in status["clients"]:
         lines.append(
             f"rank {c['client']:<30} service {c['service']}: queued {c['queued']}, outstanding {c['outstanding']}/{c['window']} "

@@ -10,6 +10,11 @@ broker restarts (a new instance id), says it does not know this rank, says goodb
 for its liveness window, the rank says hello again and, once welcomed by a new instance, resends its
 vocab mapping and every unanswered request. Each request is answered at most once: the first answer
 that echoes the request's random token resolves it; any later one is dropped and counted.
+
+Supervision a worker sends on a pair group (docs/data-planes.md) is received by pair_receivers.py. When
+such an answer is lost with its group, the rank asks for the request again under a new request id; the
+waiter answers to both ids, so whichever answer comes first (the worker's frames fallback, a requeue, or
+the new request) resolves it, and the rest are dropped as duplicates.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import zmq
 
 from draftfeed.logs import RateLimitedLog
 from draftfeed.net import bind, close_quietly, host_identity, local_address_towards
+from draftfeed.producers.pair_receivers import PairReceivers
 from draftfeed.schemas.errors import MalformedMessage, RemoteTargetError, RemoteTargetTimeout, TargetClosed
 from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import (
@@ -36,15 +42,19 @@ from draftfeed.schemas.messages import (
     FRONTEND_OUTBOUND,
     Ack,
     Bye,
+    DataPlaneOffer,
     ErrorReply,
     Failure,
     Goodbye,
     Heartbeat,
     Hello,
     ModelInfoReply,
+    PairClose,
+    PairOpen,
     Result,
     StatusReply,
     Welcome,
+    WorkerGone,
 )
 from draftfeed.schemas.tensor_codec import decode_tensors
 
@@ -52,6 +62,8 @@ log = logging.getLogger("draftfeed.producer")
 
 _STOP = b"stop"
 _PACK = b"pack"  # caller -> IO thread: pack and send the request with this id
+_ASK_AGAIN = b"again"  # a pair receiver -> IO thread: this request's answer was lost; ask under a new id
+_TO_WORKER = b"worker"  # a pair receiver -> IO thread: send these frames to this worker on the data socket
 # Control messages (hello, heartbeats, model info, mapping, status) that may be queued beside the window.
 _CONTROL_SLACK = 16
 _BUSY_RETRY_S = (0.05, 1.0)
@@ -68,6 +80,7 @@ class _Waiter:
     frames: list[Any] | None = None  # packed by the IO thread; kept for resending
     retry_at: float | None = None
     busy_retries: int = 0
+    ids: list[int] = field(default_factory=list)  # every request id it answers to (more after a lost answer)
 
 
 @dataclass
@@ -77,6 +90,8 @@ class ConnectionStats:
     malformed_dropped: int = 0
     resyncs: int = 0
     busy_retries: int = 0
+    received_over_pair: int = 0
+    lost_over_pair: int = 0  # answers lost with a failed pair group, asked for again
     broker_instances: list[str] = field(default_factory=list)
 
 
@@ -92,6 +107,7 @@ class Connection:
         task: str = "eagle3",
         data_endpoint: str | None = None,
         connect_timeout_s: float = 60.0,
+        data_plane: DataPlaneOffer | None = None,
     ) -> None:
         if window < 1:
             raise ValueError(f"window must be at least 1, got {window}")
@@ -113,6 +129,10 @@ class Connection:
         self.broker_last_heard = time.monotonic()
         self._hello: Hello  # built by the IO thread once its data socket is bound
         self._liveness: tuple[float, int] | None = None  # the broker's heartbeat interval and liveness
+        self.data_plane = data_plane
+        self.pairs = PairReceivers(
+            data_plane.device if data_plane is not None else "cpu", self._on_pair_result, self._on_pair_lost, self._on_pair_closed
+        )
         self._needs_resync = False  # set when hello is sent again: the next welcome resends what is unanswered
         self.in_flight = 0
         self.peak_in_flight = 0
@@ -151,7 +171,7 @@ class Connection:
                 "no worker answered; check `draftfeed status`"
             )
         request_id = next(self._ids)
-        waiter = _Waiter(Future(), finish, uses_window, build, self._random.getrandbits(63), resend)
+        waiter = _Waiter(Future(), finish, uses_window, build, self._random.getrandbits(63), resend, ids=[request_id])
         with self._lock:
             self._waiters[request_id] = waiter
             if is_mapping:
@@ -178,6 +198,7 @@ class Connection:
             if not self._pipe.closed and self._thread.is_alive():
                 self._pipe.send(_STOP)
         self._thread.join(timeout_s)
+        self.pairs.close()
         self._fail_all(TargetClosed("the remote target was closed while this request was outstanding"))
         with self._lock:
             close_quietly(self._pipe)
@@ -198,7 +219,7 @@ class Connection:
             data.setsockopt(zmq.RCVHWM, self.window + 1)
             self._hello = Hello(
                 client=self.client_id, service=self.service, data_endpoint=bind(data, self._data_bind),
-                window=self.window, host=host_identity(), pid=os.getpid(), task=self.task,
+                window=self.window, host=host_identity(), pid=os.getpid(), task=self.task, data_plane=self.data_plane,
             )
             pipe.connect(pipe_endpoint)
             control.connect(self.broker)
@@ -239,6 +260,15 @@ class Connection:
                         return
                     if len(frames) == 2 and frames[0].bytes == _PACK:
                         self._pack_and_send(int.from_bytes(frames[1].bytes, "little"), control)
+                        continue
+                    if len(frames) == 3 and frames[0].bytes == _ASK_AGAIN:
+                        self._ask_again(int.from_bytes(frames[1].bytes, "little"), frames[2].bytes.decode(), control)
+                        continue
+                    if len(frames) > 2 and frames[0].bytes == _TO_WORKER:
+                        try:
+                            data.send_multipart(frames[1:], flags=zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            pass  # the worker's link is full or gone: it learns from its own failed send
                         continue
                     control.send_multipart(frames, copy=False)
             now = time.monotonic()
@@ -291,6 +321,8 @@ class Connection:
                 self.broker_instance, self._needs_resync = message.instance, False
                 self.stats.broker_instances.append(message.instance)
             self._welcome.set()
+        elif isinstance(message, WorkerGone):
+            self.pairs.close_worker(message.worker, "the broker reports the worker gone")
         elif isinstance(message, Goodbye):
             log.warning("draftfeed rank %s: broker %s is shutting down; waiting for its successor", self.client_id, message.instance)
             self._hello_again(control)
@@ -329,7 +361,7 @@ class Connection:
         """A new broker instance: send it the vocab mapping, then every unanswered request, in order."""
         with self._lock:
             # Requests not packed yet go out when their turn in the pipe comes.
-            waiters = sorted((rid, w) for rid, w in self._waiters.items() if w.resend and w.frames is not None)
+            waiters = sorted((w.ids[-1], w) for w in self._unique_waiters() if w.resend and w.frames is not None)
         self.stats.resyncs += 1
         log.warning("draftfeed rank %s: broker instance %s; resending %d unanswered requests", self.client_id, instance, len(waiters))
         mapping = self._mapping
@@ -338,9 +370,13 @@ class Connection:
         for _request_id, waiter in waiters:
             control.send_multipart(waiter.frames, copy=False)
 
+    def _unique_waiters(self) -> list[_Waiter]:
+        """Each waiter once (one asked for again answers to several ids); call with the lock held."""
+        return list({id(w): w for w in self._waiters.values()}.values())
+
     def _resend_busy(self, control: zmq.Socket, now: float) -> None:
         with self._lock:
-            due = [w for w in self._waiters.values() if w.retry_at is not None and w.retry_at <= now and w.frames is not None]
+            due = [w for w in self._unique_waiters() if w.retry_at is not None and w.retry_at <= now and w.frames is not None]
             for waiter in due:
                 waiter.retry_at = None
         for waiter in due:
@@ -348,6 +384,18 @@ class Connection:
 
     def _on_data(self, frames: list[Any]) -> None:
         message, tensor_frames = unpack(frames[1:], DATA_INBOUND)
+        if isinstance(message, PairOpen):
+            self.pairs.open(frames[0].bytes, message)
+            return
+        if isinstance(message, PairClose):
+            self.pairs.worker_closed(message)
+            return
+        if isinstance(message, Result) and message.plane == "pair":
+            self.pairs.receive(message)  # always, even for an answer no longer awaited: the group stays in step
+            return
+        self._on_answer(message, lambda: decode_tensors(message.tensors, tensor_frames))
+
+    def _on_answer(self, message: Result | Failure, tensors: Callable[[], dict[str, Any]]) -> None:
         with self._lock:
             waiter = self._waiters.get(message.request_id)
         if waiter is None:
@@ -362,11 +410,47 @@ class Connection:
             error = RemoteTargetError(f"worker {message.worker} of service {self.service!r} could not serve the request: {message.message}")
             self._resolve(message.request_id, error=error)
         elif isinstance(message, Result):
-            self._resolve(message.request_id, header=message, tensors=decode_tensors(message.tensors, tensor_frames))
+            self._resolve(message.request_id, header=message, tensors=tensors())
+
+    # ------------------------------------------------------------ pair groups (receiver threads, IO thread)
+    def _on_pair_result(self, header: Result, tensors: dict[str, Any]) -> None:
+        self.stats.received_over_pair += 1
+        self._on_answer(header, lambda: tensors)
+
+    def _on_pair_lost(self, header: Result, reason: str) -> None:
+        with self._lock:
+            if header.request_id in self._waiters and not self._pipe.closed:
+                self._pipe.send_multipart([_ASK_AGAIN, header.request_id.to_bytes(8, "little"), reason.encode()])
+
+    def _on_pair_closed(self, identity: bytes, message: PairClose) -> None:
+        with self._lock:
+            if not self._pipe.closed:
+                self._pipe.send_multipart([_TO_WORKER, identity, *pack(message)])
+
+    def _ask_again(self, request_id: int, reason: str, control: zmq.Socket) -> None:
+        """An answer was lost with its pair group: send the request again under a new id (IO thread)."""
+        with self._lock:
+            waiter = self._waiters.get(request_id)
+            if waiter is None:
+                return  # answered meanwhile (the worker's frames fallback came first)
+            new_id = next(self._ids)
+            self._waiters[new_id] = waiter
+            waiter.ids.append(new_id)
+        self.stats.lost_over_pair += 1
+        log.warning("draftfeed rank %s: the answer to request %d was lost on a pair group (%s); asking again as request %d", self.client_id, request_id, reason, new_id)
+        try:
+            waiter.frames = waiter.build(new_id, waiter.token)
+        except Exception as exc:
+            self._resolve(request_id, error=RemoteTargetError(f"request {request_id} could not be packed again: {exc}"))
+            return
+        control.send_multipart(waiter.frames, copy=False)
 
     def _resolve(self, request_id: int, *, header: Any = None, tensors: dict[str, Any] | None = None, error: BaseException | None = None) -> None:
         with self._lock:
             waiter = self._waiters.pop(request_id, None)
+            if waiter is not None:
+                for other in waiter.ids:
+                    self._waiters.pop(other, None)
             if waiter is not None and waiter.holds_window_slot:
                 self.in_flight -= 1
         if waiter is None:
@@ -384,7 +468,7 @@ class Connection:
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
-            waiters = list(self._waiters.values())
+            waiters = self._unique_waiters()
             self._waiters.clear()
             self.in_flight -= sum(w.holds_window_slot for w in waiters)
         for waiter in waiters:

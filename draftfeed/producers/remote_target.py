@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from draftfeed.consumers.validation import BadRequest, validate_vocab_mapping
+from draftfeed.dataplane.choice import local_offer
 from draftfeed.producers.compact import CompactEagle3
 from draftfeed.producers.connection import Connection, ConnectionStats
 from draftfeed.producers.prefetch import prefetch
@@ -46,6 +47,11 @@ class RemoteTarget(Generic[Sup, Info]):
     ``prefetch_depth`` is the one knob: at most that many batches of this rank are queued or in flight
     anywhere in the pipeline (0 means one at a time, fetched only when asked for). It sets the rank's
     credit window and its sockets' high-water marks.
+
+    ``data_plane`` says how supervision may reach this rank (docs/data-planes.md): ``"auto"`` (the default)
+    takes NCCL from a worker on the same machine when both sides hold CUDA tensors (``device`` a CUDA
+    device here) and frames otherwise; ``"frames"``, ``"nccl"`` and ``"gloo"`` force one. The worker's
+    own setting and this one decide together; a pair that cannot use a group uses frames.
     """
 
     TASK: ClassVar[str]
@@ -63,6 +69,7 @@ class RemoteTarget(Generic[Sup, Info]):
         device: torch.device | str | None = None,
         data_endpoint: str | None = None,
         wait_log_interval: float = 5.0,
+        data_plane: str = "auto",
     ) -> None:
         if prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be 0 or more, got {prefetch_depth}")
@@ -71,8 +78,10 @@ class RemoteTarget(Generic[Sup, Info]):
         self.request_timeout = request_timeout
         self.device = torch.device(device) if device is not None else None
         self.wait_log_interval = wait_log_interval
+        offer = local_offer(data_plane, self.device)  # raises ValueError for an unknown data_plane
         self._connection = Connection(
-            broker, service, max(prefetch_depth, 1), task=self.TASK, data_endpoint=data_endpoint, connect_timeout_s=connect_timeout
+            broker, service, max(prefetch_depth, 1), task=self.TASK, data_endpoint=data_endpoint,
+            connect_timeout_s=connect_timeout, data_plane=offer,
         )
         self._info: Info | None = None
         self._workers: list[str] = []
@@ -220,6 +229,10 @@ class RemoteTarget(Generic[Sup, Info]):
     def client_id(self) -> str:
         """This rank's name at the broker (as ``draftfeed status`` lists it)."""
         return self._connection.client_id
+
+    def data_planes(self) -> dict[str, str]:
+        """The open pair groups of this rank: worker name -> "backend generation"."""
+        return self._connection.pairs.planes()
 
     @property
     def connection_stats(self) -> ConnectionStats:

@@ -18,6 +18,11 @@ RequestKind = Literal["eagle3", "dspark", "input_embeddings", "output_embeddings
 Token = Annotated[int, Field(ge=0, lt=2**63)]
 Seconds = Annotated[float, Field(gt=0, le=3600)]
 ErrorCode = Literal["refused", "unknown_peer", "busy", "failed", "unreachable", "mismatch"]
+# How supervision travels from a worker to a rank (docs/data-planes.md): auto picks nccl between CUDA
+# processes on one host and frames otherwise; the others force a plane.
+DataPlaneMode = Literal["auto", "frames", "nccl", "gloo"]
+PairBackend = Literal["nccl", "gloo"]
+Generation = Annotated[int, Field(ge=0, lt=2**31)]
 
 
 class Strict(BaseModel):
@@ -108,6 +113,17 @@ class LogitTransform(Strict):
         )
 
 
+class DataPlaneOffer(Strict):
+    """What one side of a (worker, rank) pair can do for the data plane; both sides report one."""
+
+    mode: DataPlaneMode = "auto"
+    host_id: Name  # the kernel's boot id: equal for two processes on one machine, whatever their hostnames
+    hostname: Name
+    device: Annotated[str, Field(max_length=32)] = "cpu"  # where supervision is produced (worker) or wanted (rank)
+    gpu_uuid: Annotated[str, Field(max_length=64)] | None = None  # of that device, when it is CUDA
+    nccl: bool = False  # torch here has NCCL and a CUDA device
+
+
 # ---------------------------------------------------------------- trainer -> broker (frontend)
 class Hello(Strict):
     """A training rank announces itself: where its data socket listens and how many batches it keeps in flight."""
@@ -123,6 +139,7 @@ class Hello(Strict):
     # The target this rank checked (model_info / check_target_info): the broker pins the service to it and
     # refuses workers that differ, also after a broker restart.
     expect: TargetInfo | None = None
+    data_plane: DataPlaneOffer | None = None  # None: frames only
 
 
 class Submit(Strict):
@@ -219,6 +236,13 @@ class ErrorReply(Strict):
     code: ErrorCode = "refused"
 
 
+class WorkerGone(Strict):
+    """A worker that served this rank left or was found dead: the rank releases its pair group with it."""
+
+    type: Literal["worker_gone"] = "worker_gone"
+    worker: Name
+
+
 class Goodbye(Strict):
     """The broker is shutting down; peers reconnect to whichever broker comes up on the same address."""
 
@@ -257,10 +281,23 @@ class Done(Strict):
     rank_unreachable: bool = False
 
 
+class PairStatus(Strict):
+    """One (worker, rank) pair's data plane, as the worker reports it for ``draftfeed status``."""
+
+    client: Name
+    plane: Literal["frames", "nccl", "gloo"]
+    state: Literal["frames", "opening", "ready", "down"]
+    reason: Annotated[str, Field(max_length=512)]
+    generation: Generation | None = None
+    sent_over_pair: Annotated[int, Field(ge=0)] = 0
+    fallbacks: Annotated[int, Field(ge=0)] = 0
+
+
 class WorkerHeartbeat(Strict):
     type: Literal["heartbeat"] = "heartbeat"
     rank_links: Annotated[int, Field(ge=0)] = 0
     mappings: Annotated[int, Field(ge=0)] = 0
+    pairs: list[PairStatus] = Field(default_factory=list, max_length=4096)
 
 
 class Draining(Strict):
@@ -300,6 +337,7 @@ class Dispatch(Strict):
     reply_to: Name
     service: Name
     mapping_digest: str | None = None
+    data_plane: DataPlaneOffer | None = None  # the rank's, from its hello
     request: Submit
 
 
@@ -320,12 +358,39 @@ class ForgetMapping(Strict):
 
 # ---------------------------------------------------------------- worker -> trainer (data socket)
 class Result(Strict):
+    """Supervision. On plane ``frames`` the tensors follow as frames; on ``pair`` this header carries no
+    frames and the tensors follow on the pair group of ``generation``, in the order of ``tensors``."""
+
     type: Literal["result"] = "result"
     request_id: RequestId
     token: Token = 0
     kind: RequestKind
     worker: Name
     tensors: list[TensorSpec] = Field(max_length=16)
+    plane: Literal["frames", "pair"] = "frames"
+    generation: Generation | None = None
+
+
+class PairOpen(Strict):
+    """The worker opens a pair group with this rank: join the store at store_host:store_port as rank 1."""
+
+    type: Literal["pair_open"] = "pair_open"
+    worker: Name
+    generation: Generation
+    backend: PairBackend
+    store_host: Name
+    store_port: Annotated[int, Field(gt=0, lt=65536)]
+    timeout_s: Seconds
+    reason: Annotated[str, Field(max_length=512)]
+
+
+class PairClose(Strict):
+    """Either side of a pair: the group of this generation is torn down; send nothing more on it."""
+
+    type: Literal["pair_close"] = "pair_close"
+    worker: Name
+    generation: Generation
+    reason: Annotated[str, Field(max_length=512)]
 
 
 class Failure(Strict):
@@ -342,17 +407,20 @@ FrontendInbound = Annotated[
     Union[Hello, Submit, SetVocabMapping, ModelInfoQuery, StatusQuery, Heartbeat, Bye], Field(discriminator="type")
 ]
 FrontendOutbound = Annotated[
-    Union[Welcome, Ack, ModelInfoReply, StatusReply, ErrorReply, Heartbeat, Goodbye], Field(discriminator="type")
+    Union[Welcome, Ack, ModelInfoReply, StatusReply, ErrorReply, Heartbeat, Goodbye, WorkerGone], Field(discriminator="type")
 ]
 BackendInbound = Annotated[Union[Register, Done, WorkerHeartbeat, Draining, Bye], Field(discriminator="type")]
 BackendOutbound = Annotated[
     Union[Registered, Dispatch, VocabMapping, ForgetMapping, ForgetClient, DrainAck, ErrorReply, Heartbeat, Goodbye],
     Field(discriminator="type"),
 ]
-DataInbound = Annotated[Union[Result, Failure], Field(discriminator="type")]
+DataInbound = Annotated[Union[Result, Failure, PairOpen, PairClose], Field(discriminator="type")]
+# rank -> worker, back on the worker's connection to the rank's data socket
+DataOutbound = PairClose
 
 FRONTEND_INBOUND: TypeAdapter[FrontendInbound] = TypeAdapter(FrontendInbound)
 FRONTEND_OUTBOUND: TypeAdapter[FrontendOutbound] = TypeAdapter(FrontendOutbound)
 BACKEND_INBOUND: TypeAdapter[BackendInbound] = TypeAdapter(BackendInbound)
 BACKEND_OUTBOUND: TypeAdapter[BackendOutbound] = TypeAdapter(BackendOutbound)
 DATA_INBOUND: TypeAdapter[DataInbound] = TypeAdapter(DataInbound)
+DATA_OUTBOUND: TypeAdapter[DataOutbound] = TypeAdapter(DataOutbound)

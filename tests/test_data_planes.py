@@ -1,0 +1,230 @@
+"""Data planes end to end on CPU: pair groups through gloo (the real torch.distributed path), frames, the choice
+between them, and the faults a pair group must survive. Real broker, worker and rank processes throughout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FAST_LIVENESS, WORKER_ENV, Cluster, assert_supervision_equal, make_batch, reference_eagle3, wait_until
+from draftfeed import RemoteEagle3Target
+from draftfeed.dataplane.choice import choose_plane, host_id, local_offer
+from draftfeed.launch import processes
+from draftfeed.schemas.messages import DataPlaneOffer
+from fake_pair_faults import EXIT_CODE
+
+pytestmark = pytest.mark.timeout(240)
+SERVICE = "planes"
+VOCAB = 1000
+RANK_SCRIPT = str(Path(__file__).parent / "pair_rank.py")
+
+
+@pytest.fixture
+def fast_cluster():
+    cluster = Cluster(*FAST_LIVENESS)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def add_faulty_worker(cluster: Cluster, target: Path, fault: str, *args: str) -> processes.Process:
+    """A real worker whose N-th pair send fails (tests/fake_pair_faults.py)."""
+    worker = processes.start(
+        ["worker", "--broker", cluster.backend, "--target", str(target), *args],
+        env={**WORKER_ENV, "FAKE_PAIR_FAULT": fault}, module="fake_pair_faults",
+    )
+    cluster.workers.append(worker)
+    return worker
+
+
+def pairs_of(cluster: Cluster, worker: str) -> dict[str, dict]:
+    """The worker's pairs as status reports them, by rank."""
+    status = cluster.worker_status(worker)
+    return {pair["client"]: pair for pair in (status or {}).get("pairs", [])}
+
+
+def check_batches(remote: RemoteEagle3Target, model, seeds: list[int]) -> list[dict[str, torch.Tensor]]:
+    """Iterate batches of these seeds; each answer must equal the in-process computation, in order."""
+    aux = remote.model_info().aux_layer_ids
+    batches = [make_batch(2, 24, VOCAB, seed=seed) | {"seed": seed} for seed in seeds]
+    seen = []
+    for batch, supervision in remote.iterate(batches):
+        seen.append(batch["seed"])
+        assert_supervision_equal(supervision, reference_eagle3(model, batch, aux))
+    assert seen == seeds, "each batch exactly once, in the dataloader's order"
+    return [s for s in seen]
+
+
+# ---------------------------------------------------------------- the choice
+def offer(mode="auto", host="boot-a", device="cuda:0", gpu="GPU-0", nccl=True) -> DataPlaneOffer:
+    return DataPlaneOffer(mode=mode, host_id=host, hostname=f"name-of-{host}", device=device, gpu_uuid=gpu, nccl=nccl)
+
+
+@pytest.mark.parametrize(
+    ("worker", "rank", "plane", "reason"),
+    [
+        (offer(), offer(device="cuda:1", gpu="GPU-1"), "nccl", "auto: both on one machine with CUDA"),
+        (offer(), offer(host="boot-b", gpu="GPU-1"), "frames", "another machine"),
+        (offer(), offer(device="cpu", gpu=None), "frames", "rank's supervision is on cpu"),
+        (offer(device="cpu", gpu=None), offer(gpu="GPU-1"), "frames", "worker's supervision is on cpu"),
+        (offer(), offer(gpu="GPU-1", nccl=False), "frames", "rank has no NCCL"),
+        (offer(), offer(), "frames", "share one GPU"),
+        (offer(mode="frames"), offer(gpu="GPU-1"), "frames", "worker asks for frames"),
+        (offer(), offer(mode="frames", gpu="GPU-1"), "frames", "rank asks for frames"),
+        (offer(mode="gloo", device="cpu", gpu=None), offer(host="boot-b", device="cpu", gpu=None), "gloo", "worker asked for gloo"),
+        (offer(), offer(mode="gloo", gpu="GPU-1"), "gloo", "rank asked for gloo"),
+        (offer(mode="nccl"), offer(mode="gloo", gpu="GPU-1"), "frames", "worker asks for nccl and the rank for gloo"),
+        (offer(mode="nccl"), offer(host="boot-b", gpu="GPU-1"), "nccl", "worker asked for nccl"),
+        (offer(mode="nccl", device="cpu", gpu=None), offer(gpu="GPU-1"), "frames", "asked for nccl, but the worker's supervision is on cpu"),
+        (offer(), None, "frames", "no data plane but frames"),
+    ],
+)
+def test_the_plane_and_its_reason(worker, rank, plane, reason):
+    choice = choose_plane(worker, rank)
+    assert choice.plane == plane
+    assert reason in choice.reason
+
+
+def test_local_offer_on_this_machine_and_bad_modes():
+    mine = local_offer("auto", None)
+    assert mine.host_id == host_id() and mine.device == "cpu" and mine.gpu_uuid is None
+    if Path("/proc/sys/kernel/random/boot_id").exists():
+        assert mine.host_id == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    assert choose_plane(local_offer("auto", "cpu"), local_offer("auto", "cpu")).plane == "frames"
+    with pytest.raises(ValueError, match="'carrier-pigeon' is not one of auto, frames, nccl, gloo"):
+        local_offer("carrier-pigeon", None)
+    with pytest.raises(ValueError, match="not one of auto, frames, nccl, gloo"):
+        RemoteEagle3Target("tcp://127.0.0.1:1", SERVICE, data_plane="nvlink", connect_timeout=1)
+
+
+# ---------------------------------------------------------------- end to end
+def test_gloo_pair_equals_frames_and_the_in_process_computation(tiny_target, tiny_model):
+    cluster = Cluster()
+    try:
+        worker = cluster.add_worker(tiny_target, "--service", SERVICE, "--data-plane", "gloo")
+        name = worker.ready["worker"]
+        seeds = list(range(6))
+        with RemoteEagle3Target(cluster.frontend, SERVICE, data_plane="auto") as over_pair, RemoteEagle3Target(cluster.frontend, SERVICE, data_plane="frames") as over_frames:
+            aux = over_pair.model_info().aux_layer_ids
+            batches = [make_batch(3, 32, VOCAB, seed=seed) for seed in seeds]
+            pair_answers = [s for _, s in over_pair.iterate(batches)]
+            frame_answers = [s for _, s in over_frames.iterate(batches)]
+            for batch, by_pair, by_frames in zip(batches, pair_answers, frame_answers):
+                assert_supervision_equal(by_pair, reference_eagle3(tiny_model, batch, aux))
+                for field, tensor in by_frames.as_dict().items():
+                    assert torch.equal(by_pair.as_dict()[field], tensor), field
+            # The first answer goes as frames while the group is built; the rest on the group.
+            assert over_pair.connection_stats.received_over_pair >= len(seeds) - 2
+            assert over_frames.connection_stats.received_over_pair == 0
+            assert over_pair.data_planes() == {name: "gloo 0"} and over_frames.data_planes() == {}
+            pairs = wait_until(lambda: (p := pairs_of(cluster, name)) and len(p) == 2 and p, what="both pairs in status")
+            assert pairs[over_pair.client_id]["plane"] == "gloo" and pairs[over_pair.client_id]["state"] == "ready"
+            assert pairs[over_pair.client_id]["reason"] == "the worker asked for gloo"
+            assert pairs[over_frames.client_id]["plane"] == "frames" and pairs[over_frames.client_id]["reason"] == "the rank asks for frames"
+            text = subprocess.run(
+                [sys.executable, "-m", "draftfeed", "status", "--broker", cluster.frontend], capture_output=True, text=True, timeout=60, check=True
+            ).stdout
+            assert f"to rank {over_pair.client_id}: gloo (ready generation 0)" in text
+    finally:
+        cluster.stop()
+
+
+def test_two_ranks_two_workers_mixed_planes(tiny_target, tiny_model):
+    cluster = Cluster()
+    try:
+        gloo_worker = cluster.add_worker(tiny_target, "--service", SERVICE, "--data-plane", "gloo", "--name", "w-gloo")
+        cluster.add_worker(tiny_target, "--service", SERVICE, "--data-plane", "auto", "--name", "w-auto")
+        ranks = {"auto": RemoteEagle3Target(cluster.frontend, SERVICE, data_plane="auto"), "frames": RemoteEagle3Target(cluster.frontend, SERVICE, data_plane="frames")}
+        errors: list[BaseException] = []
+
+        def run(remote: RemoteEagle3Target, first: int) -> None:
+            try:
+                check_batches(remote, tiny_model, list(range(first, first + 10)))
+            except BaseException as exc:  # surfaces in the main thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(remote, 100 * i)) for i, remote in enumerate(ranks.values())]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=180)
+        assert not errors, errors
+        assert not any(thread.is_alive() for thread in threads)
+        # Which worker serves which batch is the broker's choice: go on until the gloo worker has used its group.
+        seed = iter(range(1000, 1100))
+        wait_until(
+            lambda: check_batches(ranks["auto"], tiny_model, [next(seed)]) and ranks["auto"].connection_stats.received_over_pair > 0,
+            timeout_s=60, what="an answer on the gloo group", poll_s=0,
+        )
+        assert ranks["frames"].connection_stats.received_over_pair == 0
+        planes = wait_until(lambda: (g := pairs_of(cluster, "w-gloo")) and (a := pairs_of(cluster, "w-auto")) and len(g) == 2 and len(a) == 2 and (g, a), what="four pairs in status")
+        by_gloo, by_auto = planes
+        assert by_gloo[ranks["auto"].client_id]["plane"] == "gloo"
+        assert by_gloo[ranks["frames"].client_id]["plane"] == "frames"
+        assert by_auto[ranks["auto"].client_id]["plane"] == "frames"
+        assert "supervision is on cpu" in by_auto[ranks["auto"].client_id]["reason"]
+        assert gloo_worker.popen.poll() is None
+        for remote in ranks.values():
+            remote.close()
+    finally:
+        cluster.stop()
+
+
+# ---------------------------------------------------------------- faults
+def test_a_forced_send_failure_falls_back_to_frames_and_the_group_is_rebuilt(fast_cluster, tiny_target, tiny_model):
+    worker = add_faulty_worker(fast_cluster, tiny_target, "fail:2", "--service", SERVICE, "--data-plane", "gloo", "--name", "w-flaky")
+    with RemoteEagle3Target(fast_cluster.frontend, SERVICE, data_plane="gloo") as remote:
+        check_batches(remote, tiny_model, list(range(6)))
+        pair = wait_until(lambda: pairs_of(fast_cluster, "w-flaky").get(remote.client_id, {}).get("fallbacks"), what="the fallback in status")
+        assert pair == 1
+        # After the backoff the worker opens generation 1; every answer meanwhile is still right.
+        seed = iter(range(100, 200))
+        wait_until(lambda: check_batches(remote, tiny_model, [next(seed)]) and remote.data_planes().get("w-flaky") == "gloo 1", timeout_s=60, what="a new group", poll_s=0.2)
+        before = remote.connection_stats.received_over_pair
+        check_batches(remote, tiny_model, list(range(200, 204)))
+        assert remote.connection_stats.received_over_pair == before + 4, "the rebuilt group carries the answers"
+        assert remote.connection_stats.duplicates_dropped <= 1
+    assert worker.popen.poll() is None
+
+
+def test_a_worker_killed_mid_send_loses_nothing(fast_cluster, tiny_target, tiny_model):
+    doomed = add_faulty_worker(fast_cluster, tiny_target, "exit:3", "--service", SERVICE, "--data-plane", "gloo", "--name", "w-doomed")
+    with RemoteEagle3Target(fast_cluster.frontend, SERVICE, data_plane="gloo", prefetch_depth=2) as remote:
+        remote.model_info()
+        fast_cluster.add_worker(tiny_target, "--service", SERVICE, "--data-plane", "gloo", "--name", "w-healthy")
+        check_batches(remote, tiny_model, list(range(12)))
+        assert doomed.popen.wait(timeout=30) == EXIT_CODE, "the fault killed the worker in the middle of a send"
+        assert remote.connection_stats.lost_over_pair >= 1, "the half-received answer was asked for again"
+        wait_until(lambda: "w-doomed" not in remote.data_planes(), timeout_s=10, what="the dead worker's group released")
+        check_batches(remote, tiny_model, list(range(12, 16)))
+
+
+def test_a_killed_rank_releases_the_workers_group_and_others_are_served(fast_cluster, tiny_target, tiny_model):
+    fast_cluster.add_worker(tiny_target, "--service", SERVICE, "--data-plane", "gloo", "--name", "w-survivor")
+    rank = subprocess.Popen(
+        [sys.executable, RANK_SCRIPT, fast_cluster.frontend, SERVICE, "gloo"], stdout=subprocess.PIPE, text=True, env={**os.environ, **WORKER_ENV}
+    )
+    try:
+        assert rank.stdout is not None
+        client = rank.stdout.readline().split()[-1]
+        for line in rank.stdout:
+            if line.startswith("BATCH 3"):
+                break
+        wait_until(lambda: pairs_of(fast_cluster, "w-survivor").get(client, {}).get("state") == "ready", what="the rank's group ready")
+        rank.kill()
+        rank.wait(timeout=10)
+        # The broker finds the rank dead within its liveness window (1 s here) and the worker drops its group.
+        wait_until(lambda: client not in pairs_of(fast_cluster, "w-survivor"), timeout_s=15, what="the dead rank's group released")
+        with RemoteEagle3Target(fast_cluster.frontend, SERVICE, data_plane="gloo") as remote:
+            check_batches(remote, tiny_model, list(range(8)))
+            assert remote.connection_stats.received_over_pair > 0
+    finally:
+        rank.kill()
+        rank.wait(timeout=10)
