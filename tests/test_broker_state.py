@@ -9,6 +9,7 @@ from draftfeed.schemas.frames import unpack
 from draftfeed.schemas.messages import (
     BACKEND_OUTBOUND,
     FRONTEND_OUTBOUND,
+    DataPlaneOffer,
     Dispatch,
     Done,
     DSparkTargetInfo,
@@ -17,7 +18,9 @@ from draftfeed.schemas.messages import (
     Hello,
     Register,
     Submit,
+    PairStatus,
     TensorSpec,
+    WorkerGone,
     WorkerHeartbeat,
 )
 
@@ -75,6 +78,26 @@ def test_dispatch_header_is_the_dispatch_model():
     for digest in (None, "abcdef0123456789"):
         parsed = Dispatch.model_validate_json(BrokerState._dispatch_header(pending, digest))
         assert parsed == Dispatch(ticket=17, client='c"x', reply_to="tcp://1.2.3.4:5", service="s\\1", mapping_digest=digest, request=request)
+
+
+def test_dispatch_header_carries_the_ranks_data_plane_offer():
+    offer = DataPlaneOffer(mode="gloo", host_id="boot-1", hostname="n1", device="cuda:1", gpu_uuid="GPU-1", nccl=True)
+    hello = Hello(client="c", service="s", data_endpoint="tcp://1.2.3.4:5", window=2, host="h", pid=1, data_plane=offer)
+    pending = Pending(ClientRecord(b"c", hello, 0.0), Submit(request_id=3, kind="eagle3"), [], 0.0, ticket=1)
+    assert Dispatch.model_validate_json(BrokerState._dispatch_header(pending, None)).data_plane == offer
+
+
+def test_ranks_a_worker_served_are_told_it_is_gone_and_pairs_show_in_status(state):
+    register(state, "w1")
+    hello(state, "r1")
+    hello(state, "r2")
+    assert dispatches(submit(state, "r1", 0))
+    pair = PairStatus(client="r1", plane="gloo", state="ready", reason="the worker asked for gloo", generation=0, sent_over_pair=3)
+    state.on_worker_heartbeat(b"w1", WorkerHeartbeat(pairs=[pair]))
+    assert state.status()["services"]["svc"]["workers"][0]["pairs"] == [pair.model_dump(mode="json")]
+    out = state.on_worker_bye(b"w1")
+    # Only the rank it served hears of it (r2 never had a pair with it).
+    assert [(i.peer, unpack(i.frames, FRONTEND_OUTBOUND)[0]) for i in out if i.side == "frontend"] == [(b"r1", WorkerGone(worker="w1"))]
 
 
 def test_requests_go_to_the_worker_with_free_credits_and_wait_for_one(state):
