@@ -29,6 +29,14 @@ def local_address_towards(endpoint: str) -> str:
         return probe.getsockname()[0]
 
 
+def is_loopback(endpoint: str) -> bool:
+    """Whether a tcp endpoint is reachable from this machine only (ipc and inproc are local too)."""
+    if not endpoint.startswith("tcp://"):
+        return True
+    host = urlsplit(endpoint).hostname or ""
+    return host == "localhost" or host.startswith("127.") or host == "::1"
+
+
 def host_identity() -> str:
     return socket.gethostname()
 

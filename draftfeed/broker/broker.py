@@ -13,7 +13,7 @@ import zmq
 
 from draftfeed.broker.state import BrokerSettings, BrokerState, Outgoing
 from draftfeed.logs import RateLimitedLog
-from draftfeed.net import bind, close_quietly
+from draftfeed.net import bind, close_quietly, is_loopback
 from draftfeed.schemas.errors import MalformedMessage
 from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import (
@@ -33,6 +33,7 @@ from draftfeed.schemas.messages import (
     WorkerHeartbeat,
 )
 from draftfeed.schemas.protocol import DEFAULT_BACKEND, DEFAULT_FRONTEND
+from draftfeed.security.curve import TRAINERS, WORKERS, BrokerKeys, RoleGate, make_server, peer_key, start_authenticator
 
 log = logging.getLogger("draftfeed.broker")
 
@@ -43,6 +44,9 @@ class Broker:
     ``bind()`` opens the sockets and returns the bound endpoints; ``run()`` serves until ``stop()``,
     then drains: nothing new is dispatched, what workers hold completes (up to ``drain_timeout_s``),
     and every peer is told goodbye so that it reconnects to the next broker at once.
+
+    With ``keys`` both sockets are CURVE servers: only trainer keys get in at the frontend, only worker keys
+    at the backend (docs/security.md). Without, anyone who reaches the ports gets in.
     """
 
     def __init__(
@@ -54,6 +58,7 @@ class Broker:
         settings: BrokerSettings | None = None,
         drain_timeout_s: float = 30.0,
         context: zmq.Context | None = None,
+        keys: BrokerKeys | None = None,
     ) -> None:
         self.frontend_endpoint, self.backend_endpoint = frontend, backend
         self.state = BrokerState(name or f"{socket.gethostname()}-{os.getpid()}", settings)
@@ -63,12 +68,28 @@ class Broker:
         self._frontend: zmq.Socket | None = None
         self._backend: zmq.Socket | None = None
         self._bad_input = RateLimitedLog(log)
+        self.keys = keys
+        self._authenticator = None
 
     def bind(self) -> tuple[str, str]:
         self._frontend = self._router()
         self._backend = self._router()
+        if self.keys is not None:
+            keys = self.keys
+            self._authenticator = start_authenticator(self._context, {
+                TRAINERS: RoleGate("trainer", lambda: keys.trainers, {"worker": keys.workers}),
+                WORKERS: RoleGate("worker", lambda: keys.workers, {"trainer": keys.trainers}),
+            })
+            make_server(self._frontend, keys.own, TRAINERS)
+            make_server(self._backend, keys.own, WORKERS)
         self.frontend_endpoint = bind(self._frontend, self.frontend_endpoint)
         self.backend_endpoint = bind(self._backend, self.backend_endpoint)
+        if self.keys is None and not (is_loopback(self.frontend_endpoint) and is_loopback(self.backend_endpoint)):
+            log.warning(
+                "broker: INSECURE: listening on %s and %s without --secure: anyone who reaches these ports can register "
+                "as a worker, submit batches and read supervision. Start it with --secure (docs/security.md) unless the "
+                "network is closed to everyone else.", self.frontend_endpoint, self.backend_endpoint,
+            )
         return self.frontend_endpoint, self.backend_endpoint
 
     def _router(self) -> zmq.Socket:
@@ -114,6 +135,8 @@ class Broker:
                     next_tick = time.monotonic() + interval
         finally:
             close_quietly(self._frontend, self._backend)
+            if self._authenticator is not None:
+                self._authenticator.stop()
 
     def _drain(self, sock: zmq.Socket, handle: Any, budget: int = 256) -> None:
         for _ in range(budget):
@@ -122,14 +145,15 @@ class Broker:
             except zmq.Again:
                 return
             peer, body = frames[0].bytes, frames[1:]
+            key = peer_key(body[0]) if self.keys is not None and body else None
             try:
-                self._send(handle(peer, body))
+                self._send(handle(peer, body, key))
             except MalformedMessage as exc:
                 self._reject(sock, peer, str(exc))
             except Exception:  # a bug must not take the broker down with every rank's batches
                 log.exception("broker: error handling a message from %r", peer)
 
-    def _on_frontend(self, peer: bytes, body: list[Any]) -> list[Outgoing]:
+    def _on_frontend(self, peer: bytes, body: list[Any], key: str | None) -> list[Outgoing]:
         message, tensors = unpack(body, FRONTEND_INBOUND)
         state = self.state
         if isinstance(message, Submit):
@@ -137,7 +161,7 @@ class Broker:
         if isinstance(message, Heartbeat):
             return state.on_client_heartbeat(peer)
         if isinstance(message, Hello):
-            return state.on_hello(peer, message)
+            return state.on_hello(peer, message, key)
         if isinstance(message, SetVocabMapping):
             return state.on_set_vocab_mapping(peer, message, tensors)
         if isinstance(message, ModelInfoQuery):
@@ -148,7 +172,7 @@ class Broker:
             return state.on_client_bye(peer)
         raise MalformedMessage(f"unexpected message type {message.type!r} on the trainer port")
 
-    def _on_backend(self, peer: bytes, body: list[Any]) -> list[Outgoing]:
+    def _on_backend(self, peer: bytes, body: list[Any], key: str | None) -> list[Outgoing]:
         message, _tensors = unpack(body, BACKEND_INBOUND)
         state = self.state
         if isinstance(message, Done):
@@ -156,7 +180,7 @@ class Broker:
         if isinstance(message, WorkerHeartbeat):
             return state.on_worker_heartbeat(peer, message)
         if isinstance(message, Register):
-            return state.on_register(peer, message)
+            return state.on_register(peer, message, key)
         if isinstance(message, Draining):
             return state.on_draining(peer)
         if isinstance(message, Bye):

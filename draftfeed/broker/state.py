@@ -52,6 +52,7 @@ from draftfeed.schemas.messages import (
     Welcome,
     WorkerGone,
     WorkerHeartbeat,
+    WorkerKeys,
 )
 
 Side = Literal["frontend", "backend"]
@@ -110,6 +111,7 @@ class ClientRecord:
     completed: int = 0
     mapping_digest: str | None = None
     dispatch_fields: bytes | None = None  # this rank's part of every dispatch header, encoded once
+    key: str | None = None  # its authenticated CURVE public key, on a secure broker
 
 
 @dataclass
@@ -128,6 +130,7 @@ class WorkerRecord:
     rank_links: int = 0
     mappings_held: int = 0
     pairs: list[PairStatus] = field(default_factory=list)  # its data plane to each rank, from its heartbeats
+    key: str | None = None  # its authenticated CURVE public key, on a secure broker
 
     @property
     def free_credits(self) -> int:
@@ -193,7 +196,8 @@ class BrokerState:
         client.last_seen = self.clock()
         return client, []
 
-    def on_hello(self, peer: bytes, hello: Hello) -> list[Outgoing]:
+    def on_hello(self, peer: bytes, hello: Hello, key: str | None = None) -> list[Outgoing]:
+        """``key``: the rank's authenticated public key when the broker is secure."""
         if hello.client.encode() != peer:
             return [to_client(peer, ErrorReply(message=f"hello names rank {hello.client!r}, but this connection is {peer!r}: a rank speaks only for itself"))]
         service = self.service(hello.service)
@@ -207,10 +211,14 @@ class BrokerState:
             service.info = hello.expect
         client = self.clients.get(peer)
         if client is None:
-            self.clients[peer] = ClientRecord(peer, hello, self.clock())
+            self.clients[peer] = client = ClientRecord(peer, hello, self.clock())
         else:  # the same rank again (its link flickered): keep its requests, take its new settings
             client.hello, client.last_seen, client.dispatch_fields = hello, self.clock(), None
-        welcome = Welcome(broker=self.name, instance=self.instance, services=sorted(self.services), liveness=self.settings.liveness_message)
+        client.key = key
+        welcome = Welcome(
+            broker=self.name, instance=self.instance, services=sorted(self.services), liveness=self.settings.liveness_message,
+            worker_keys=self._worker_keys(service) if key is not None else [],
+        )
         return [to_client(peer, welcome)]
 
     def on_client_heartbeat(self, peer: bytes) -> list[Outgoing]:
@@ -349,7 +357,16 @@ class BrokerState:
         worker.last_seen = self.clock()
         return worker, []
 
-    def on_register(self, peer: bytes, register: Register) -> list[Outgoing]:
+    def _worker_keys(self, service: ServiceRecord) -> list[str]:
+        return sorted({w.key for w in service.workers.values() if w.key is not None})
+
+    def _announce_worker_keys(self, service: ServiceRecord) -> list[Outgoing]:
+        """Tell the service's ranks (on a secure broker) which workers their data sockets admit."""
+        message = WorkerKeys(keys=self._worker_keys(service))
+        return [to_client(c.peer, message) for c in self.clients.values() if c.key is not None and c.hello.service == service.name]
+
+    def on_register(self, peer: bytes, register: Register, key: str | None = None) -> list[Outgoing]:
+        """``key``: the worker's authenticated public key when the broker is secure."""
         if register.worker.encode() != peer:
             return [to_worker(peer, ErrorReply(message=f"registration names worker {register.worker!r}, but this connection is {peer!r}"))]
         out: list[Outgoing] = []
@@ -366,9 +383,11 @@ class BrokerState:
             log.warning("broker: refused registration: %s", reason)
             return out + [to_worker(peer, ErrorReply(message=reason, code="refused"))]
         service.info = register.info
-        worker = WorkerRecord(peer, register, self.clock())
+        worker = WorkerRecord(peer, register, self.clock(), key=key)
         self.workers[peer] = worker
         service.workers[peer] = worker
+        if key is not None:
+            out.extend(self._announce_worker_keys(service))  # before its first dispatch reaches a rank
         out.append(to_worker(peer, Registered(broker=self.name, instance=self.instance, liveness=self.settings.liveness_message)))
         for waiter, request_id in service.info_waiters:
             out.append(to_client(waiter, self._model_info_reply(service, request_id)))
@@ -463,6 +482,8 @@ class BrokerState:
         # Ranks it served release their pair groups with it (docs/data-planes.md).
         gone = WorkerGone(worker=worker.registration.worker)
         out = [to_client(client, gone) for client in worker.clients_served if client in self.clients]
+        if worker.key is not None:
+            out.extend(self._announce_worker_keys(service))
         return out + self._requeue(pendings, service)
 
     # ------------------------------------------------------------ scheduling
@@ -514,6 +535,8 @@ class BrokerState:
             fields = {"client": hello.client, "reply_to": hello.data_endpoint, "service": hello.service}
             if hello.data_plane is not None:
                 fields["data_plane"] = hello.data_plane.model_dump(mode="json")
+            if client.key is not None:
+                fields["reply_key"] = client.key
             client.dispatch_fields = json.dumps(fields)[1:-1].encode()
         if pending.request_json is None:
             pending.request_json = pending.request.model_dump_json().encode()

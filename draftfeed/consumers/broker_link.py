@@ -30,6 +30,7 @@ from draftfeed.schemas.messages import (
     Registered,
     WorkerHeartbeat,
 )
+from draftfeed.security.curve import PeerKeys, make_client
 
 log = logging.getLogger("draftfeed.worker")
 
@@ -51,6 +52,7 @@ class BrokerLink(threading.Thread):
         stats: Callable[[], WorkerHeartbeat],
         heartbeat_interval_s: float = 1.0,
         liveness: int = 5,
+        keys: PeerKeys | None = None,
     ) -> None:
         super().__init__(name=f"draftfeed-broker-link-{registration.worker}", daemon=True)
         self._context = context
@@ -58,6 +60,7 @@ class BrokerLink(threading.Thread):
         self._registration = registration
         self._pipe_endpoint = pipe_endpoint
         self._stats = stats
+        self._keys = keys
         self.interval_s, self.liveness = heartbeat_interval_s, liveness
         self.registered = threading.Event()
         self.refused: str | None = None
@@ -71,6 +74,8 @@ class BrokerLink(threading.Thread):
         try:
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.ROUTING_ID, self._registration.worker.encode())
+            if self._keys is not None:
+                make_client(dealer, self._keys.own, self._keys.broker)
             dealer.connect(self._broker)
             pipe.setsockopt(zmq.LINGER, 0)
             pipe.connect(self._pipe_endpoint)

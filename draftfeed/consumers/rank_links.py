@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from typing import Any, Literal
 
 import zmq
 
 from draftfeed.net import close_quietly
+from draftfeed.security.curve import PeerKeys, make_client
 
 _FORGOTTEN_KEPT = 4096
+log = logging.getLogger("draftfeed.worker")
 
 
 class RankLinks:
@@ -20,9 +23,11 @@ class RankLinks:
     the broker reported gone are remembered, so a late answer for one opens no socket to a dead endpoint.
     """
 
-    def __init__(self, context: zmq.Context, hwm: int = 4) -> None:
+    def __init__(self, context: zmq.Context, hwm: int = 4, keys: PeerKeys | None = None) -> None:
         self._context = context
         self._hwm = hwm
+        self._keys = keys
+        self._server_keys: dict[str, str | None] = {}  # endpoint -> the rank's public key (secure brokers send it)
         self._sockets: dict[str, zmq.Socket] = {}
         self._reached: set[str] = set()
         self._forgotten: OrderedDict[str, None] = OrderedDict()
@@ -37,6 +42,12 @@ class RankLinks:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)
             sock.setsockopt(zmq.SNDHWM, self._hwm)
+            if self._keys is not None:
+                server = self._server_keys.get(endpoint)
+                if server is None:
+                    # Never plaintext from a secure worker: no key, no link (the send stays blocked and times out).
+                    raise ValueError(f"no public key for rank endpoint {endpoint}: is the broker running with --secure?")
+                make_client(sock, self._keys.own, server.encode())
             sock.connect(endpoint)
             self._sockets[endpoint] = sock
         return sock
@@ -46,7 +57,12 @@ class RankLinks:
         if endpoint in self._forgotten:
             return "forgotten"
         try:
-            self.socket(endpoint).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            sock = self.socket(endpoint)
+        except ValueError as exc:
+            log.error("%s; not sending to it", exc)
+            return "forgotten"
+        try:
+            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             self._reached.add(endpoint)
             return "sent"
         except zmq.Again:
@@ -67,9 +83,13 @@ class RankLinks:
         """Whether a message ever went out on the current link to this endpoint."""
         return endpoint in self._reached
 
-    def remember(self, endpoint: str) -> None:
-        """The broker dispatches for this rank again (it came back after being declared gone)."""
+    def remember(self, endpoint: str, key: str | None = None) -> None:
+        """The broker dispatches for this rank (again, if it came back after being declared gone); ``key`` is
+        the rank's public key, which its data socket must prove."""
         self._forgotten.pop(endpoint, None)
+        if self._server_keys.get(endpoint) != key:
+            self._server_keys[endpoint] = key
+            self.drop(endpoint)  # a new rank on a reused endpoint: reconnect with its key
 
     def forget(self, endpoint: str) -> None:
         """The rank is gone: close its link and send it nothing more."""

@@ -56,6 +56,7 @@ from draftfeed.schemas.messages import (
     WorkerHeartbeat,
 )
 from draftfeed.schemas.tensor_codec import decode_tensors
+from draftfeed.security.curve import PeerKeys
 
 log = logging.getLogger("draftfeed.worker")
 
@@ -79,6 +80,7 @@ class WorkerConfig:
     drain_timeout_s: float = 10.0
     data_plane: str = "auto"  # auto | frames | nccl | gloo (docs/data-planes.md)
     pair_timeout_s: float = 30.0  # a pair group's rendezvous and each transfer on it
+    keys: PeerKeys | None = None  # CURVE to the broker and to ranks (docs/security.md)
 
 
 @dataclass
@@ -132,13 +134,13 @@ class Worker:
         pipe = context.socket(zmq.PAIR)
         pipe.setsockopt(zmq.LINGER, 0)
         pipe.bind(pipe_endpoint)
-        self._ranks = RankLinks(context, hwm=self.config.capacity + 1)
+        self._ranks = RankLinks(context, hwm=self.config.capacity + 1, keys=self.config.keys)
         ranks = self._ranks
         self._planes = PairPlanes(
             self.name, local_offer(self.config.data_plane, self.task.engine.device),
             send=lambda endpoint, frames: ranks.try_send(endpoint, frames) == "sent", timeout_s=self.config.pair_timeout_s,
         )
-        link = BrokerLink(context, self.config.broker, self.registration(), pipe_endpoint, self._stats)
+        link = BrokerLink(context, self.config.broker, self.registration(), pipe_endpoint, self._stats, keys=self.config.keys)
         link.start()
         try:
             self._await_registration(link)
@@ -159,9 +161,13 @@ class Worker:
 
     def _await_registration(self, link: BrokerLink) -> None:
         if not link.registered.wait(self.config.register_timeout_s):
+            secure = (
+                " With --secure, also check that --broker-key is that broker's public key and that this worker's key is on "
+                "the broker's --worker-keys list (the broker logs a refused key)." if self.config.keys is not None else ""
+            )
             raise TimeoutError(
                 f"worker {self.name}: no broker answered at {self.config.broker} within "
-                f"{self.config.register_timeout_s:.0f} s; is `draftfeed launch broker` running there?"
+                f"{self.config.register_timeout_s:.0f} s; is `draftfeed launch broker` running there?{secure}"
             )
         if link.failure is not None:
             raise RuntimeError(f"worker {self.name}: broker link failed: {link.failure}")
@@ -206,7 +212,7 @@ class Worker:
             return
         if isinstance(message, Dispatch):
             assert self._ranks is not None
-            self._ranks.remember(message.reply_to)
+            self._ranks.remember(message.reply_to, message.reply_key)
             self._queue.append(_Queued(message, tensor_frames))
         elif isinstance(message, VocabMapping):
             self._mappings[message.digest] = self._load_mapping(message, tensor_frames)

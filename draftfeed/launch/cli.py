@@ -68,7 +68,39 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--broker", default="tcp://127.0.0.1:5555", help="the broker's trainer (frontend) endpoint")
     status.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the broker (default 10)")
+    _add_peer_key_flags(status, "trainer")
+
+    keys = commands.add_parser("keys", help="create CURVE keys for a secure deployment (docs/security.md)")
+    key_commands = keys.add_subparsers(dest="keys_command", required=True)
+    generate = key_commands.add_parser("generate", help="write key pairs in ZeroMQ's certificate format")
+    generate.add_argument("--out", required=True, help="the folder to write to (created if missing; existing keys are never overwritten)")
+    generate.add_argument("--name", default=None, help="write one more pair NAME.key / NAME.key_secret instead of the broker, trainer and worker set")
+    generate.add_argument("--role", choices=["trainer", "worker"], default=None, help="with --name: also put NAME.key on OUT/trainers or OUT/workers, the broker's allow-lists")
     return parser
+
+
+def _add_peer_key_flags(parser: argparse.ArgumentParser, role: str) -> None:
+    parser.add_argument("--keys", default=None, help=f"a folder from `draftfeed keys generate`: use its {role}.key_secret and broker.key (default: $DRAFTFEED_KEYS if set)")
+    parser.add_argument("--key", default=None, help=f"this {role}'s .key_secret file (overrides --keys)")
+    parser.add_argument("--broker-key", default=None, help="the broker's public .key file (overrides --keys)")
+
+
+def _peer_keys(args: argparse.Namespace, role: str, required: bool) -> "object | None":
+    """The keys a trainer or worker connects with, from --keys/--key/--broker-key or $DRAFTFEED_KEYS."""
+    import os
+
+    from draftfeed.security.curve import KEYS_ENV, PeerKeys
+
+    folder = args.keys or os.environ.get(KEYS_ENV)
+    if args.key or args.broker_key:
+        if not (args.key and args.broker_key) and not folder:
+            raise ValueError("--key and --broker-key go together (or pass --keys DIR for both)")
+        return PeerKeys.from_files(args.key or Path(folder) / f"{role}.key_secret", args.broker_key or Path(folder) / "broker.key")
+    if folder:
+        return PeerKeys.from_folder(folder, role)
+    if required:
+        raise ValueError(f"--secure needs keys: --keys DIR (from `draftfeed keys generate`), or --key {role}.key_secret and --broker-key broker.key")
+    return None
 
 
 def add_launch_commands(roles: argparse._SubParsersAction) -> None:
@@ -79,6 +111,11 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
     broker.add_argument("--backend", default=DEFAULT_BACKEND, help=f"where workers connect (default {DEFAULT_BACKEND})")
     broker.add_argument("--name", default=None, help="the broker's name in logs and status (default HOST-PID)")
     broker.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats to and from every peer (default 1); peers adopt it")
+    broker.add_argument("--secure", action="store_true", help="CURVE on both sockets: only trainer keys at the frontend, only worker keys at the backend (docs/security.md)")
+    broker.add_argument("--keys", default=None, help="with --secure: a folder from `draftfeed keys generate` (broker.key_secret, trainers/, workers/)")
+    broker.add_argument("--key", default=None, help="with --secure: the broker's .key_secret file (overrides --keys)")
+    broker.add_argument("--trainer-keys", default=None, help="with --secure: the folder of trainer public keys allowed at the frontend (overrides --keys)")
+    broker.add_argument("--worker-keys", default=None, help="with --secure: the folder of worker public keys allowed at the backend (overrides --keys)")
     broker.add_argument("--liveness", type=int, default=5, help="heartbeat intervals a peer may stay silent before it counts as dead (default 5)")
     broker.add_argument("--max-queued", type=int, default=4096, help="requests one service may queue; past it ranks are told to send again later (default 4096)")
     broker.add_argument("--max-attempts", type=int, default=3, help="workers a request may be tried on before the rank gets an error (default 3)")
@@ -105,6 +142,8 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
     worker.add_argument("--data-plane", default="auto", choices=["auto", "frames", "nccl", "gloo"], help="how supervision reaches ranks: auto (NCCL to CUDA ranks on this machine, frames otherwise; the default), frames, nccl or gloo (docs/data-planes.md)")
     worker.add_argument("--pair-timeout", type=float, default=30.0, help="seconds a pair group may take to build, and each transfer on it, before it is torn down and frames are used (default 30)")
     worker.add_argument("--drain-timeout", type=float, default=10.0, help="on SIGTERM, seconds to wait for the broker to confirm the drain (default 10)")
+    worker.add_argument("--secure", action="store_true", help="CURVE to the broker and to ranks, with this worker's key (docs/security.md)")
+    _add_peer_key_flags(worker, "worker")
 
 
 def announce_ready(**fields: str) -> None:
@@ -125,11 +164,62 @@ def run_broker(args: argparse.Namespace) -> int:
         heartbeat_interval_s=args.heartbeat_interval, liveness=args.liveness,
         max_queued_per_service=args.max_queued, max_attempts=args.max_attempts,
     )
-    broker = Broker(args.frontend, args.backend, name=args.name, settings=settings, drain_timeout_s=args.drain_timeout)
+    try:
+        keys = _broker_keys(args)
+    except ValueError as exc:
+        print(f"draftfeed broker: {exc}", file=sys.stderr)
+        return 2
+    broker = Broker(args.frontend, args.backend, name=args.name, settings=settings, drain_timeout_s=args.drain_timeout, keys=keys)
     frontend, backend = broker.bind()
     _stop_on_signals(broker.stop)
     announce_ready(role="broker", frontend=frontend, backend=backend)
     broker.run()
+    return 0
+
+
+def _broker_keys(args: argparse.Namespace) -> "object | None":
+    from draftfeed.security.curve import BrokerKeys
+
+    given = [flag for flag, value in (("--keys", args.keys), ("--key", args.key), ("--trainer-keys", args.trainer_keys), ("--worker-keys", args.worker_keys)) if value]
+    if not args.secure:
+        if given:
+            raise ValueError(f"{', '.join(given)} given without --secure: add --secure to use them")
+        return None
+    folder = Path(args.keys) if args.keys else None
+    paths = {
+        "--key": args.key or (folder / "broker.key_secret" if folder else None),
+        "--trainer-keys": args.trainer_keys or (folder / "trainers" if folder else None),
+        "--worker-keys": args.worker_keys or (folder / "workers" if folder else None),
+    }
+    missing = [flag for flag, path in paths.items() if path is None]
+    if missing:
+        raise ValueError(f"--secure needs {', '.join(missing)} (or --keys DIR from `draftfeed keys generate`)")
+    return BrokerKeys.from_files(paths["--key"], paths["--trainer-keys"], paths["--worker-keys"])
+
+
+def run_keys(args: argparse.Namespace) -> int:
+    from draftfeed.security.keys import KeyFileError, generate, generate_pair
+
+    out = Path(args.out)
+    try:
+        if args.name is None:
+            if args.role is not None:
+                raise KeyFileError("--role goes with --name")
+            pairs = generate(out)
+            print(f"wrote the broker, trainer and worker key pairs to {out}:")
+            print(f"  broker:   draftfeed launch broker --secure --keys {out}   ({out}/broker.key_secret stays on the broker host)")
+            print(f"  workers:  draftfeed launch worker --secure --keys {out} ...   (needs worker.key_secret and broker.key)")
+            print(f"  trainers: RemoteEagle3Target(..., keys='{out}') or DRAFTFEED_KEYS={out}   (needs trainer.key_secret and broker.key)")
+            for name, pair in pairs.items():
+                print(f"  {name} public key {pair.public.decode()}")
+        else:
+            allow_list = out / f"{args.role}s" if args.role else None
+            pair = generate_pair(out, args.name, allow_list)
+            where = f", and added its public key to {allow_list}" if allow_list else ""
+            print(f"wrote {out}/{args.name}.key and {out}/{args.name}.key_secret{where}; public key {pair.public.decode()}")
+    except KeyFileError as exc:
+        print(f"draftfeed keys: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -147,6 +237,13 @@ def run_worker(args: argparse.Namespace) -> int:
         print(f"draftfeed worker: {misplaced} does not apply to --task {args.task}", file=sys.stderr)
         return 2
     try:
+        if not args.secure and (args.keys or args.key or args.broker_key):
+            raise ValueError("--keys/--key/--broker-key given without --secure: add --secure to use them")
+        keys = _peer_keys(args, "worker", required=True) if args.secure else None
+    except ValueError as exc:
+        print(f"draftfeed worker: {exc}", file=sys.stderr)
+        return 2
+    try:
         engine = load_engine(args.engine, args.target, args.device, args.dtype, dict(args.engine_option))
     except (ValueError, TypeError) as exc:
         print(f"draftfeed worker: {exc}", file=sys.stderr)
@@ -162,7 +259,7 @@ def run_worker(args: argparse.Namespace) -> int:
     worker = Worker(task, WorkerConfig(
         broker=args.broker, service=service, capacity=args.capacity, name=args.name,
         send_timeout_s=args.send_timeout, connect_timeout_s=args.connect_timeout, register_timeout_s=args.register_timeout, drain_timeout_s=args.drain_timeout,
-        data_plane=args.data_plane, pair_timeout_s=args.pair_timeout,
+        data_plane=args.data_plane, pair_timeout_s=args.pair_timeout, keys=keys,
     ))
     _stop_on_signals(worker.stop)
     try:
@@ -199,7 +296,12 @@ def run_bench(args: argparse.Namespace) -> int:
 def run_status(args: argparse.Namespace) -> int:
     from draftfeed.launch.status import fetch_status, format_status
 
-    status = fetch_status(args.broker, args.timeout)
+    try:
+        keys = _peer_keys(args, "trainer", required=False)
+    except ValueError as exc:
+        print(f"draftfeed status: {exc}", file=sys.stderr)
+        return 2
+    status = fetch_status(args.broker, args.timeout, keys=keys)
     print(json.dumps(status, indent=2) if args.json else format_status(status))
     return 0
 
@@ -228,6 +330,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.command == "launch":
         return run_broker(args) if args.role == "broker" else run_worker(args)
+    if args.command == "keys":
+        return run_keys(args)
     if args.command == "bench":
         return run_bench(args)
     if args.command == "demo":

@@ -9,13 +9,17 @@ import zmq
 from draftfeed.schemas.errors import RemoteTargetTimeout
 from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import FRONTEND_OUTBOUND, StatusQuery, StatusReply
+from draftfeed.security.curve import PeerKeys, make_client
 
 
-def fetch_status(broker: str, timeout_s: float = 10.0) -> dict[str, Any]:
-    """One status query on the broker's trainer endpoint; raises RemoteTargetTimeout if nobody answers."""
+def fetch_status(broker: str, timeout_s: float = 10.0, keys: PeerKeys | None = None) -> dict[str, Any]:
+    """One status query on the broker's trainer endpoint (with a trainer's ``keys`` for a secure broker);
+    raises RemoteTargetTimeout if nobody answers."""
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        make_client(sock, keys.own, keys.broker)
     try:
         sock.connect(broker)
         sock.send_multipart(pack(StatusQuery(request_id=0)))

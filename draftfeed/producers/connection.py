@@ -33,7 +33,7 @@ from typing import Any, Callable
 import zmq
 
 from draftfeed.logs import RateLimitedLog
-from draftfeed.net import bind, close_quietly, host_identity, local_address_towards
+from draftfeed.net import bind, close_quietly, host_identity, is_loopback, local_address_towards
 from draftfeed.producers.pair_receivers import PairReceivers
 from draftfeed.schemas.errors import MalformedMessage, RemoteTargetError, RemoteTargetTimeout, TargetClosed
 from draftfeed.schemas.frames import pack, unpack
@@ -55,7 +55,9 @@ from draftfeed.schemas.messages import (
     StatusReply,
     Welcome,
     WorkerGone,
+    WorkerKeys,
 )
+from draftfeed.security.curve import DATA, PeerKeys, RoleGate, make_client, make_server, start_authenticator
 from draftfeed.schemas.tensor_codec import decode_tensors
 
 log = logging.getLogger("draftfeed.producer")
@@ -108,6 +110,7 @@ class Connection:
         data_endpoint: str | None = None,
         connect_timeout_s: float = 60.0,
         data_plane: DataPlaneOffer | None = None,
+        keys: PeerKeys | None = None,
     ) -> None:
         if window < 1:
             raise ValueError(f"window must be at least 1, got {window}")
@@ -130,6 +133,9 @@ class Connection:
         self._hello: Hello  # built by the IO thread once its data socket is bound
         self._liveness: tuple[float, int] | None = None  # the broker's heartbeat interval and liveness
         self.data_plane = data_plane
+        self.keys = keys
+        self._worker_keys: frozenset[bytes] = frozenset()  # the workers the broker vouches for (secure brokers)
+        self._authenticator = None
         self.pairs = PairReceivers(
             data_plane.device if data_plane is not None else "cpu", self._on_pair_result, self._on_pair_lost, self._on_pair_closed
         )
@@ -144,6 +150,8 @@ class Connection:
         self._thread.start()
         if not self._welcome.wait(connect_timeout_s) or self._broken is not None:
             reason = self._broken or f"no broker answered at {broker} within {connect_timeout_s:.0f} s"
+            if keys is not None and self._broken is None:
+                reason = f"{reason} (with keys: check that broker.key is that broker's and that this trainer's key is on its --trainer-keys list)"
             self.close()
             raise RemoteTargetError(f"cannot connect to the draftfeed broker: {reason}; is `draftfeed launch broker` running there?")
 
@@ -202,6 +210,8 @@ class Connection:
         self._fail_all(TargetClosed("the remote target was closed while this request was outstanding"))
         with self._lock:
             close_quietly(self._pipe)
+        if self._authenticator is not None:
+            self._authenticator.stop()
         self._context.term()
 
     # ------------------------------------------------------------ IO thread
@@ -217,10 +227,20 @@ class Connection:
             control.setsockopt(zmq.RCVHWM, self.window + _CONTROL_SLACK)
             control.setsockopt(zmq.ROUTING_ID, self.client_id.encode())
             data.setsockopt(zmq.RCVHWM, self.window + 1)
+            if self.keys is not None:
+                make_client(control, self.keys.own, self.keys.broker)
+                self._authenticator = start_authenticator(self._context, {DATA: RoleGate("worker of this service", lambda: self._worker_keys)})
+                make_server(data, self.keys.own, DATA)
             self._hello = Hello(
                 client=self.client_id, service=self.service, data_endpoint=bind(data, self._data_bind),
                 window=self.window, host=host_identity(), pid=os.getpid(), task=self.task, data_plane=self.data_plane,
             )
+            if self.keys is None and not is_loopback(self._hello.data_endpoint):
+                log.warning(
+                    "draftfeed rank %s: INSECURE: supervision arrives on %s without encryption, and anyone who reaches it "
+                    "can connect; pass keys= (or set DRAFTFEED_KEYS) with a --secure broker (docs/security.md)",
+                    self.client_id, self._hello.data_endpoint,
+                )
             pipe.connect(pipe_endpoint)
             control.connect(self.broker)
             control.send_multipart(pack(self._hello))
@@ -315,12 +335,15 @@ class Connection:
                 self._hello_again(control)  # a broker that has not welcomed this rank
         elif isinstance(message, Welcome):
             self._liveness = (message.liveness.heartbeat_interval_s, message.liveness.liveness)
+            self._worker_keys = frozenset(key.encode() for key in message.worker_keys)
             if message.instance != self.broker_instance or self._needs_resync:
                 if self.broker_instance is not None:
                     self._resync(control, message.instance)
                 self.broker_instance, self._needs_resync = message.instance, False
                 self.stats.broker_instances.append(message.instance)
             self._welcome.set()
+        elif isinstance(message, WorkerKeys):
+            self._worker_keys = frozenset(key.encode() for key in message.keys)
         elif isinstance(message, WorkerGone):
             self.pairs.close_worker(message.worker, "the broker reports the worker gone")
         elif isinstance(message, Goodbye):

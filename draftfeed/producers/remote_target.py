@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
 from typing import Any, Callable, ClassVar, Generic, TypeVar
 
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 
 from draftfeed.consumers.validation import BadRequest, validate_vocab_mapping
 from draftfeed.dataplane.choice import local_offer
+from draftfeed.security.curve import PeerKeys
 from draftfeed.producers.compact import CompactEagle3
 from draftfeed.producers.connection import Connection, ConnectionStats
 from draftfeed.producers.prefetch import prefetch
@@ -52,6 +54,10 @@ class RemoteTarget(Generic[Sup, Info]):
     takes NCCL from a worker on the same machine when both sides hold CUDA tensors (``device`` a CUDA
     device here) and frames otherwise; ``"frames"``, ``"nccl"`` and ``"gloo"`` force one. The worker's
     own setting and this one decide together; a pair that cannot use a group uses frames.
+
+    ``keys`` connects to a ``--secure`` broker (docs/security.md): a ``PeerKeys``, or a folder from
+    ``draftfeed keys generate`` (its trainer.key_secret and broker.key); by default the folder named by
+    ``$DRAFTFEED_KEYS``, if set. The rank's own data socket then admits only the service's workers.
     """
 
     TASK: ClassVar[str]
@@ -70,6 +76,7 @@ class RemoteTarget(Generic[Sup, Info]):
         data_endpoint: str | None = None,
         wait_log_interval: float = 5.0,
         data_plane: str = "auto",
+        keys: PeerKeys | str | Path | None = None,
     ) -> None:
         if prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be 0 or more, got {prefetch_depth}")
@@ -81,7 +88,7 @@ class RemoteTarget(Generic[Sup, Info]):
         offer = local_offer(data_plane, self.device)  # raises ValueError for an unknown data_plane
         self._connection = Connection(
             broker, service, max(prefetch_depth, 1), task=self.TASK, data_endpoint=data_endpoint,
-            connect_timeout_s=connect_timeout, data_plane=offer,
+            connect_timeout_s=connect_timeout, data_plane=offer, keys=PeerKeys.resolve(keys, "trainer"),
         )
         self._info: Info | None = None
         self._workers: list[str] = []

@@ -195,12 +195,24 @@ class Liveness(Strict):
         return self.heartbeat_interval_s * self.liveness
 
 
+PublicKey = Annotated[str, Field(min_length=40, max_length=40)]  # a CURVE public key, Z85
+
+
 class Welcome(Strict):
     type: Literal["welcome"] = "welcome"
     broker: Name
     instance: Name
     services: list[str]
     liveness: Liveness
+    # On a secure broker: the public keys of the workers of the rank's service, which the rank's data socket admits.
+    worker_keys: list[PublicKey] = Field(default_factory=list, max_length=4096)
+
+
+class WorkerKeys(Strict):
+    """On a secure broker: the public keys of the workers of this rank's service, after each change."""
+
+    type: Literal["worker_keys"] = "worker_keys"
+    keys: list[PublicKey] = Field(max_length=4096)
 
 
 class Ack(Strict):
@@ -338,6 +350,7 @@ class Dispatch(Strict):
     service: Name
     mapping_digest: str | None = None
     data_plane: DataPlaneOffer | None = None  # the rank's, from its hello
+    reply_key: PublicKey | None = None  # on a secure broker: the rank's public key, which its data socket proves
     request: Submit
 
 
@@ -407,7 +420,7 @@ FrontendInbound = Annotated[
     Union[Hello, Submit, SetVocabMapping, ModelInfoQuery, StatusQuery, Heartbeat, Bye], Field(discriminator="type")
 ]
 FrontendOutbound = Annotated[
-    Union[Welcome, Ack, ModelInfoReply, StatusReply, ErrorReply, Heartbeat, Goodbye, WorkerGone], Field(discriminator="type")
+    Union[Welcome, Ack, ModelInfoReply, StatusReply, ErrorReply, Heartbeat, Goodbye, WorkerGone, WorkerKeys], Field(discriminator="type")
 ]
 BackendInbound = Annotated[Union[Register, Done, WorkerHeartbeat, Draining, Bye], Field(discriminator="type")]
 BackendOutbound = Annotated[
