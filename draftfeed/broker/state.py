@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from draftfeed.broker.fair_queue import FairQueue
 from draftfeed.schemas.frames import pack
 from draftfeed.schemas.protocol import SIGNATURE
 from draftfeed.schemas.errors import MalformedMessage
@@ -65,6 +66,8 @@ class BrokerSettings:
     heartbeat_interval_s: float = 1.0
     liveness: int = 5
     max_queued_per_service: int = 4096
+    # Most requests one rank may have at the broker: a rank's hello asking for a larger window is refused.
+    max_queued_per_rank: int = 256
     max_attempts: int = 3
 
     @property
@@ -96,6 +99,11 @@ class Pending:
     failures: int = 0  # dispatches handed back or lost with a dead worker (a poison batch must not kill every worker)
     excluded: set[bytes] = field(default_factory=set)
     last_error: str | None = None
+
+    @property
+    def client_key(self) -> bytes:
+        """Its rank, for the service's fair queue."""
+        return self.client.peer
 
 
 @dataclass
@@ -141,7 +149,7 @@ class WorkerRecord:
 class ServiceRecord:
     name: str
     workers: dict[bytes, WorkerRecord] = field(default_factory=dict)
-    queue: deque[Pending] = field(default_factory=deque)
+    queue: FairQueue[Pending] = field(default_factory=FairQueue)  # round-robin across ranks (fair_queue.py)
     info_waiters: list[tuple[bytes, int]] = field(default_factory=list)
     completions: deque[float] = field(default_factory=deque)
     # The service's target, fixed by its first worker or by a rank's checked expectation: every worker
@@ -200,6 +208,14 @@ class BrokerState:
         """``key``: the rank's authenticated public key when the broker is secure."""
         if hello.client.encode() != peer:
             return [to_client(peer, ErrorReply(message=f"hello names rank {hello.client!r}, but this connection is {peer!r}: a rank speaks only for itself"))]
+        if hello.window > self.settings.max_queued_per_rank:
+            message = (
+                f"rank {hello.client} asks for a prefetch window of {hello.window}, over this broker's cap of "
+                f"{self.settings.max_queued_per_rank} requests per rank (--max-queued-per-rank): use prefetch_depth "
+                f"{self.settings.max_queued_per_rank} or less"
+            )
+            log.warning("broker: %s", message)
+            return [to_client(peer, ErrorReply(message=message, code="over_limit"))]
         service = self.service(hello.service)
         if hello.expect is not None:
             if service.info is not None and service.info != hello.expect:
@@ -338,7 +354,7 @@ class BrokerState:
             return []
         out = self._release_mapping(client)
         service = self.service(client.hello.service)
-        service.queue = deque(p for p in service.queue if p.client is not client)
+        service.queue.drop_rank(client.peer)
         service.info_waiters = [(p, r) for p, r in service.info_waiters if p != peer]
         client.parked.clear()
         forget = ForgetClient(client=client.hello.client, reply_to=client.hello.data_endpoint)
@@ -454,7 +470,8 @@ class BrokerState:
     def _requeue(self, pendings: list[Pending], service: ServiceRecord) -> list[Outgoing]:
         """Put requests back at the front of their queue, in their order; fail those out of attempts."""
         out: list[Outgoing] = []
-        for pending in sorted(pendings, key=lambda p: p.enqueued_at, reverse=True):
+        back: list[Pending] = []
+        for pending in sorted(pendings, key=lambda p: p.enqueued_at):
             if pending.client.peer not in self.clients:
                 continue
             if pending.failures >= self.settings.max_attempts:
@@ -463,7 +480,8 @@ class BrokerState:
                 out.extend(self._complete(pending))
                 continue
             self.counters["requeued"] += 1
-            service.queue.appendleft(pending)
+            back.append(pending)
+        service.queue.push_front(back)
         return out + self._dispatch(service)
 
     def _remove_worker(self, peer: bytes, *, died: bool = False) -> list[Outgoing]:
@@ -491,22 +509,21 @@ class BrokerState:
         if self.draining:
             return []
         out: list[Outgoing] = []
-        kept: deque[Pending] = deque()
+        skipped: list[Pending] = []
         while service.queue:
             if not any(w.free_credits > 0 for w in service.workers.values()):
                 break
-            pending = service.queue.popleft()
+            pending = service.queue.pop()  # the next rank's oldest request, round-robin across ranks
             if pending.client.peer not in self.clients:
                 continue
             candidates = [w for w in service.workers.values() if w.free_credits > 0 and w.peer not in pending.excluded]
             if not candidates:
-                kept.append(pending)  # every free worker has handed this one back; wait for another
+                skipped.append(pending)  # every free worker has handed this one back; wait for another
                 continue
             # Most free credits first; among equals the one that waited longest since its last request.
             worker = max(candidates, key=lambda w: (w.free_credits, -w.last_assigned))
             out.extend(self._assign(worker, pending))
-        kept.extend(service.queue)
-        service.queue = kept
+        service.queue.push_front(skipped)
         return out
 
     def _assign(self, worker: WorkerRecord, pending: Pending) -> list[Outgoing]:
@@ -603,7 +620,7 @@ class BrokerState:
                     "host": c.hello.host,
                     "pid": c.hello.pid,
                     "window": c.hello.window,
-                    "queued": sum(1 for p in self.service(c.hello.service).queue if p.client is c) + len(c.parked),
+                    "queued": self.service(c.hello.service).queue.count(c.peer) + len(c.parked),
                     "outstanding": c.outstanding,
                     "parked": len(c.parked),
                     "peak_outstanding": c.peak_outstanding,

@@ -118,6 +118,7 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
     broker.add_argument("--worker-keys", default=None, help="with --secure: the folder of worker public keys allowed at the backend (overrides --keys)")
     broker.add_argument("--liveness", type=int, default=5, help="heartbeat intervals a peer may stay silent before it counts as dead (default 5)")
     broker.add_argument("--max-queued", type=int, default=4096, help="requests one service may queue; past it ranks are told to send again later (default 4096)")
+    broker.add_argument("--max-queued-per-rank", type=int, default=256, help="most requests one rank may have queued or at workers; a rank asking for a larger prefetch window is refused (default 256)")
     broker.add_argument("--max-attempts", type=int, default=3, help="workers a request may be tried on before the rank gets an error (default 3)")
     broker.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds to wait for requests at workers before exiting (default 30)")
 
@@ -162,7 +163,7 @@ def run_broker(args: argparse.Namespace) -> int:
 
     settings = BrokerSettings(
         heartbeat_interval_s=args.heartbeat_interval, liveness=args.liveness,
-        max_queued_per_service=args.max_queued, max_attempts=args.max_attempts,
+        max_queued_per_service=args.max_queued, max_queued_per_rank=args.max_queued_per_rank, max_attempts=args.max_attempts,
     )
     try:
         keys = _broker_keys(args)

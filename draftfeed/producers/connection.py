@@ -366,10 +366,11 @@ class Connection:
                     waiter.retry_at = time.monotonic() + min(high, low * 2 ** min(waiter.busy_retries, 10))
             self.stats.busy_retries += 1
             log.info("draftfeed rank %s: %s", self.client_id, message.message)
-        elif message.code in ("unreachable", "mismatch"):
+        elif message.code in ("unreachable", "mismatch", "over_limit"):
             log.error("draftfeed rank %s: %s", self.client_id, message.message)
             self._broken = RemoteTargetError(message.message)
             self._fail_all(RemoteTargetError(message.message))
+            self._welcome.set()  # a rank still connecting raises this at once
         elif message.request_id is None:
             log.error("draftfeed rank %s: the broker reports: %s", self.client_id, message.message)
         else:

@@ -17,7 +17,7 @@ RequestId = Annotated[int, Field(ge=0, lt=2**63)]
 RequestKind = Literal["eagle3", "dspark", "input_embeddings", "output_embeddings"]
 Token = Annotated[int, Field(ge=0, lt=2**63)]
 Seconds = Annotated[float, Field(gt=0, le=3600)]
-ErrorCode = Literal["refused", "unknown_peer", "busy", "failed", "unreachable", "mismatch"]
+ErrorCode = Literal["refused", "unknown_peer", "busy", "failed", "unreachable", "mismatch", "over_limit"]
 # How supervision travels from a worker to a rank (docs/data-planes.md): auto picks nccl between CUDA
 # processes on one host and frames otherwise; the others force a plane.
 DataPlaneMode = Literal["auto", "frames", "nccl", "gloo"]
@@ -244,7 +244,7 @@ class ErrorReply(Strict):
     # refused: final; unknown_peer: say hello / register again; busy: the queue is full, send again later;
     # failed: the request failed on every worker it was tried on; unreachable: workers cannot reach the
     # rank's data socket, and the broker has dropped the rank; mismatch: the service serves another target
-    # than the rank checked.
+    # than the rank checked; over_limit: the rank asks for more than the broker allows one rank (final).
     code: ErrorCode = "refused"
 
 
