@@ -97,6 +97,8 @@ class Broker:
         sock.setsockopt(zmq.LINGER, 0)
         # A send to a vanished peer raises instead of vanishing silently.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A frame over the limit is refused by libzmq before it is allocated (the sender is disconnected).
+        sock.setsockopt(zmq.MAXMSGSIZE, self.state.settings.max_frame_bytes)
         return sock
 
     def stop(self) -> None:

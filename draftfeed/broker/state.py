@@ -24,9 +24,9 @@ from typing import Any, Literal
 
 from draftfeed.broker.fair_queue import FairQueue
 from draftfeed.schemas.frames import pack
-from draftfeed.schemas.protocol import SIGNATURE
+from draftfeed.schemas.protocol import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_REQUEST_BYTES, SIGNATURE
 from draftfeed.schemas.errors import MalformedMessage
-from draftfeed.schemas.tensor_codec import check_frames
+from draftfeed.schemas.tensor_codec import check_frames, declared_bytes
 from draftfeed.schemas.messages import (
     Ack,
     Done,
@@ -69,6 +69,14 @@ class BrokerSettings:
     # Most requests one rank may have at the broker: a rank's hello asking for a larger window is refused.
     max_queued_per_rank: int = 256
     max_attempts: int = 3
+    # Largest frame either broker socket takes: libzmq drops a peer that sends a bigger one before allocating it.
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    # Tensor bytes one request may declare, per service (others: max_request_bytes); checked before queueing.
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    service_max_request_bytes: dict[str, int] = field(default_factory=dict)
+
+    def request_limit(self, service: str) -> int:
+        return self.service_max_request_bytes.get(service, self.max_request_bytes)
 
     @property
     def liveness_message(self) -> Liveness:
@@ -261,8 +269,16 @@ class BrokerState:
         return self._enqueue(pending)
 
     def _refuse_submit(self, client: ClientRecord, submit: Submit, frames: list[Any]) -> tuple[str, str] | None:
+        name = client.hello.service
+        limit = self.settings.request_limit(name)
+        declared = declared_bytes(submit.tensors)
+        if declared is not None and declared > limit:
+            return "refused", (
+                f"request {submit.request_id} declares {declared} bytes of tensors, over service {name!r}'s limit of {limit} "
+                f"bytes: send smaller batches, or start the broker with --service-max-request-bytes {name}=BYTES"
+            )
         try:
-            check_frames(submit.tensors, frames)
+            check_frames(submit.tensors, frames, max_message_bytes=limit)
         except MalformedMessage as exc:
             return "refused", str(exc)
         if client.outstanding >= client.hello.window and len(client.parked) >= client.hello.window:
@@ -554,6 +570,8 @@ class BrokerState:
                 fields["data_plane"] = hello.data_plane.model_dump(mode="json")
             if client.key is not None:
                 fields["reply_key"] = client.key
+            if hello.max_result_bytes is not None:
+                fields["max_result_bytes"] = hello.max_result_bytes
             client.dispatch_fields = json.dumps(fields)[1:-1].encode()
         if pending.request_json is None:
             pending.request_json = pending.request.model_dump_json().encode()

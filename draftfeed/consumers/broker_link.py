@@ -53,6 +53,7 @@ class BrokerLink(threading.Thread):
         heartbeat_interval_s: float = 1.0,
         liveness: int = 5,
         keys: PeerKeys | None = None,
+        max_frame_bytes: int | None = None,
     ) -> None:
         super().__init__(name=f"draftfeed-broker-link-{registration.worker}", daemon=True)
         self._context = context
@@ -61,6 +62,7 @@ class BrokerLink(threading.Thread):
         self._pipe_endpoint = pipe_endpoint
         self._stats = stats
         self._keys = keys
+        self._max_frame_bytes = max_frame_bytes
         self.interval_s, self.liveness = heartbeat_interval_s, liveness
         self.registered = threading.Event()
         self.refused: str | None = None
@@ -76,6 +78,8 @@ class BrokerLink(threading.Thread):
             dealer.setsockopt(zmq.ROUTING_ID, self._registration.worker.encode())
             if self._keys is not None:
                 make_client(dealer, self._keys.own, self._keys.broker)
+            if self._max_frame_bytes is not None:
+                dealer.setsockopt(zmq.MAXMSGSIZE, self._max_frame_bytes)
             dealer.connect(self._broker)
             pipe.setsockopt(zmq.LINGER, 0)
             pipe.connect(self._pipe_endpoint)

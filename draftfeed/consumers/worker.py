@@ -55,6 +55,7 @@ from draftfeed.schemas.messages import (
     VocabMapping,
     WorkerHeartbeat,
 )
+from draftfeed.schemas.protocol import DEFAULT_MAX_REQUEST_BYTES
 from draftfeed.schemas.tensor_codec import decode_tensors
 from draftfeed.security.curve import PeerKeys
 
@@ -81,6 +82,7 @@ class WorkerConfig:
     data_plane: str = "auto"  # auto | frames | nccl | gloo (docs/data-planes.md)
     pair_timeout_s: float = 30.0  # a pair group's rendezvous and each transfer on it
     keys: PeerKeys | None = None  # CURVE to the broker and to ranks (docs/security.md)
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # the largest frame and request this worker takes from the broker
 
 
 @dataclass
@@ -140,7 +142,10 @@ class Worker:
             self.name, local_offer(self.config.data_plane, self.task.engine.device),
             send=lambda endpoint, frames: ranks.try_send(endpoint, frames) == "sent", timeout_s=self.config.pair_timeout_s,
         )
-        link = BrokerLink(context, self.config.broker, self.registration(), pipe_endpoint, self._stats, keys=self.config.keys)
+        link = BrokerLink(
+            context, self.config.broker, self.registration(), pipe_endpoint, self._stats, keys=self.config.keys,
+            max_frame_bytes=self.config.max_request_bytes,
+        )
         link.start()
         try:
             self._await_registration(link)
@@ -278,6 +283,9 @@ class Worker:
             log.exception("worker %s: request %d of %s failed", self.name, request.request_id, dispatch.client)
             message = f"{type(exc).__name__} in the {self.task.engine.name} engine: {exc}"
             reply, ok = self._failure(request.request_id, request.token, message), False
+        too_big = tensors is not None and _over_limit(tensors, dispatch.max_result_bytes)
+        if too_big:
+            reply, ok, tensors = self._failure(request.request_id, request.token, too_big), False, None
         if tensors is not None:
             outcome = self._deliver_result(dispatch, tensors, pipe)
         else:
@@ -356,7 +364,7 @@ class Worker:
         request = dispatch.request
         if dispatch.service != self.config.service:
             raise BadRequest(f"worker {self.name} serves {self.config.service!r}, not {dispatch.service!r}")
-        tensors = decode_tensors(request.tensors, tensor_frames)
+        tensors = decode_tensors(request.tensors, tensor_frames, max_message_bytes=self.config.max_request_bytes)
         if request.kind == self.task.name:
             out = self._supervise(dispatch, tensors)
         elif request.kind == "input_embeddings":
@@ -390,3 +398,14 @@ class Worker:
             if isinstance(vocab, BadRequest):
                 raise vocab
         return self.task.compute(tensors["input_ids"], tensors["attention_mask"], tensors["loss_mask"], vocab)
+
+
+def _over_limit(tensors: dict[str, torch.Tensor], limit: int | None) -> str | None:
+    """Why an answer is too big for its rank (``max_result_bytes`` from its hello), or None."""
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    if limit is None or size <= limit:
+        return None
+    return (
+        f"the answer is {size} bytes, over this rank's max_result_bytes of {limit}: "
+        "raise max_result_bytes on the remote target, or send smaller batches"
+    )

@@ -34,6 +34,14 @@ def _engine_option(text: str) -> tuple[str, object]:
         return key.strip(), value
 
 
+def _service_limit(text: str) -> tuple[str, int]:
+    """SERVICE=BYTES, BYTES a positive integer."""
+    name, sep, value = text.rpartition("=")
+    if not sep or not name or not value.isdigit() or int(value) <= 0:
+        raise argparse.ArgumentTypeError(f"expected SERVICE=BYTES like llama-8b-eagle3=67108864; got {text!r}")
+    return name, int(value)
+
+
 def default_service_name(target: str, task: str) -> str:
     """``<target folder name>-<task>``, lower-cased, with anything but letters, digits, '.', '_' and '-' replaced."""
     base = Path(target.rstrip("/")).name or "target"
@@ -119,6 +127,9 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
     broker.add_argument("--liveness", type=int, default=5, help="heartbeat intervals a peer may stay silent before it counts as dead (default 5)")
     broker.add_argument("--max-queued", type=int, default=4096, help="requests one service may queue; past it ranks are told to send again later (default 4096)")
     broker.add_argument("--max-queued-per-rank", type=int, default=256, help="most requests one rank may have queued or at workers; a rank asking for a larger prefetch window is refused (default 256)")
+    broker.add_argument("--max-frame-bytes", type=int, default=256 << 20, help="largest frame the broker takes from any peer; a peer sending more is disconnected before the frame is allocated (default 256 MiB)")
+    broker.add_argument("--max-request-bytes", type=int, default=256 << 20, help="tensor bytes one request may declare, for every service without its own limit (default 256 MiB)")
+    broker.add_argument("--service-max-request-bytes", type=_service_limit, action="append", default=[], metavar="SERVICE=BYTES", help="the request limit of one service (repeatable)")
     broker.add_argument("--max-attempts", type=int, default=3, help="workers a request may be tried on before the rank gets an error (default 3)")
     broker.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds to wait for requests at workers before exiting (default 30)")
 
@@ -143,6 +154,7 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
     worker.add_argument("--data-plane", default="auto", choices=["auto", "frames", "nccl", "gloo"], help="how supervision reaches ranks: auto (NCCL to CUDA ranks on this machine, frames otherwise; the default), frames, nccl or gloo (docs/data-planes.md)")
     worker.add_argument("--pair-timeout", type=float, default=30.0, help="seconds a pair group may take to build, and each transfer on it, before it is torn down and frames are used (default 30)")
     worker.add_argument("--drain-timeout", type=float, default=10.0, help="on SIGTERM, seconds to wait for the broker to confirm the drain (default 10)")
+    worker.add_argument("--max-request-bytes", type=int, default=256 << 20, help="largest request (and frame) this worker takes from the broker (default 256 MiB)")
     worker.add_argument("--secure", action="store_true", help="CURVE to the broker and to ranks, with this worker's key (docs/security.md)")
     _add_peer_key_flags(worker, "worker")
 
@@ -164,6 +176,7 @@ def run_broker(args: argparse.Namespace) -> int:
     settings = BrokerSettings(
         heartbeat_interval_s=args.heartbeat_interval, liveness=args.liveness,
         max_queued_per_service=args.max_queued, max_queued_per_rank=args.max_queued_per_rank, max_attempts=args.max_attempts,
+        max_frame_bytes=args.max_frame_bytes, max_request_bytes=args.max_request_bytes, service_max_request_bytes=dict(args.service_max_request_bytes),
     )
     try:
         keys = _broker_keys(args)
@@ -260,7 +273,7 @@ def run_worker(args: argparse.Namespace) -> int:
     worker = Worker(task, WorkerConfig(
         broker=args.broker, service=service, capacity=args.capacity, name=args.name,
         send_timeout_s=args.send_timeout, connect_timeout_s=args.connect_timeout, register_timeout_s=args.register_timeout, drain_timeout_s=args.drain_timeout,
-        data_plane=args.data_plane, pair_timeout_s=args.pair_timeout, keys=keys,
+        data_plane=args.data_plane, pair_timeout_s=args.pair_timeout, keys=keys, max_request_bytes=args.max_request_bytes,
     ))
     _stop_on_signals(worker.stop)
     try:

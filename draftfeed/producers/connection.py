@@ -58,6 +58,7 @@ from draftfeed.schemas.messages import (
     WorkerKeys,
 )
 from draftfeed.security.curve import DATA, PeerKeys, RoleGate, make_client, make_server, start_authenticator
+from draftfeed.schemas.protocol import DEFAULT_MAX_MESSAGE_BYTES
 from draftfeed.schemas.tensor_codec import decode_tensors
 
 log = logging.getLogger("draftfeed.producer")
@@ -111,6 +112,7 @@ class Connection:
         connect_timeout_s: float = 60.0,
         data_plane: DataPlaneOffer | None = None,
         keys: PeerKeys | None = None,
+        max_result_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         if window < 1:
             raise ValueError(f"window must be at least 1, got {window}")
@@ -134,10 +136,12 @@ class Connection:
         self._liveness: tuple[float, int] | None = None  # the broker's heartbeat interval and liveness
         self.data_plane = data_plane
         self.keys = keys
+        self.max_result_bytes = max_result_bytes
         self._worker_keys: frozenset[bytes] = frozenset()  # the workers the broker vouches for (secure brokers)
         self._authenticator = None
         self.pairs = PairReceivers(
-            data_plane.device if data_plane is not None else "cpu", self._on_pair_result, self._on_pair_lost, self._on_pair_closed
+            data_plane.device if data_plane is not None else "cpu", self._on_pair_result, self._on_pair_lost, self._on_pair_closed,
+            self._on_pair_refused, max_result_bytes,
         )
         self._needs_resync = False  # set when hello is sent again: the next welcome resends what is unanswered
         self.in_flight = 0
@@ -227,6 +231,8 @@ class Connection:
             control.setsockopt(zmq.RCVHWM, self.window + _CONTROL_SLACK)
             control.setsockopt(zmq.ROUTING_ID, self.client_id.encode())
             data.setsockopt(zmq.RCVHWM, self.window + 1)
+            # A frame over the limit is refused by libzmq before it is allocated (workers check first, see hello).
+            data.setsockopt(zmq.MAXMSGSIZE, self.max_result_bytes)
             if self.keys is not None:
                 make_client(control, self.keys.own, self.keys.broker)
                 self._authenticator = start_authenticator(self._context, {DATA: RoleGate("worker of this service", lambda: self._worker_keys)})
@@ -234,6 +240,7 @@ class Connection:
             self._hello = Hello(
                 client=self.client_id, service=self.service, data_endpoint=bind(data, self._data_bind),
                 window=self.window, host=host_identity(), pid=os.getpid(), task=self.task, data_plane=self.data_plane,
+                max_result_bytes=self.max_result_bytes,
             )
             if self.keys is None and not is_loopback(self._hello.data_endpoint):
                 log.warning(
@@ -417,7 +424,7 @@ class Connection:
         if isinstance(message, Result) and message.plane == "pair":
             self.pairs.receive(message)  # always, even for an answer no longer awaited: the group stays in step
             return
-        self._on_answer(message, lambda: decode_tensors(message.tensors, tensor_frames))
+        self._on_answer(message, lambda: decode_tensors(message.tensors, tensor_frames, max_message_bytes=self.max_result_bytes))
 
     def _on_answer(self, message: Result | Failure, tensors: Callable[[], dict[str, Any]]) -> None:
         with self._lock:
@@ -445,6 +452,10 @@ class Connection:
         with self._lock:
             if header.request_id in self._waiters and not self._pipe.closed:
                 self._pipe.send_multipart([_ASK_AGAIN, header.request_id.to_bytes(8, "little"), reason.encode()])
+
+    def _on_pair_refused(self, header: Result, reason: str) -> None:
+        """An answer announced on a pair group that this rank will not take (over its limits): a final error."""
+        self._resolve(header.request_id, error=RemoteTargetError(f"worker {header.worker}'s answer to request {header.request_id} was refused: {reason}"))
 
     def _on_pair_closed(self, identity: bytes, message: PairClose) -> None:
         with self._lock:

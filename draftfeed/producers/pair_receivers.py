@@ -24,13 +24,14 @@ import torch
 from draftfeed.dataplane.pair_group import RECEIVER, PairGroup, join_store
 from draftfeed.schemas.messages import PairClose, PairOpen, Result
 from draftfeed.schemas.protocol import DEFAULT_MAX_MESSAGE_BYTES
-from draftfeed.schemas.tensor_codec import DTYPES
+from draftfeed.schemas.tensor_codec import declared_bytes
 
 log = logging.getLogger("draftfeed.producer")
 
 OnResult = Callable[[Result, dict[str, torch.Tensor]], None]
 OnLost = Callable[[Result, str], None]
 OnClosed = Callable[[bytes, PairClose], None]
+OnRefused = Callable[[Result, str], None]
 
 
 class _Receiver:
@@ -93,9 +94,13 @@ class PairReceivers:
     """Every pair group of one rank, keyed by worker name. Called from the rank's IO thread; the callbacks
     run on the receivers' threads (on_result, on_lost) or the caller's (on_lost, on_closed)."""
 
-    def __init__(self, device: torch.device | str, on_result: OnResult, on_lost: OnLost, on_closed: OnClosed) -> None:
+    def __init__(
+        self, device: torch.device | str, on_result: OnResult, on_lost: OnLost, on_closed: OnClosed, on_refused: OnRefused,
+        max_result_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
         self.device = torch.device(device)
-        self.on_result, self.on_lost, self.on_closed = on_result, on_lost, on_closed
+        self.on_result, self.on_lost, self.on_closed, self.on_refused = on_result, on_lost, on_closed, on_refused
+        self.max_result_bytes = max_result_bytes
         self._receivers: dict[str, _Receiver] = {}
 
     def open(self, identity: bytes, message: PairOpen) -> None:
@@ -114,9 +119,10 @@ class PairReceivers:
         if receiver is None or receiver.opened.generation != header.generation:
             self.on_lost(header, f"no open pair group {header.generation} with worker {header.worker}")
             return
-        problem = _unreceivable(header)
+        problem = _unreceivable(header, self.max_result_bytes)
         if problem is not None:
-            self.on_lost(header, problem)
+            # Not receiving it leaves the group out of step: close it; asking again would bring the same answer.
+            self.on_refused(header, problem)
             receiver.close(problem, tell_worker=True)
             return
         if not receiver.submit(header):
@@ -148,16 +154,13 @@ class PairReceivers:
             receiver.thread.join(max(0.0, deadline - time.monotonic()))
 
 
-def _unreceivable(header: Result) -> str | None:
-    """Why the receiver cannot allocate what the header announces, checked before any allocation."""
-    total = 0
-    for spec in header.tensors:
-        dtype = DTYPES.get(spec.dtype)
-        if dtype is None:
-            return f"tensor {spec.name!r} has an unknown dtype {spec.dtype!r}"
-        total += spec.numel() * torch.empty((), dtype=dtype).element_size()
-    if total > DEFAULT_MAX_MESSAGE_BYTES:
-        return f"the answer announces {total} bytes, over the limit of {DEFAULT_MAX_MESSAGE_BYTES}"
+def _unreceivable(header: Result, limit: int) -> str | None:
+    """Why the receiver will not allocate what the header announces, checked before any allocation."""
+    total = declared_bytes(header.tensors)
+    if total is None:
+        return f"the answer names a dtype this rank does not know ({', '.join(s.dtype for s in header.tensors)})"
+    if total > limit:
+        return f"the answer announces {total} bytes, over this rank's max_result_bytes of {limit}"
     return None
 
 

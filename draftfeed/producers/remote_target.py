@@ -25,6 +25,7 @@ from draftfeed.producers.compact import CompactEagle3
 from draftfeed.producers.connection import Connection, ConnectionStats
 from draftfeed.producers.prefetch import prefetch
 from draftfeed.schemas.errors import RemoteTargetTimeout
+from draftfeed.schemas.protocol import DEFAULT_MAX_MESSAGE_BYTES
 from draftfeed.schemas.frames import pack, pack_tensors
 from draftfeed.schemas.messages import (
     DSparkTargetInfo,
@@ -58,6 +59,9 @@ class RemoteTarget(Generic[Sup, Info]):
     ``keys`` connects to a ``--secure`` broker (docs/security.md): a ``PeerKeys``, or a folder from
     ``draftfeed keys generate`` (its trainer.key_secret and broker.key); by default the folder named by
     ``$DRAFTFEED_KEYS``, if set. The rank's own data socket then admits only the service's workers.
+
+    ``max_result_bytes`` is the largest answer (all its tensors) this rank takes: workers answer a bigger one
+    with an error, and its data socket refuses bigger frames before allocating them.
     """
 
     TASK: ClassVar[str]
@@ -77,6 +81,7 @@ class RemoteTarget(Generic[Sup, Info]):
         wait_log_interval: float = 5.0,
         data_plane: str = "auto",
         keys: PeerKeys | str | Path | None = None,
+        max_result_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         if prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be 0 or more, got {prefetch_depth}")
@@ -88,7 +93,7 @@ class RemoteTarget(Generic[Sup, Info]):
         offer = local_offer(data_plane, self.device)  # raises ValueError for an unknown data_plane
         self._connection = Connection(
             broker, service, max(prefetch_depth, 1), task=self.TASK, data_endpoint=data_endpoint,
-            connect_timeout_s=connect_timeout, data_plane=offer, keys=PeerKeys.resolve(keys, "trainer"),
+            connect_timeout_s=connect_timeout, data_plane=offer, keys=PeerKeys.resolve(keys, "trainer"), max_result_bytes=max_result_bytes,
         )
         self._info: Info | None = None
         self._workers: list[str] = []

@@ -140,6 +140,8 @@ class Hello(Strict):
     # refuses workers that differ, also after a broker restart.
     expect: TargetInfo | None = None
     data_plane: DataPlaneOffer | None = None  # None: frames only
+    # The largest answer this rank takes (all tensors of one result); a worker answers a bigger one with a failure.
+    max_result_bytes: Annotated[int, Field(gt=0)] | None = None
 
 
 class Submit(Strict):
@@ -351,6 +353,7 @@ class Dispatch(Strict):
     mapping_digest: str | None = None
     data_plane: DataPlaneOffer | None = None  # the rank's, from its hello
     reply_key: PublicKey | None = None  # on a secure broker: the rank's public key, which its data socket proves
+    max_result_bytes: Annotated[int, Field(gt=0)] | None = None  # the rank's, from its hello
     request: Submit
 
 

@@ -25,6 +25,10 @@ MAX_HEADER_BYTES = 1 << 20
 # Default cap on one tensor frame and on all tensor frames of one message.
 DEFAULT_MAX_TENSOR_BYTES = 8 << 30
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 30
+# Default cap on any one frame the broker accepts (libzmq drops a peer that sends more, before allocating),
+# and on the tensors of one request (settable per service).
+DEFAULT_MAX_FRAME_BYTES = 256 << 20
+DEFAULT_MAX_REQUEST_BYTES = 256 << 20
 # Most tensors one message may carry.
 MAX_TENSORS_PER_MESSAGE = 64
 

@@ -91,6 +91,17 @@ def decode_tensors(
     return {spec.name: _view(spec, buffer) for spec, buffer in zip(specs, buffers)}
 
 
+def declared_bytes(specs: Sequence[TensorSpec]) -> int | None:
+    """The bytes the specs announce in all, or None if a dtype is unknown (check_frames says which)."""
+    total = 0
+    for spec in specs:
+        dtype = DTYPES.get(spec.dtype)
+        if dtype is None:
+            return None
+        total += spec.numel() * dtype.itemsize
+    return total
+
+
 def check_frames(
     specs: Sequence[TensorSpec],
     frames: Sequence[Any],

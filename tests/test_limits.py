@@ -1,0 +1,61 @@
+"""Size limits: per-service request limits at the broker, frame limits enforced by libzmq before allocation,
+and each rank's limit on the answers it takes."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import Cluster, make_batch, raw_peer
+from draftfeed import RemoteEagle3Target, RemoteTargetError
+from draftfeed.broker.state import BrokerSettings, BrokerState
+from draftfeed.schemas.frames import pack
+from draftfeed.schemas.messages import FRONTEND_OUTBOUND, Hello, StatusQuery, StatusReply, Submit, TensorSpec
+from draftfeed.schemas.frames import unpack
+from test_broker_state import errors
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_a_request_over_its_services_limit_is_refused_with_the_flag_to_change():
+    state = BrokerState("test", BrokerSettings(max_request_bytes=1 << 20, service_max_request_bytes={"small": 1000}))
+    specs = [TensorSpec(name=name, dtype="int64", shape=[1, 200]) for name in ("input_ids", "attention_mask", "loss_mask")]
+    frames = [bytes(1600)] * 3  # 4800 bytes of tensors: over 1000, under 1 MiB
+    for service in ("small", "big"):
+        state.on_hello(service.encode(), Hello(client=service, service=service, data_endpoint="tcp://127.0.0.1:1", window=2, host="h", pid=1))
+    refused = errors(state.on_submit(b"small", Submit(request_id=0, kind="eagle3", tensors=specs), frames))
+    assert [e.code for e in refused] == ["refused"]
+    assert "declares 4800 bytes of tensors, over service 'small''s limit of 1000" in refused[0].message
+    assert "--service-max-request-bytes small=BYTES" in refused[0].message
+    assert errors(state.on_submit(b"big", Submit(request_id=0, kind="eagle3", tensors=specs), frames)) == []
+    assert state.clients[b"big"].outstanding == 1 and state.clients[b"small"].outstanding == 0
+
+
+def test_a_frame_over_the_brokers_limit_is_dropped_before_it_is_read():
+    cluster = Cluster("--max-frame-bytes", str(1 << 20))
+    try:
+        query = pack(StatusQuery(request_id=1))
+        with raw_peer(cluster.frontend) as greedy:
+            greedy.send_multipart([*query, bytes(2 << 20)])
+            assert not greedy.poll(1000), "libzmq disconnects the sender of an oversized frame; the broker never sees it"
+        with raw_peer(cluster.frontend) as polite:
+            polite.send_multipart(query)
+            assert polite.poll(10_000)
+            reply, _ = unpack(polite.recv_multipart(), FRONTEND_OUTBOUND)
+            assert isinstance(reply, StatusReply) and reply.status["counters"]["rejected_messages"] == 0
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.parametrize("data_plane", ["frames", "gloo"])
+def test_an_answer_over_the_ranks_limit_fails_with_what_to_change(tiny_target, data_plane):
+    cluster = Cluster()
+    try:
+        cluster.add_worker(tiny_target, "--service", "lim", "--data-plane", data_plane)
+        batch = make_batch(2, 16, 1000, seed=0)
+        with RemoteEagle3Target(cluster.frontend, "lim", max_result_bytes=10_000, data_plane=data_plane) as small:
+            with pytest.raises(RemoteTargetError, match="over this rank's max_result_bytes of 10000: raise max_result_bytes"):
+                small.generate_batch(**batch)
+        with RemoteEagle3Target(cluster.frontend, "lim", data_plane=data_plane) as default:
+            assert default.generate_batch(**batch).target_probs.shape == (2, 16, 1000)
+    finally:
+        cluster.stop()
