@@ -60,6 +60,20 @@ def test_a_dead_sender_fails_the_receive_within_its_timeout_and_the_group_is_clo
         group.receive(describe(sample_tensors()))
 
 
+def test_the_store_listens_on_the_interface_it_was_given_only():
+    import socket
+
+    from draftfeed.net import local_address_towards
+
+    store = host_store("127.0.0.1", timeout_s=5)
+    socket.create_connection(("127.0.0.1", store.port), timeout=5).close()
+    other = local_address_towards("tcp://10.255.255.1:9")
+    if other.startswith("127."):
+        pytest.skip("this machine has no interface but loopback")
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((other, store.port), timeout=5).close()
+
+
 def test_unknown_backend_and_rank_are_refused():
     store = host_store(timeout_s=5)
     with pytest.raises(ValueError, match="not one of gloo, nccl"):

@@ -12,6 +12,7 @@ leaves the two sides out of step.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from draftfeed.dataplane.choice import PlaneChoice, choose_plane
-from draftfeed.dataplane.pair_group import SENDER, DataPlaneError, PairGroup, host_store
+from draftfeed.dataplane.pair_group import SENDER, DataPlaneError, PairGroup, host_store, join_store
 from draftfeed.net import local_address_towards
 from draftfeed.schemas.frames import pack
 from draftfeed.schemas.messages import DataPlaneOffer, PairClose, PairOpen, PairStatus
@@ -128,22 +129,25 @@ class PairPlanes:
 
     def _open(self, pair: _Pair) -> None:
         generation = self._next_generation
+        host = local_address_towards(pair.endpoint)
         try:
-            store = host_store(local_address_towards(pair.endpoint), timeout_s=self.timeout_s)
+            store = host_store(host, timeout_s=self.timeout_s)
         except (RuntimeError, OSError) as exc:
             self._backoff(pair, f"no rendezvous store: {exc}")
             return
         backend = pair.choice.plane
+        nonce = secrets.token_hex(16)
         message = PairOpen(
-            worker=self.worker, generation=generation, backend=backend, store_host=local_address_towards(pair.endpoint),
-            store_port=store.port, timeout_s=self.timeout_s, reason=pair.choice.reason[:512],
+            worker=self.worker, generation=generation, backend=backend, store_host=host,
+            store_port=store.port, nonce=nonce, timeout_s=self.timeout_s, reason=pair.choice.reason[:512],
         )
         if not self._send(pair.endpoint, pack(message)):
             return  # the rank's link is busy or not up yet: try again with the next answer
         self._next_generation += 1
         pair.generation, pair.store, pair.state, pair.opened = generation, store, "opening", []
         pair.opening = threading.Thread(
-            target=_build, args=(store, backend, generation, self.timeout_s, pair.opened), name=f"draftfeed-pair-{generation}", daemon=True
+            target=_build, args=(host, store.port, backend, generation, nonce, self.timeout_s, pair.opened),
+            name=f"draftfeed-pair-{generation}", daemon=True,
         )
         pair.opening.start()
         log.info("worker %s: opening %s pair group %d with rank %s", self.worker, backend, generation, pair.client)
@@ -155,6 +159,7 @@ class PairPlanes:
         pair.opening = None
         if isinstance(outcome, PairGroup):
             pair.group, pair.state = outcome, "ready"
+            pair.store = None  # built and warmed up: the group no longer needs the store, which stops listening
             log.info("worker %s: %s pair group %d with rank %s is ready", self.worker, pair.choice.plane, pair.generation, pair.client)
         else:
             log.warning("worker %s: %s pair group %s with rank %s could not be built: %s", self.worker, pair.choice.plane, pair.generation, pair.client, outcome)
@@ -185,9 +190,14 @@ class PairPlanes:
         pair.opening, pair.opened, pair.store = None, [], None
 
 
-def _build(store: dist.Store, backend: str, generation: int, timeout_s: float, out: list[Any]) -> None:
+def _build(host: str, port: int, backend: str, generation: int, nonce: str, timeout_s: float, out: list[Any]) -> None:
+    """The worker's side, as a client of its own store: the group keeps its store alive, and the server, which
+    the pair holds apart, must be able to stop once the group is built."""
     try:
-        out.append(PairGroup(store, SENDER, backend, generation=generation, timeout_s=timeout_s))
+        client = join_store(host, port, timeout_s=timeout_s)
+        group = PairGroup(client, SENDER, backend, generation=generation, timeout_s=timeout_s, namespace=nonce)
+        group.warm_up()
+        out.append(group)
     except (DataPlaneError, RuntimeError, ValueError) as exc:
         out.append(exc)
 

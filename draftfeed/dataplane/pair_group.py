@@ -18,6 +18,7 @@ allocates on the CPU. On NCCL both sides use CUDA tensors and a wait ends when t
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
@@ -37,8 +38,22 @@ class DataPlaneError(RuntimeError):
 
 
 def host_store(host: str = "127.0.0.1", timeout_s: float = 30.0) -> dist.TCPStore:
-    """The sender's rendezvous store on a free port (``store.port``), returned without waiting for the receiver."""
-    return dist.TCPStore(host, 0, world_size=2, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    """The sender's rendezvous store on a free port (``store.port``) of the interface ``host`` only, returned
+    without waiting for the receiver. The store has no authentication: keep it open only until the group is
+    built (drop the last reference and it stops listening)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.bind((host, 0))
+        listener.listen(8)
+        port = listener.getsockname()[1]
+    except OSError:
+        listener.close()
+        raise
+    return dist.TCPStore(
+        host, port, world_size=2, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+        master_listen_fd=listener.detach(),  # the store owns the socket from here
+    )
 
 
 def join_store(host: str, port: int, timeout_s: float = 30.0) -> dist.TCPStore:
@@ -54,7 +69,11 @@ def describe(tensors: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
 class PairGroup:
     """One worker-rank pair's two-rank group: rank 0 sends, rank 1 receives."""
 
-    def __init__(self, store: dist.Store, rank: int, backend: str, generation: int = 0, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, store: dist.Store, rank: int, backend: str, generation: int = 0, timeout_s: float = 30.0, namespace: str = ""
+    ) -> None:
+        """``namespace``: a secret both sides know (sent on the encrypted data socket) under which the group's
+        keys live in the store, so that a stranger who reaches the store cannot guess or overwrite them."""
         if backend not in BACKENDS:
             raise ValueError(f"data plane backend {backend!r} is not one of {', '.join(BACKENDS)}")
         if rank not in (SENDER, RECEIVER):
@@ -62,7 +81,7 @@ class PairGroup:
         self.rank = rank
         self.backend = backend
         self.timeout = timedelta(seconds=timeout_s)
-        prefixed = dist.PrefixStore(f"draftfeed-pair/{generation}", store)
+        prefixed = dist.PrefixStore(f"draftfeed-pair/{namespace}/{generation}", store)
         try:
             if backend == "gloo":
                 self._group = dist.ProcessGroupGloo(prefixed, rank, 2, self.timeout)
@@ -79,6 +98,14 @@ class PairGroup:
         self._check_open()
         flats = [_as_bytes(tensor.cpu() if self.backend == "gloo" else tensor) for tensor in tensors.values()]
         self._transfer([(self._group.send, flat, RECEIVER, tag) for tag, flat in enumerate(flats)], what=f"sending {', '.join(tensors)}")
+
+    def warm_up(self) -> None:
+        """One byte across, right after both sides built the group: NCCL sets its communicator up here (it does so
+        at the first transfer), so that the store is no longer needed afterwards, and a broken group shows now."""
+        if self.rank == SENDER:
+            self.send({"warm_up": torch.zeros(1, dtype=torch.uint8)})
+        else:
+            self.receive([TensorSpec(name="warm_up", dtype="uint8", shape=[1])])
 
     def receive(self, specs: Sequence[TensorSpec], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """Receive the tensors ``specs`` describe (from the sender's ``describe``), allocated on ``device``

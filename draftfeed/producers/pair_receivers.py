@@ -68,7 +68,9 @@ class _Receiver:
         opened = self.opened
         try:
             store = join_store(opened.store_host, opened.store_port, timeout_s=opened.timeout_s)
-            group = PairGroup(store, RECEIVER, opened.backend, generation=opened.generation, timeout_s=opened.timeout_s)
+            group = PairGroup(store, RECEIVER, opened.backend, generation=opened.generation, timeout_s=opened.timeout_s, namespace=opened.nonce)
+            group.warm_up()
+            del store  # the worker stops its store once its side is built
         except Exception as exc:  # noqa: BLE001 - any failure to join means frames for this worker
             log.warning("draftfeed: could not join %s pair group %d of worker %s: %s", opened.backend, opened.generation, opened.worker, exc)
             self.close(f"the rank could not join: {exc}", tell_worker=True)

@@ -396,6 +396,7 @@ class PairOpen(Strict):
     backend: PairBackend
     store_host: Name
     store_port: Annotated[int, Field(gt=0, lt=65536)]
+    nonce: Annotated[str, Field(min_length=32, max_length=64)]  # the group's namespace in the store
     timeout_s: Seconds
     reason: Annotated[str, Field(max_length=512)]
 
