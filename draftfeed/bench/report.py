@@ -74,6 +74,8 @@ absolute figures (shared hosts are noisy). Regenerate with `draftfeed bench --re
 - **pair plane**: the same synthetic supervision on a gloo pair group (docs/data-planes.md), against frames
   through the same pipeline in the same run, and against raw gloo send/recv of one tensor of the same size
   between two processes.
+- **encryption**: supervision and 1-token requests through a `--secure` pipeline (CURVE on every socket)
+  against the same pipeline in plaintext, in the same run.
 - **broker**: one-byte requests routed through broker and synthetic workers and answered, per second, and
   the latency of one request at a time; the baseline is a direct DEALER -> ROUTER echo.
 - **overlap**: a training loop with a fixed step time and a worker with a fixed compute time shorter than it:

@@ -136,14 +136,16 @@ def _last_json(popen: subprocess.Popen, timeout: float = 300) -> dict:
 class Pipeline:
     """A broker and synthetic workers for one scenario; stopped on exit."""
 
-    def __init__(self, workers: int, tokens: int, compute_ms: float, capacity: int = 2, data_plane: str = "auto") -> None:
+    def __init__(self, workers: int, tokens: int, compute_ms: float, capacity: int = 2, data_plane: str = "auto", keys: Path | None = None) -> None:
         self.started: list[processes.Process] = []
-        self.broker = processes.start_broker(extra=["--log-level", "WARNING"])
+        secure = ["--secure", "--keys", str(keys)] if keys is not None else []
+        self.broker = processes.start_broker(extra=["--log-level", "WARNING", *secure])
         self.started.append(self.broker)
         for index in range(workers):
             self.started.append(processes.start(
                 ["--broker", self.broker.ready["backend"], "--service", "bench", "--tokens", str(tokens),
-                 "--compute-ms", str(compute_ms), "--capacity", str(capacity), "--name", f"synthetic-{index}", "--data-plane", data_plane],
+                 "--compute-ms", str(compute_ms), "--capacity", str(capacity), "--name", f"synthetic-{index}", "--data-plane", data_plane,
+                 *(["--keys", str(keys)] if keys is not None else [])],
                 module="draftfeed.bench.synthetic",
             ))
 
@@ -215,6 +217,34 @@ def bench_pair_plane(quick: bool) -> list[Row]:
         case = f"{size_mb:g} MB worker -> rank on a gloo pair group"
         rows.append(Row("pair plane", f"{case}, against frames", over_pair["bytes_per_s"] / 1e9, over_frames["bytes_per_s"] / 1e9, "GB/s", "frames plane, same pipeline"))
         rows.append(Row("pair plane", f"{case}, against raw gloo", over_pair["bytes_per_s"] / 1e9, raw["bytes_per_s"] / 1e9, "GB/s", "raw gloo send/recv of one tensor", ">= 0.8"))
+    return rows
+
+
+def bench_encryption(quick: bool, workdir: Path) -> list[Row]:
+    """Supervision and small requests through a --secure pipeline (CURVE everywhere) against the same pipeline
+    in plaintext, in the same run."""
+    from draftfeed.security.keys import generate
+
+    keys = workdir / "bench-keys"
+    if not (keys / "broker.key_secret").exists():
+        generate(keys)
+    rows = []
+    for size_mb in ([16] if quick else [16, 64]):
+        tokens = tokens_for(int(size_mb * MB))
+        count = max(4, int((300 if quick else 1500) / size_mb))
+        rates = {}
+        for label, folder in (("plaintext", None), ("curve", keys)):
+            with Pipeline(workers=1, tokens=tokens, compute_ms=0, keys=folder) as pipeline:
+                env = {"DRAFTFEED_KEYS": str(folder)} if folder else None
+                rates[label] = _last_json(_probe(["rank", pipeline.frontend, "bench", str(tokens), str(count), "2", "frames"], env))["bytes_per_s"]
+        rows.append(Row("encryption", f"{size_mb:g} MB supervision, CURVE", rates["curve"] / 1e9, rates["plaintext"] / 1e9, "GB/s", "the same pipeline in plaintext"))
+    count = 1000 if quick else 5000
+    rates = {}
+    for label, folder in (("plaintext", None), ("curve", keys)):
+        with Pipeline(workers=2, tokens=1, compute_ms=0, capacity=32, keys=folder) as pipeline:
+            env = {"DRAFTFEED_KEYS": str(folder)} if folder else None
+            rates[label] = _last_json(_probe(["rank", pipeline.frontend, "bench", "1", str(count), "32", "frames"], env))["seconds"]
+    rows.append(Row("encryption", "1-token requests, CURVE", count / rates["curve"], count / rates["plaintext"], "requests/s", "the same pipeline in plaintext"))
     return rows
 
 
@@ -383,6 +413,7 @@ SCENARIOS = {
     "codec": lambda quick, workdir: bench_codec(quick),
     "data-plane": lambda quick, workdir: bench_data_plane(quick),
     "pair-plane": lambda quick, workdir: bench_pair_plane(quick),
+    "encryption": bench_encryption,
     "broker": lambda quick, workdir: bench_broker(quick),
     "overlap": lambda quick, workdir: bench_overlap(quick),
     "scaling": lambda quick, workdir: bench_scaling(quick),

@@ -16,6 +16,7 @@ import torch
 
 from draftfeed.consumers.engines.base import TargetShape
 from draftfeed.consumers.worker import Worker, WorkerConfig
+from draftfeed.security.curve import PeerKeys
 from draftfeed.launch.cli import announce_ready
 from draftfeed.schemas.messages import Eagle3TargetInfo, LogitTransform
 
@@ -81,9 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capacity", type=int, default=2)
     parser.add_argument("--name", default=None)
     parser.add_argument("--data-plane", default="auto", choices=["auto", "frames", "nccl", "gloo"])
+    parser.add_argument("--keys", default=None, help="a folder from `draftfeed keys generate`: CURVE with its worker key")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    worker = Worker(SyntheticEagle3Task(args.tokens, args.compute_ms / 1000), WorkerConfig(args.broker, args.service, capacity=args.capacity, name=args.name, data_plane=args.data_plane))
+    worker = Worker(SyntheticEagle3Task(args.tokens, args.compute_ms / 1000), WorkerConfig(
+        args.broker, args.service, capacity=args.capacity, name=args.name, data_plane=args.data_plane,
+        keys=PeerKeys.from_folder(args.keys, "worker") if args.keys else None,
+    ))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.stop())
     worker.run(on_ready=lambda: announce_ready(role="worker", worker=worker.name, service=args.service))

@@ -6,7 +6,7 @@ and forwarded untouched: the broker never reads payload bytes.
 
 Delivery: a request stays with the broker from its arrival until a worker reports it done. A worker
 found dead (silent for the liveness window), re-registering, or handing a request back has its
-requests put back at the front of the queue, under a new ticket, so a late ``done`` from an earlier
+requests put back at the front of their rank's queue, under a new ticket, so a late ``done`` from an earlier
 attempt matches nothing. Ranks resend what is outstanding after a broker restart; a request id the
 broker already holds is ignored, so resends are idempotent.
 """
@@ -181,7 +181,8 @@ def to_worker(peer: bytes, message: Any, frames: Iterable[Any] = ()) -> Outgoing
 
 
 class BrokerState:
-    """Requests queue per service and go to the worker with the most free credits (never round-robin)."""
+    """Requests queue per service, taken round-robin across its ranks (fair_queue.py), and each goes to the
+    worker with the most free credits (workers are not taken round-robin)."""
 
     def __init__(self, name: str, settings: BrokerSettings | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.name = name

@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="measure every part of the pipeline against baselines from the same run")
     bench.add_argument("--quick", action="store_true", help="smaller payloads and fewer repetitions: under 2 minutes on 2 cores")
-    bench.add_argument("--scenario", action="append", choices=["codec", "data-plane", "pair-plane", "broker", "overlap", "scaling", "real-target"], help="run only these (repeatable; default all)")
+    bench.add_argument("--scenario", action="append", choices=["codec", "data-plane", "pair-plane", "encryption", "broker", "overlap", "scaling", "real-target"], help="run only these (repeatable; default all)")
     bench.add_argument("--json", dest="json_path", default=None, help="write the results as JSON to this path")
     bench.add_argument("--report", action="store_true", help="render docs/performance.md and its plot from this run")
     bench.add_argument("--docs", default="docs", help="where --report writes (default docs)")
