@@ -275,8 +275,8 @@ class BrokerState:
         declared = declared_bytes(submit.tensors)
         if declared is not None and declared > limit:
             return "refused", (
-                f"request {submit.request_id} declares {declared} bytes of tensors, over service {name!r}'s limit of {limit} "
-                f"bytes: send smaller batches, or start the broker with --service-max-request-bytes {name}=BYTES"
+                f"request {submit.request_id} declares {declared} bytes of tensors, over the limit of service {name!r} ({limit} "
+                f"bytes): send smaller batches, or start the broker with --service-max-request-bytes {name}=BYTES"
             )
         try:
             check_frames(submit.tensors, frames, max_message_bytes=limit)

@@ -57,9 +57,9 @@ from draftfeed.schemas.messages import (
     WorkerGone,
     WorkerKeys,
 )
-from draftfeed.security.curve import DATA, PeerKeys, RoleGate, make_client, make_server, start_authenticator
 from draftfeed.schemas.protocol import DEFAULT_MAX_MESSAGE_BYTES
 from draftfeed.schemas.tensor_codec import decode_tensors
+from draftfeed.security.curve import DATA, PeerKeys, RoleGate, make_client, make_server, start_authenticator
 
 log = logging.getLogger("draftfeed.producer")
 
