@@ -8,9 +8,8 @@ import pytest
 from conftest import Cluster, make_batch, raw_peer
 from draftfeed import RemoteEagle3Target, RemoteTargetError
 from draftfeed.broker.state import BrokerSettings, BrokerState
-from draftfeed.schemas.frames import pack
+from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import FRONTEND_OUTBOUND, Hello, StatusQuery, StatusReply, Submit, TensorSpec
-from draftfeed.schemas.frames import unpack
 from test_broker_state import errors
 
 pytestmark = pytest.mark.timeout(240)
@@ -46,16 +45,21 @@ def test_a_frame_over_the_brokers_limit_is_dropped_before_it_is_read():
         cluster.stop()
 
 
-@pytest.mark.parametrize("data_plane", ["frames", "gloo"])
-def test_an_answer_over_the_ranks_limit_fails_with_what_to_change(tiny_target, data_plane):
+@pytest.fixture(scope="module")
+def one_worker(tiny_target):
     cluster = Cluster()
     try:
-        cluster.add_worker(tiny_target, "--service", "lim", "--data-plane", data_plane)
-        batch = make_batch(2, 16, 1000, seed=0)
-        with RemoteEagle3Target(cluster.frontend, "lim", max_result_bytes=10_000, data_plane=data_plane) as small:
-            with pytest.raises(RemoteTargetError, match="over this rank's max_result_bytes of 10000: raise max_result_bytes"):
-                small.generate_batch(**batch)
-        with RemoteEagle3Target(cluster.frontend, "lim", data_plane=data_plane) as default:
-            assert default.generate_batch(**batch).target_probs.shape == (2, 16, 1000)
+        cluster.add_worker(tiny_target, "--service", "lim")  # auto: frames, or gloo when a rank asks for it
+        yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.mark.parametrize("data_plane", ["frames", "gloo"])
+def test_an_answer_over_the_ranks_limit_fails_with_what_to_change(one_worker, data_plane):
+    batch = make_batch(2, 16, 1000, seed=0)
+    with RemoteEagle3Target(one_worker.frontend, "lim", max_result_bytes=10_000, data_plane=data_plane) as small:
+        with pytest.raises(RemoteTargetError, match="over this rank's max_result_bytes of 10000: raise max_result_bytes"):
+            small.generate_batch(**batch)
+    with RemoteEagle3Target(one_worker.frontend, "lim", data_plane=data_plane) as default:
+        assert default.generate_batch(**batch).target_probs.shape == (2, 16, 1000)
