@@ -9,9 +9,12 @@ import re
 import signal
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from draftfeed.schemas.protocol import DEFAULT_BACKEND, DEFAULT_FRONTEND
+
+if TYPE_CHECKING:  # imported where used: the CLI starts without loading pyzmq's auth or torch
+    from draftfeed.security.curve import BrokerKeys, PeerKeys
 
 READY_PREFIX = "DRAFTFEED-READY "
 
@@ -93,7 +96,7 @@ def _add_peer_key_flags(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--broker-key", default=None, help="the broker's public .key file (overrides --keys)")
 
 
-def _peer_keys(args: argparse.Namespace, role: str, required: bool) -> "object | None":
+def _peer_keys(args: argparse.Namespace, role: str, required: bool) -> PeerKeys | None:
     """The keys a trainer or worker connects with, from --keys/--key/--broker-key or $DRAFTFEED_KEYS."""
     import os
 
@@ -191,7 +194,7 @@ def run_broker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _broker_keys(args: argparse.Namespace) -> "object | None":
+def _broker_keys(args: argparse.Namespace) -> BrokerKeys | None:
     from draftfeed.security.curve import BrokerKeys
 
     given = [flag for flag, value in (("--keys", args.keys), ("--key", args.key), ("--trainer-keys", args.trainer_keys), ("--worker-keys", args.worker_keys)) if value]
