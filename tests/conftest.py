@@ -121,6 +121,39 @@ def cluster() -> Iterator[Cluster]:
         cluster.stop()
 
 
+@pytest.fixture
+def fast_cluster() -> Iterator[Cluster]:
+    """A cluster of its own for a fault test, with the short liveness window (FAST_LIVENESS)."""
+    cluster = Cluster(*FAST_LIVENESS)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def run_concurrently(*calls, timeout_s: float = 180.0) -> None:
+    """Run each zero-argument call on its own thread and wait for all; re-raise the first error here."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def guarded(call) -> None:
+        try:
+            call()
+        except BaseException as exc:  # surfaces in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(call,), daemon=True) for call in calls]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout_s
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    if errors:
+        raise errors[0]
+    assert not any(thread.is_alive() for thread in threads), f"a concurrent call ran past {timeout_s:.0f} s"
+
+
 def make_batch(batch_size: int, seq_len: int, vocab_size: int, seed: int, ragged: bool = True) -> dict[str, torch.Tensor]:
     """A right-padded token batch; row lengths vary when ragged."""
     generator = torch.Generator().manual_seed(seed)

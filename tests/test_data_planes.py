@@ -7,13 +7,12 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import FAST_LIVENESS, WORKER_ENV, Cluster, assert_supervision_equal, make_batch, reference_eagle3, wait_until
+from conftest import WORKER_ENV, Cluster, assert_supervision_equal, make_batch, reference_eagle3, run_concurrently, wait_until
 from draftfeed import RemoteEagle3Target
 from draftfeed.dataplane.choice import choose_plane, host_id, local_offer
 from draftfeed.launch import processes
@@ -24,15 +23,6 @@ pytestmark = pytest.mark.timeout(240)
 SERVICE = "planes"
 VOCAB = 1000
 RANK_SCRIPT = str(Path(__file__).parent / "pair_rank.py")
-
-
-@pytest.fixture
-def fast_cluster():
-    cluster = Cluster(*FAST_LIVENESS)
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
 
 
 def add_faulty_worker(cluster: Cluster, target: Path, fault: str, *args: str) -> processes.Process:
@@ -147,21 +137,9 @@ def test_two_ranks_two_workers_mixed_planes(tiny_target, tiny_model):
         gloo_worker = cluster.add_worker(tiny_target, "--service", SERVICE, "--data-plane", "gloo", "--name", "w-gloo")
         cluster.add_worker(tiny_target, "--service", SERVICE, "--data-plane", "auto", "--name", "w-auto")
         ranks = {"auto": RemoteEagle3Target(cluster.frontend, SERVICE, data_plane="auto"), "frames": RemoteEagle3Target(cluster.frontend, SERVICE, data_plane="frames")}
-        errors: list[BaseException] = []
-
-        def run(remote: RemoteEagle3Target, first: int) -> None:
-            try:
-                check_batches(remote, tiny_model, list(range(first, first + 10)))
-            except BaseException as exc:  # surfaces in the main thread
-                errors.append(exc)
-
-        threads = [threading.Thread(target=run, args=(remote, 100 * i)) for i, remote in enumerate(ranks.values())]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=180)
-        assert not errors, errors
-        assert not any(thread.is_alive() for thread in threads)
+        run_concurrently(
+            *(lambda remote=remote, first=100 * i: check_batches(remote, tiny_model, list(range(first, first + 10))) for i, remote in enumerate(ranks.values()))
+        )
         # Which worker serves which batch is the broker's choice: go on until the gloo worker has used its group.
         seed = iter(range(1000, 1100))
         wait_until(

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
 
-from conftest import assert_supervision_equal, make_batch, reference_eagle3
+from conftest import assert_supervision_equal, make_batch, reference_eagle3, run_concurrently
 from draftfeed import RemoteEagle3Target
 
 pytestmark = pytest.mark.timeout(180)
@@ -77,23 +76,13 @@ def test_two_ranks_two_workers_each_rank_gets_its_own_batches_once_in_order(serv
     """Each rank sends distinct batches; every result is checked against the reference of the batch it is paired with."""
     per_rank = 12
     outcome: dict[int, list] = {}
-    errors: list[BaseException] = []
 
     def rank(index: int) -> None:
-        try:
-            batches = [dict(make_batch(2, 16, 1000, seed=1000 * index + i), seq=i) for i in range(per_rank)]
-            with RemoteEagle3Target(services.frontend, DEFAULT, prefetch_depth=3) as target:
-                outcome[index] = [(b["seq"], b, s) for b, s in target.iterate(batches)]
-        except BaseException as exc:  # re-raised in the test thread
-            errors.append(exc)
+        batches = [dict(make_batch(2, 16, 1000, seed=1000 * index + i), seq=i) for i in range(per_rank)]
+        with RemoteEagle3Target(services.frontend, DEFAULT, prefetch_depth=3) as target:
+            outcome[index] = [(b["seq"], b, s) for b, s in target.iterate(batches)]
 
-    threads = [threading.Thread(target=rank, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=150)
-    assert not errors, errors
-    assert not any(thread.is_alive() for thread in threads)
+    run_concurrently(lambda: rank(0), lambda: rank(1), timeout_s=150)
     for index in range(2):
         assert [seq for seq, _, _ in outcome[index]] == list(range(per_rank))
         for _, batch, supervision in outcome[index]:

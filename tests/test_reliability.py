@@ -14,22 +14,13 @@ import threading
 
 import pytest
 
-from conftest import FAST_LIVENESS, WORKER_ENV, Cluster, assert_supervision_equal, make_batch, reference_eagle3, wait_until
+from conftest import WORKER_ENV, assert_supervision_equal, make_batch, reference_eagle3, wait_until
 from draftfeed import RemoteEagle3Target, RemoteTargetError
 from fake_engines import CRASH_MARKER, OOM_MARKER
 
 pytestmark = pytest.mark.timeout(240)
 SERVICE = "svc"
 SLOW = ["--engine", "fake_engines:FakeSlowEngine", "--service", SERVICE]
-
-
-@pytest.fixture
-def fast_cluster():
-    cluster = Cluster(*FAST_LIVENESS)
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
 
 
 class RankRun(threading.Thread):

@@ -310,8 +310,7 @@ class Worker:
             header = Result(tensors=describe(tensors), plane="pair", generation=generation, **fields)
             outcome = self._deliver(endpoint, pack(header), pipe)
             if outcome != "sent":
-                self._planes.forget(endpoint)
-                return outcome
+                return outcome  # the rank is gone or unreachable: _deliver has released its pair
             try:
                 group.send(tensors)
                 self._planes.sent(endpoint)

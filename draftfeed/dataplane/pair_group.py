@@ -113,10 +113,7 @@ class PairGroup:
         self._check_open()
         if self.backend == "gloo":
             device = "cpu"
-        buffers = []
-        for spec in specs:
-            nbytes = spec.numel() * torch.empty((), dtype=DTYPES[spec.dtype]).element_size()
-            buffers.append(torch.empty(nbytes, dtype=torch.uint8, device=device))
+        buffers = [torch.empty(spec.numel() * DTYPES[spec.dtype].itemsize, dtype=torch.uint8, device=device) for spec in specs]
         self._transfer([(self._group.recv, buffer, SENDER, tag) for tag, buffer in enumerate(buffers)], what=f"receiving {', '.join(s.name for s in specs)}")
         return {spec.name: buffer.view(DTYPES[spec.dtype]).reshape(spec.shape) for spec, buffer in zip(specs, buffers)}
 

@@ -315,6 +315,11 @@ class Connection:
             waiter = self._waiters.get(request_id)
         if waiter is None:  # closed or failed meanwhile
             return
+        self._send_as(waiter, request_id, control)
+
+    def _send_as(self, waiter: _Waiter, request_id: int, control: zmq.Socket) -> None:
+        """Pack the waiter's request under ``request_id`` (kept for resending) and send it; a request that
+        cannot be packed fails its future."""
         try:
             waiter.frames = waiter.build(request_id, waiter.token)
         except Exception as exc:
@@ -449,18 +454,20 @@ class Connection:
         self._on_answer(header, lambda: tensors)
 
     def _on_pair_lost(self, header: Result, reason: str) -> None:
-        with self._lock:
-            if header.request_id in self._waiters and not self._pipe.closed:
-                self._pipe.send_multipart([_ASK_AGAIN, header.request_id.to_bytes(8, "little"), reason.encode()])
+        self._tell_io_thread([_ASK_AGAIN, header.request_id.to_bytes(8, "little"), reason.encode()])
 
     def _on_pair_refused(self, header: Result, reason: str) -> None:
         """An answer announced on a pair group that this rank will not take (over its limits): a final error."""
         self._resolve(header.request_id, error=RemoteTargetError(f"worker {header.worker}'s answer to request {header.request_id} was refused: {reason}"))
 
     def _on_pair_closed(self, identity: bytes, message: PairClose) -> None:
+        self._tell_io_thread([_TO_WORKER, identity, *pack(message)])
+
+    def _tell_io_thread(self, frames: list[Any]) -> None:
+        """Hand a command to the IO thread from any thread (the pipe is shared under the lock)."""
         with self._lock:
             if not self._pipe.closed:
-                self._pipe.send_multipart([_TO_WORKER, identity, *pack(message)])
+                self._pipe.send_multipart(frames)
 
     def _ask_again(self, request_id: int, reason: str, control: zmq.Socket) -> None:
         """An answer was lost with its pair group: send the request again under a new id (IO thread)."""
@@ -473,12 +480,7 @@ class Connection:
             waiter.ids.append(new_id)
         self.stats.lost_over_pair += 1
         log.warning("draftfeed rank %s: the answer to request %d was lost on a pair group (%s); asking again as request %d", self.client_id, request_id, reason, new_id)
-        try:
-            waiter.frames = waiter.build(new_id, waiter.token)
-        except Exception as exc:
-            self._resolve(request_id, error=RemoteTargetError(f"request {request_id} could not be packed again: {exc}"))
-            return
-        control.send_multipart(waiter.frames, copy=False)
+        self._send_as(waiter, new_id, control)
 
     def _resolve(self, request_id: int, *, header: Any = None, tensors: dict[str, Any] | None = None, error: BaseException | None = None) -> None:
         with self._lock:
