@@ -189,6 +189,17 @@ def test_a_worker_killed_mid_send_loses_nothing(fast_cluster, tiny_target, tiny_
         check_batches(remote, tiny_model, list(range(12, 16)))
 
 
+def test_an_idle_group_is_released_when_the_broker_reports_its_worker_gone(fast_cluster, tiny_target, tiny_model):
+    """The rank's receiving thread waits on its queue, not on the group, so only worker_gone can release it."""
+    worker = fast_cluster.add_worker(tiny_target, "--service", SERVICE, "--data-plane", "gloo", "--name", "w-idle")
+    with RemoteEagle3Target(fast_cluster.frontend, SERVICE, data_plane="gloo") as remote:
+        check_batches(remote, tiny_model, list(range(4)))
+        assert remote.data_planes() == {"w-idle": "gloo 0"}
+        worker.kill()
+        wait_until(lambda: remote.data_planes() == {}, timeout_s=10, what="the idle group released")
+        assert remote.connection_stats.lost_over_pair == 0, "nothing was in flight on it"
+
+
 def test_a_killed_rank_releases_the_workers_group_and_others_are_served(fast_cluster, tiny_target, tiny_model):
     fast_cluster.add_worker(tiny_target, "--service", SERVICE, "--data-plane", "gloo", "--name", "w-survivor")
     rank = subprocess.Popen(

@@ -175,6 +175,25 @@ def test_intruders_get_nothing_and_do_not_disturb_a_run(secure, keys, tiny_targe
         assert status["counters"]["rejected_messages"] == 0, "no intruder message even reached the broker's parser"
 
 
+def test_insecure_listening_beyond_loopback_is_announced_loudly(caplog):
+    exposed = processes.start_broker(host="0.0.0.0")
+    local = processes.start_broker()
+    try:
+        wait_until(lambda: any("INSECURE" in line and "--secure" in line for line in exposed.log_tail), what="the warning")
+        assert not any("INSECURE" in line for line in local.log_tail)
+        with caplog.at_level("WARNING", logger="draftfeed.producer"):
+            frontend = local.ready["frontend"]
+            with RemoteEagle3Target(frontend, SERVICE, data_endpoint="tcp://0.0.0.0:*", connect_timeout=30):
+                pass
+            with RemoteEagle3Target(frontend, SERVICE, connect_timeout=30):
+                pass
+        warnings = [r.getMessage() for r in caplog.records if "INSECURE" in r.getMessage()]
+        assert len(warnings) == 1 and "tcp://0.0.0.0:" in warnings[0] and "DRAFTFEED_KEYS" in warnings[0]
+    finally:
+        exposed.stop(timeout_s=5)
+        local.stop(timeout_s=5)
+
+
 def test_role_confusion_is_refused_with_a_logged_reason(secure, keys, tiny_target):
     broker, add_worker = secure
     with pytest.raises(RuntimeError, match="--worker-keys"):
