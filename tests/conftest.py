@@ -16,10 +16,15 @@ import torch
 import zmq
 
 from draftfeed.launch import processes
+from reference import assert_supervision_equal, make_batch, reference_dspark, reference_eagle3, zero_padding  # noqa: F401 (shared with the tests)
 
 TESTS_DIR = str(Path(__file__).parent)
 # One thread per worker (two cores here); tests/ on the path for the fake engines.
-WORKER_ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [TESTS_DIR, os.environ.get("PYTHONPATH")]))}
+THREADS = 1
+WORKER_ENV = {"OMP_NUM_THREADS": str(THREADS), "PYTHONPATH": os.pathsep.join(filter(None, [TESTS_DIR, os.environ.get("PYTHONPATH")]))}
+# The in-process references run here under the workers' thread count: bit-exactness holds for the same engine, dtype,
+# device and threads, and on some CPUs (AMD EPYC among them) a matmul's result changes with the number of threads.
+torch.set_num_threads(THREADS)
 # Fault tests run with a short liveness window: 0.2 s heartbeats, dead after 5 missed (1 s).
 FAST_LIVENESS = ["--heartbeat-interval", "0.2", "--liveness", "5"]
 
@@ -154,70 +159,14 @@ def run_concurrently(*calls, timeout_s: float = 180.0) -> None:
     assert not any(thread.is_alive() for thread in threads), f"a concurrent call ran past {timeout_s:.0f} s"
 
 
-def make_batch(batch_size: int, seq_len: int, vocab_size: int, seed: int, ragged: bool = True) -> dict[str, torch.Tensor]:
-    """A right-padded token batch; row lengths vary when ragged."""
-    generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator)
-    if ragged:
-        lengths = torch.randint(max(1, seq_len // 3), seq_len + 1, (batch_size,), generator=generator)
-        lengths[0] = seq_len
-    else:
-        lengths = torch.full((batch_size,), seq_len)
-    attention_mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).long()
-    loss_mask = attention_mask.clone()
-    loss_mask[:, : seq_len // 4] = 0  # a prompt that is not supervised
-    return {"input_ids": input_ids * attention_mask, "attention_mask": attention_mask, "loss_mask": loss_mask}
-
-
-def zero_padding(tensor: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The contract's padded positions: zeros, in every hidden state and in the logits."""
-    return tensor.masked_fill(attention_mask.unsqueeze(-1) == 0, 0)
-
-
-@torch.no_grad()
-def reference_eagle3(model, batch: dict[str, torch.Tensor], aux_layer_ids: list[int], selected_token_ids=None, selected_token_mask=None) -> dict[str, torch.Tensor]:
-    """The supervision contract computed in-process, written from the contract text (not the worker's code).
-
-    "Output of layer i" is what decoder layer i returns: ``output_hidden_states[i + 1]``, except for the
-    last layer, whose entry there has the final norm applied; that one is caught with a hook.
-    """
-    last = len(model.model.layers) - 1
-    caught: dict[str, torch.Tensor] = {}
-    handle = model.model.layers[last].register_forward_hook(lambda _m, _i, output: caught.update(last=output))
-    try:
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False, output_hidden_states=True)
-    finally:
-        handle.remove()
-    mask = batch["attention_mask"]
-    layer_output = {i: zero_padding(out.hidden_states[i + 1], mask) for i in range(last)} | {last: zero_padding(caught["last"], mask)}
-    logits = zero_padding(out.logits, mask)
-    vocab = logits.shape[-1]
-    if selected_token_ids is None:
-        selected_token_ids = torch.arange(vocab)
-        selected_token_mask = torch.ones(vocab, dtype=torch.bool)
-    shifted_logits = torch.cat([logits[:, 1:], torch.zeros_like(logits[:, :1])], dim=1)
-
-    def shift(t: torch.Tensor) -> torch.Tensor:
-        return torch.cat([t[:, 1:], torch.zeros_like(t[:, :1])], dim=1)
-
-    shifted_loss_mask = shift(batch["loss_mask"])
-    return {
-        "aux_hidden_states": torch.cat([layer_output[i] for i in aux_layer_ids], dim=-1),
-        "target_probs": torch.softmax(shifted_logits.index_select(-1, selected_token_ids).float(), dim=-1),
-        "position_mask": (selected_token_mask[shifted_logits.argmax(-1)] & shifted_loss_mask.bool()).unsqueeze(-1),
-        "input_ids": shift(batch["input_ids"]),
-        "loss_mask": shifted_loss_mask,
-        "attention_mask": batch["attention_mask"],
-    }
-
-
-def assert_supervision_equal(supervision, expected: dict[str, torch.Tensor]) -> None:
-    got = supervision.as_dict()
-    assert set(got) == set(expected)
-    for name, tensor in expected.items():
-        assert got[name].dtype == tensor.dtype, name
-        assert got[name].shape == tensor.shape, name
-        assert torch.equal(got[name], tensor), f"{name} differs from the in-process computation"
-
-
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def hosts_available() -> None:
+    """Skips the test, with the reason, where hosts cannot be made as network namespaces (tests/hosts.py)."""
+    from hosts import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from conftest import assert_supervision_equal, make_batch, raw_peer, reference_eagle3, zero_padding
+from conftest import assert_supervision_equal, make_batch, raw_peer, reference_dspark, reference_eagle3, zero_padding
 from draftfeed import DSparkTargetInfo, Eagle3TargetInfo, RemoteDSparkTarget, RemoteEagle3Target
 from draftfeed.consumers.tasks.dspark import check_target_layer_ids, default_target_layer_ids
 from draftfeed.launch import processes
@@ -28,29 +28,6 @@ def services(cluster, tiny_target):
     cluster.add_worker(tiny_target, "--task", "dspark", "--service", EDGES, "--target-layer-ids", ",".join(map(str, EDGE_IDS)), "--name", "ds-edges-0")
     cluster.add_worker(tiny_target, "--task", "eagle3", "--service", EAGLE, "--name", "eagle-0")
     return cluster
-
-
-@torch.no_grad()
-def reference_dspark(model, batch, layer_ids):
-    """The contract in-process: -1 is output_hidden_states[0], L-1 the post-norm output_hidden_states[L], i the output of layer i."""
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False, output_hidden_states=True)
-    hidden = [zero_padding(h, batch["attention_mask"]) for h in out.hidden_states]
-    last = len(hidden) - 2
-
-    def layer(i: int) -> torch.Tensor:
-        if i == -1:
-            return hidden[0]
-        if i == last:
-            return hidden[-1]
-        return hidden[i + 1]
-
-    return {
-        "target_hidden_states": torch.cat([layer(i) for i in layer_ids], dim=-1),
-        "target_last_hidden_states": hidden[-1],
-        "input_ids": batch["input_ids"],
-        "loss_mask": batch["loss_mask"],
-        "attention_mask": batch["attention_mask"],
-    }
 
 
 def test_default_ids_spread_over_the_depth():

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO
@@ -23,6 +25,28 @@ class Process:
     popen: subprocess.Popen
     ready: dict = field(default_factory=dict)
     log_tail: list[str] = field(default_factory=list)
+    lines_seen: int = 0  # every line it printed, counted (the tail keeps the last ones)
+    output_ended: bool = False
+    _printed: threading.Condition = field(default_factory=threading.Condition, repr=False)
+
+    def wait_for_line(self, pattern: str, timeout_s: float, after: int = 0) -> str:
+        """The first line matching ``pattern`` (a regular expression) among those printed after the first ``after``
+        lines (``lines_seen`` at some earlier moment); raises TimeoutError with the log's tail if none comes within
+        ``timeout_s`` or the process ends without printing one."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout_s
+        with self._printed:
+            while True:
+                new = min(self.lines_seen - after, len(self.log_tail))
+                for line in self.log_tail[len(self.log_tail) - new:] if new > 0 else ():
+                    if regex.search(line):
+                        return line
+                after = self.lines_seen
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self.output_ended:
+                    ended = "the process ended" if self.output_ended else f"{timeout_s:.0f} s passed"
+                    raise TimeoutError(f"no line matching {pattern!r} before {ended}:\n" + "\n".join(self.log_tail[-40:]))
+                self._printed.wait(remaining)
 
     @property
     def pid(self) -> int:
@@ -49,18 +73,34 @@ class Process:
         self.popen.send_signal(sig)
 
 
-def _pump(stream: IO[str], lines: "queue.Queue[str | None]", tail: list[str], keep: int = 200) -> None:
+def _pump(stream: IO[str], lines: "queue.Queue[str | None]", process: Process, keep: int = 400) -> None:
     for line in stream:
-        tail.append(line.rstrip("\n"))
-        del tail[:-keep]
+        with process._printed:
+            process.log_tail.append(line.rstrip("\n"))
+            del process.log_tail[:-keep]
+            process.lines_seen += 1
+            process._printed.notify_all()
         lines.put(line)
+    with process._printed:
+        process.output_ended = True
+        process._printed.notify_all()
     lines.put(None)
 
 
-def start(args: Sequence[str], *, ready_timeout_s: float = 120.0, env: dict[str, str] | None = None, module: str = "draftfeed.launch") -> Process:
-    """Run ``python -m MODULE ARGS`` (``draftfeed.launch`` by default) and wait for its ready line; raises with its log if it fails."""
+def start(
+    args: Sequence[str],
+    *,
+    ready_timeout_s: float = 120.0,
+    env: dict[str, str] | None = None,
+    module: str = "draftfeed.launch",
+    prefix: Sequence[str] = (),
+) -> Process:
+    """Run ``python -m MODULE ARGS`` (``draftfeed.launch`` by default) and wait for its ready line; raises with its log if it fails.
+
+    ``prefix`` runs it through another command, e.g. ``["ip", "netns", "exec", "host1"]`` or ``["numactl", "-N", "0"]``;
+    that command must exec the process (its pid is the one signalled)."""
     popen = subprocess.Popen(
-        [sys.executable, "-m", module, *args],
+        [*prefix, sys.executable, "-m", module, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -70,7 +110,7 @@ def start(args: Sequence[str], *, ready_timeout_s: float = 120.0, env: dict[str,
     process = Process(popen)
     lines: queue.Queue[str | None] = queue.Queue()
     assert popen.stdout is not None
-    threading.Thread(target=_pump, args=(popen.stdout, lines, process.log_tail), daemon=True).start()
+    threading.Thread(target=_pump, args=(popen.stdout, lines, process), daemon=True).start()
     try:
         while True:
             line = lines.get(timeout=ready_timeout_s)
