@@ -73,18 +73,18 @@ def errors(out) -> list[ErrorReply]:
 
 def test_dispatch_header_is_the_dispatch_model():
     client = ClientRecord(b"c", Hello(client='c"x', service="s\\1", data_endpoint="tcp://1.2.3.4:5", window=2, host="h", pid=1), 0.0)
-    request = Submit(request_id=3, kind="eagle3", token=9, tensors=[TensorSpec(name="input_ids", dtype="int64", shape=[1, 2])])
-    pending = Pending(client, request, [], 0.0, ticket=17)
     for digest in (None, "abcdef0123456789"):
-        parsed = Dispatch.model_validate_json(BrokerState._dispatch_header(pending, digest))
-        assert parsed == Dispatch(ticket=17, client='c"x', reply_to="tcp://1.2.3.4:5", service="s\\1", mapping_digest=digest, request=request)
+        request = Submit(request_id=3, kind="eagle3", token=9, mapping_digest=digest, tensors=[TensorSpec(name="input_ids", dtype="int64", shape=[1, 2])])
+        pending = Pending(client, request, [], 0.0, ticket=17)
+        parsed = Dispatch.model_validate_json(BrokerState._dispatch_header(pending))
+        assert parsed == Dispatch(ticket=17, client='c"x', reply_to="tcp://1.2.3.4:5", service="s\\1", request=request)
 
 
 def test_dispatch_header_carries_the_ranks_data_plane_offer():
     offer = DataPlaneOffer(mode="gloo", host_id="boot-1", hostname="n1", device="cuda:1", gpu_uuid="GPU-1", nccl=True)
     hello = Hello(client="c", service="s", data_endpoint="tcp://1.2.3.4:5", window=2, host="h", pid=1, data_plane=offer)
     pending = Pending(ClientRecord(b"c", hello, 0.0), Submit(request_id=3, kind="eagle3"), [], 0.0, ticket=1)
-    assert Dispatch.model_validate_json(BrokerState._dispatch_header(pending, None)).data_plane == offer
+    assert Dispatch.model_validate_json(BrokerState._dispatch_header(pending)).data_plane == offer
 
 
 def test_ranks_a_worker_served_are_told_it_is_gone_and_pairs_show_in_status(state):

@@ -11,8 +11,9 @@ import torch
 import zmq
 
 from conftest import WORKER_ENV, make_batch, reference_eagle3
+from reference import difference, draft_vocab
 from draftfeed.schemas.frames import pack, pack_tensors, unpack
-from draftfeed.schemas.messages import BACKEND_INBOUND, DATA_INBOUND, Dispatch, Done, Failure, Liveness, Register, Registered, Result, Submit, WorkerHeartbeat
+from draftfeed.schemas.messages import BACKEND_INBOUND, DATA_INBOUND, Dispatch, Done, Failure, Liveness, Register, Registered, Result, Submit, VocabMapping, WorkerHeartbeat
 from draftfeed.schemas.tensor_codec import decode_tensors, encode_tensors
 
 pytestmark = pytest.mark.timeout(120)
@@ -95,15 +96,25 @@ def test_worker_refuses_a_dispatch_for_another_service_and_serves_on(harness, ti
         assert torch.equal(tensors[name], expected[name]), name
 
 
-def test_worker_reports_a_mapping_it_never_received(harness):
+def test_a_request_naming_a_mapping_the_worker_lacks_goes_back_never_computed_without_it(harness, tiny_model):
     backend, peer, rank, reply_to = harness
-    specs, buffers = encode_tensors(make_batch(1, 5, 1000, seed=3))
-    message = Dispatch(ticket=7, client="c", reply_to=reply_to, service="svc", mapping_digest="0123456789abcdef",
-                       request=Submit(request_id=7, kind="eagle3", tensors=specs))
+    batch = make_batch(1, 5, 1000, seed=3)
+    ids, mask = draft_vocab(50)
+    digest = "0123456789abcdef"
+    specs, buffers = encode_tensors(batch)
+    message = Dispatch(ticket=7, client="c", reply_to=reply_to, service="svc", request=Submit(request_id=7, kind="eagle3", mapping_digest=digest, tensors=specs))
     backend.send_multipart([peer, *pack(message, buffers)], copy=False)
-    answer, _, done = receive(rank, backend)
-    assert isinstance(answer, Failure) and "has not received vocab mapping 0123456789abcdef" in answer.message
-    assert not done.ok
+    done = next_done(backend)
+    assert done.ticket == 7 and not done.ok and done.retry and done.missing_mapping == digest
+    mapping = pack_tensors(VocabMapping, {"selected_token_ids": ids, "selected_token_mask": mask}, digest=digest)
+    backend.send_multipart([peer, *mapping], copy=False)
+    backend.send_multipart([peer, *pack(message, buffers)], copy=False)
+    answer, tensor_frames, done = receive(rank, backend)  # the first answer the rank gets: any earlier one would show here
+    assert isinstance(answer, Result) and done.ok
+    tensors = decode_tensors(answer.tensors, tensor_frames)
+    expected = reference_eagle3(tiny_model, batch, [1, 3, 4], ids, mask)
+    for name in ("aux_hidden_states", "target_probs", "position_mask", "input_ids", "loss_mask"):
+        assert difference(name, tensors[name], expected[name]) is None, difference(name, tensors[name], expected[name])
 
 
 def test_frames_that_do_not_match_the_header_are_refused(harness):

@@ -9,6 +9,15 @@ found dead (silent for the liveness window), re-registering, or handing a reques
 requests put back at the front of their rank's queue, under a new ticket, so a late ``done`` from an earlier
 attempt matches nothing. Ranks resend what is outstanding after a broker restart; a request id the
 broker already holds is ignored, so resends are idempotent.
+
+Vocab mappings: every request names the mapping it is computed with (``Submit.mapping_digest``). The broker
+takes a request only while it holds that mapping (else ``unknown_mapping``: the rank sends it, then the
+request again), keeps a mapping while a rank uses it or a live request names it, and sends it to a worker
+before the first request naming it. A worker that turns out not to hold it hands the request back
+(``Done.missing_mapping``) and is sent the mapping again; a request is never computed without its mapping.
+
+A forgotten peer (silent too long, gone, unreachable) is remembered by name for a while, so that its next
+message is answered ``forgotten`` with the reason; its old records are never used again (``ClientRecord.gone``).
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ import json
 import logging
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -59,6 +68,7 @@ from draftfeed.schemas.messages import (
 Side = Literal["frontend", "backend"]
 log = logging.getLogger("draftfeed.broker")
 THROUGHPUT_WINDOW_S = 10.0
+FORGOTTEN_KEPT = 4096  # peers remembered as forgotten, each with why, for a clear answer to their next message
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,13 @@ class Pending:
     failures: int = 0  # dispatches handed back or lost with a dead worker (a poison batch must not kill every worker)
     excluded: set[bytes] = field(default_factory=set)
     last_error: str | None = None
+    finished: bool = False  # completed, or its rank forgotten: it holds no mapping and is never dispatched again
+    mapping_refused_by: set[bytes] = field(default_factory=set)  # workers that said they lack its mapping
+
+    @property
+    def mapping(self) -> str | None:
+        """The vocab mapping it is computed with (its digest), None for the identity."""
+        return self.request.mapping_digest
 
     @property
     def client_key(self) -> bytes:
@@ -125,9 +142,10 @@ class ClientRecord:
     peak_outstanding: int = 0
     submitted: int = 0
     completed: int = 0
-    mapping_digest: str | None = None
+    mapping_digest: str | None = None  # the mapping it set last (it may still have requests naming earlier ones)
     dispatch_fields: bytes | None = None  # this rank's part of every dispatch header, encoded once
     key: str | None = None  # its authenticated CURVE public key, on a secure broker
+    gone: bool = False  # forgotten: a later hello of the same rank makes a new record
 
 
 @dataclass
@@ -167,9 +185,16 @@ class ServiceRecord:
 
 @dataclass
 class MappingRecord:
+    """A vocab mapping, kept while a rank uses it (``users``) or a live request names it (``requests``)."""
+
     header: SetVocabMapping
     frames: list[Any]
     users: set[bytes] = field(default_factory=set)
+    requests: int = 0
+
+    @property
+    def needed(self) -> bool:
+        return bool(self.users) or self.requests > 0
 
 
 def to_client(peer: bytes, message: Any, frames: Iterable[Any] = ()) -> Outgoing:
@@ -193,8 +218,13 @@ class BrokerState:
         self.clients: dict[bytes, ClientRecord] = {}
         self.workers: dict[bytes, WorkerRecord] = {}
         self.mappings: dict[str, MappingRecord] = {}
+        self.forgotten_ranks: OrderedDict[bytes, str] = OrderedDict()  # peer -> why, newest last
+        self.forgotten_workers: OrderedDict[bytes, str] = OrderedDict()
         self.draining = False
-        self.counters = {"rejected_messages": 0, "workers_expired": 0, "clients_expired": 0, "requeued": 0, "workers_refused": 0}
+        self.counters = {
+            "rejected_messages": 0, "workers_expired": 0, "clients_expired": 0, "requeued": 0, "workers_refused": 0,
+            "mappings_resent": 0,
+        }
         self._next_ticket = 0
         self.started_at = time.time()
 
@@ -208,6 +238,10 @@ class BrokerState:
     def _known_client(self, peer: bytes, request_id: int | None) -> tuple[ClientRecord | None, list[Outgoing]]:
         client = self.clients.get(peer)
         if client is None:
+            why = self.forgotten_ranks.get(peer)
+            if why is not None:
+                message = f"broker {self.name} (instance {self.instance}) forgot this rank: {why}; say hello again and resend"
+                return None, [to_client(peer, ErrorReply(request_id=request_id, message=message, code="forgotten"))]
             message = "this broker does not know this rank (it restarted, or the rank was silent too long): say hello again"
             return None, [to_client(peer, ErrorReply(request_id=request_id, message=message, code="unknown_peer"))]
         client.last_seen = self.clock()
@@ -235,14 +269,18 @@ class BrokerState:
                 return [to_client(peer, ErrorReply(message=message, code="mismatch"))]
             service.info = hello.expect
         client = self.clients.get(peer)
+        resumed = client is not None
         if client is None:
             self.clients[peer] = client = ClientRecord(peer, hello, self.clock())
+            why = self.forgotten_ranks.pop(peer, None)
+            again = f" again (it had been forgotten: {why})" if why else ""
+            log.info("broker: rank %s (host %s, pid %d) connected%s for service %r", hello.client, hello.host, hello.pid, again, hello.service)
         else:  # the same rank again (its link flickered): keep its requests, take its new settings
             client.hello, client.last_seen, client.dispatch_fields = hello, self.clock(), None
         client.key = key
         welcome = Welcome(
-            broker=self.name, instance=self.instance, services=sorted(self.services), liveness=self.settings.liveness_message,
-            worker_keys=self._worker_keys(service) if key is not None else [],
+            broker=self.name, instance=self.instance, resumed=resumed, services=sorted(self.services),
+            liveness=self.settings.liveness_message, worker_keys=self._worker_keys(service) if key is not None else [],
         )
         return [to_client(peer, welcome)]
 
@@ -260,6 +298,8 @@ class BrokerState:
             code, message = refusal
             return [to_client(peer, ErrorReply(request_id=submit.request_id, message=message, code=code))]
         pending = Pending(client, submit, frames, self.clock())
+        if pending.mapping is not None:
+            self.mappings[pending.mapping].requests += 1
         client.requests[submit.request_id] = pending
         client.submitted += 1
         if client.outstanding >= client.hello.window:
@@ -282,6 +322,11 @@ class BrokerState:
             check_frames(submit.tensors, frames, max_message_bytes=limit)
         except MalformedMessage as exc:
             return "refused", str(exc)
+        if submit.mapping_digest is not None and submit.mapping_digest not in self.mappings:
+            return "unknown_mapping", (
+                f"broker {self.name} holds no vocab mapping {submit.mapping_digest}, which request {submit.request_id} names: "
+                "send the mapping, then the request again"
+            )
         if client.outstanding >= client.hello.window and len(client.parked) >= client.hello.window:
             return "refused", (
                 f"rank {client.hello.client} has {client.outstanding + len(client.parked)} requests outstanding, "
@@ -321,12 +366,18 @@ class BrokerState:
         return out
 
     def _release_mapping(self, client: ClientRecord) -> list[Outgoing]:
+        """The rank no longer uses the mapping it set (requests naming it keep it)."""
         digest, client.mapping_digest = client.mapping_digest, None
         record = self.mappings.get(digest) if digest else None
         if record is None:
             return []
         record.users.discard(client.peer)
-        if record.users:
+        return self._drop_mapping_if_unneeded(digest)
+
+    def _drop_mapping_if_unneeded(self, digest: str) -> list[Outgoing]:
+        """Forget a mapping nobody needs, and tell the workers that hold it, which forget it with the broker."""
+        record = self.mappings.get(digest)
+        if record is None or record.needed:
             return []
         del self.mappings[digest]
         out = []
@@ -335,6 +386,18 @@ class BrokerState:
                 worker.mappings_sent.discard(digest)
                 out.append(to_worker(worker.peer, ForgetMapping(digest=digest)))
         return out
+
+    def _finish(self, pending: Pending) -> list[Outgoing]:
+        """A request leaves the broker's care (completed, or its rank forgotten): its mapping may go."""
+        if pending.finished:
+            return []
+        pending.finished = True
+        if pending.mapping is None:
+            return []
+        record = self.mappings.get(pending.mapping)
+        if record is not None:
+            record.requests -= 1
+        return self._drop_mapping_if_unneeded(pending.mapping)
 
     def on_model_info(self, peer: bytes, query: ModelInfoQuery) -> list[Outgoing]:
         client, out = self._known_client(peer, query.request_id)
@@ -362,29 +425,51 @@ class BrokerState:
         return [to_client(peer, StatusReply(request_id=query.request_id, status=self.status()))]
 
     def on_client_bye(self, peer: bytes) -> list[Outgoing]:
-        return self._forget_client(peer)
+        return self._forget_client(peer, "it said goodbye")
 
-    def _forget_client(self, peer: bytes) -> list[Outgoing]:
-        """Drop a rank and everything held for it: queued and parked work, its mapping, workers' links to it."""
+    def _forget_client(self, peer: bytes, why: str) -> list[Outgoing]:
+        """Drop a rank and everything held for it: queued and parked work, its mapping, workers' links to it.
+
+        Workers are told to forget the rank before they are told to forget its mappings."""
         client = self.clients.pop(peer, None)
         if client is None:
             return []
-        out = self._release_mapping(client)
+        client.gone = True
+        log.info(
+            "broker: forgot rank %s of service %r: %s; dropped %d of its requests (%d at workers)",
+            client.hello.client, client.hello.service, why, len(client.requests), sum(1 for p in client.requests.values() if p.ticket >= 0),
+        )
+        self._remember_forgotten(self.forgotten_ranks, peer, why)
         service = self.service(client.hello.service)
         service.queue.drop_rank(client.peer)
         service.info_waiters = [(p, r) for p, r in service.info_waiters if p != peer]
         client.parked.clear()
+        out: list[Outgoing] = []
         forget = ForgetClient(client=client.hello.client, reply_to=client.hello.data_endpoint)
         for worker in self.workers.values():
             if peer in worker.clients_served:
                 worker.clients_served.discard(peer)
                 out.append(to_worker(worker.peer, forget))
+        for pending in client.requests.values():
+            out.extend(self._finish(pending))
+        out.extend(self._release_mapping(client))
         return out + self._dispatch(service)
+
+    @staticmethod
+    def _remember_forgotten(forgotten: OrderedDict[bytes, str], peer: bytes, why: str) -> None:
+        forgotten[peer] = why
+        forgotten.move_to_end(peer)
+        while len(forgotten) > FORGOTTEN_KEPT:
+            forgotten.popitem(last=False)
 
     # ------------------------------------------------------------ workers
     def _known_worker(self, peer: bytes) -> tuple[WorkerRecord | None, list[Outgoing]]:
         worker = self.workers.get(peer)
         if worker is None:
+            why = self.forgotten_workers.get(peer)
+            if why is not None:
+                message = f"broker {self.name} (instance {self.instance}) forgot this worker: {why}; register again"
+                return None, [to_worker(peer, ErrorReply(message=message, code="forgotten"))]
             message = "this broker does not know this worker (it restarted, or the worker was silent too long): register again"
             return None, [to_worker(peer, ErrorReply(message=message, code="unknown_peer"))]
         worker.last_seen = self.clock()
@@ -405,7 +490,7 @@ class BrokerState:
         out: list[Outgoing] = []
         if peer in self.workers:
             # A worker registers again after it lost sight of the broker; it has dropped its queue and mappings.
-            out.extend(self._remove_worker(peer))
+            out.extend(self._remove_worker(peer, "it registered again (it had lost sight of this broker)"))
         service = self.service(register.service)
         if service.info is not None and register.info != service.info:
             self.counters["workers_refused"] += 1
@@ -419,6 +504,11 @@ class BrokerState:
         worker = WorkerRecord(peer, register, self.clock(), key=key)
         self.workers[peer] = worker
         service.workers[peer] = worker
+        self.forgotten_workers.pop(peer, None)
+        log.info(
+            "broker: worker %s (host %s, pid %d, engine %s, capacity %d) registered for service %r",
+            register.worker, register.host, register.pid, register.engine, register.capacity, register.service,
+        )
         if key is not None:
             out.extend(self._announce_worker_keys(service))  # before its first dispatch reaches a rank
         out.append(to_worker(peer, Registered(broker=self.name, instance=self.instance, liveness=self.settings.liveness_message)))
@@ -441,7 +531,7 @@ class BrokerState:
         return [to_worker(peer, DrainAck())]
 
     def on_worker_bye(self, peer: bytes) -> list[Outgoing]:
-        return self._remove_worker(peer)
+        return self._remove_worker(peer, "it said goodbye")
 
     def on_done(self, peer: bytes, done: Done) -> list[Outgoing]:
         worker, out = self._known_worker(peer)
@@ -451,6 +541,8 @@ class BrokerState:
         if pending is None:
             return []  # an earlier attempt, already requeued elsewhere
         service = self.service(worker.registration.service)
+        if done.retry and done.missing_mapping is not None:
+            return self._on_missing_mapping(worker, pending, done.missing_mapping, service)
         if done.retry:
             worker.handed_back += 1
             if not worker.draining:  # a draining worker hands work back through no fault of the request
@@ -464,33 +556,48 @@ class BrokerState:
         else:
             worker.failed += 1
         out = self._complete(pending)
-        if done.rank_unreachable and pending.client.peer in self.clients:
+        if done.rank_unreachable and not pending.client.gone:
             hello = pending.client.hello
             message = (
                 f"worker {worker.registration.worker} on {worker.registration.host} cannot reach this rank's data socket "
                 f"{hello.data_endpoint}; pass data_endpoint='tcp://<an address workers can reach>:*' to the remote target"
             )
             out.append(to_client(pending.client.peer, ErrorReply(message=message, code="unreachable")))
-            out.extend(self._forget_client(pending.client.peer))
+            out.extend(self._forget_client(pending.client.peer, f"worker {worker.registration.worker} cannot reach its data socket"))
         return out + self._dispatch(service)
+
+    def _on_missing_mapping(self, worker: WorkerRecord, pending: Pending, digest: str, service: ServiceRecord) -> list[Outgoing]:
+        """The worker lacks a mapping the broker believed it held: forget that belief and send the request again,
+        the mapping first. A second time from the same worker counts as a failure of it (it cannot keep one)."""
+        worker.mappings_sent.discard(digest)
+        worker.handed_back += 1
+        self.counters["mappings_resent"] += 1
+        log.info("broker: worker %s lacks vocab mapping %s; it gets the mapping again before request %d", worker.registration.worker, digest, pending.request.request_id)
+        if worker.peer in pending.mapping_refused_by:
+            pending.excluded.add(worker.peer)
+            pending.failures += 1
+            pending.last_error = f"worker {worker.registration.worker} lacked vocab mapping {digest} twice"
+        pending.mapping_refused_by.add(worker.peer)
+        return self._requeue([pending], service)
 
     def _complete(self, pending: Pending) -> list[Outgoing]:
         client = pending.client
         if client.requests.pop(pending.request.request_id, None) is None:
             return []
+        out = self._finish(pending)
         client.outstanding -= 1
         client.completed += 1
-        if client.parked and client.peer in self.clients:
-            return self._enqueue(client.parked.popleft())
-        return []
+        if client.parked and not client.gone:
+            out.extend(self._enqueue(client.parked.popleft()))
+        return out
 
     def _requeue(self, pendings: list[Pending], service: ServiceRecord) -> list[Outgoing]:
         """Put requests back at the front of their queue, in their order; fail those out of attempts."""
         out: list[Outgoing] = []
         back: list[Pending] = []
         for pending in sorted(pendings, key=lambda p: p.enqueued_at):
-            if pending.client.peer not in self.clients:
-                continue
+            if pending.client.gone:
+                continue  # its rank was forgotten; if it came back, it sent the request again under a new record
             if pending.failures >= self.settings.max_attempts:
                 message = f"request failed on {pending.failures} workers of service {service.name!r}; last: {pending.last_error}"
                 out.append(to_client(pending.client.peer, ErrorReply(request_id=pending.request.request_id, message=message, code="failed")))
@@ -501,11 +608,16 @@ class BrokerState:
         service.queue.push_front(back)
         return out + self._dispatch(service)
 
-    def _remove_worker(self, peer: bytes, *, died: bool = False) -> list[Outgoing]:
+    def _remove_worker(self, peer: bytes, why: str, *, died: bool = False) -> list[Outgoing]:
         """Forget a worker and requeue what it held; a worker that died counts as a failure of each request."""
         worker = self.workers.pop(peer, None)
         if worker is None:
             return []
+        log.info(
+            "broker: forgot worker %s of service %r: %s; %d requests it held go back to the queue",
+            worker.registration.worker, worker.registration.service, why, len(worker.in_flight),
+        )
+        self._remember_forgotten(self.forgotten_workers, peer, why)
         service = self.service(worker.registration.service)
         service.workers.pop(peer, None)
         pendings = list(worker.in_flight.values())
@@ -531,7 +643,7 @@ class BrokerState:
             if not any(w.free_credits > 0 for w in service.workers.values()):
                 break
             pending = service.queue.pop()  # the next rank's oldest request, round-robin across ranks
-            if pending.client.peer not in self.clients:
+            if pending.client.gone:
                 continue
             candidates = [w for w in service.workers.values() if w.free_credits > 0 and w.peer not in pending.excluded]
             if not candidates:
@@ -546,9 +658,9 @@ class BrokerState:
     def _assign(self, worker: WorkerRecord, pending: Pending) -> list[Outgoing]:
         out: list[Outgoing] = []
         client = pending.client
-        digest = client.mapping_digest if pending.request.kind == "eagle3" else None
+        digest = pending.mapping
         if digest is not None and digest not in worker.mappings_sent:
-            mapping = self.mappings[digest]
+            mapping = self.mappings[digest]  # held: a live request keeps its mapping
             out.append(to_worker(worker.peer, VocabMapping(digest=digest, tensors=mapping.header.tensors), mapping.frames))
             worker.mappings_sent.add(digest)
         pending.ticket = self._next_ticket
@@ -556,11 +668,11 @@ class BrokerState:
         worker.in_flight[pending.ticket] = pending
         worker.last_assigned = pending.ticket
         worker.clients_served.add(client.peer)
-        out.append(Outgoing("backend", worker.peer, [SIGNATURE, self._dispatch_header(pending, digest), *pending.frames]))
+        out.append(Outgoing("backend", worker.peer, [SIGNATURE, self._dispatch_header(pending), *pending.frames]))
         return out
 
     @staticmethod
-    def _dispatch_header(pending: Pending, digest: str | None) -> bytes:
+    def _dispatch_header(pending: Pending) -> bytes:
         """The ``dispatch`` header (messages.Dispatch) written directly: the hot path's one JSON document,
         from the rank's fields (encoded once per rank) and the request (encoded once per request)."""
         client = pending.client
@@ -576,9 +688,7 @@ class BrokerState:
             client.dispatch_fields = json.dumps(fields)[1:-1].encode()
         if pending.request_json is None:
             pending.request_json = pending.request.model_dump_json().encode()
-        return b'{"type":"dispatch","ticket":%d,%s,"mapping_digest":%s,"request":%s}' % (
-            pending.ticket, client.dispatch_fields, json.dumps(digest).encode(), pending.request_json,
-        )
+        return b'{"type":"dispatch","ticket":%d,%s,"request":%s}' % (pending.ticket, client.dispatch_fields, pending.request_json)
 
     # ------------------------------------------------------------ time
     def on_tick(self) -> list[Outgoing]:
@@ -588,10 +698,11 @@ class BrokerState:
         window = self.settings.window_s
         for peer in [p for p, w in self.workers.items() if now - w.last_seen > window]:
             self.counters["workers_expired"] += 1
-            out.extend(self._remove_worker(peer, died=True))
+            silent = f"silent for {now - self.workers[peer].last_seen:.1f} s (liveness window {window:.1f} s)"
+            out.extend(self._remove_worker(peer, silent, died=True))
         for peer in [p for p, c in self.clients.items() if now - c.last_seen > window]:
             self.counters["clients_expired"] += 1
-            out.extend(self._forget_client(peer))
+            out.extend(self._forget_client(peer, f"silent for {now - self.clients[peer].last_seen:.1f} s (liveness window {window:.1f} s)"))
         beat = Heartbeat(instance=self.instance)
         out.extend(to_client(peer, beat) for peer in self.clients)
         out.extend(to_worker(peer, beat) for peer in self.workers)

@@ -156,8 +156,8 @@ class BrokerLink(threading.Thread):
                 self.refused = message.message
                 self.registered.set()
                 raise _Refused(message.message)
-            elif message.code == "unknown_peer":
-                log.warning("worker %s: the broker no longer knows this worker; registering again", self._registration.worker)
+            elif message.code in ("unknown_peer", "forgotten"):
+                log.warning("worker %s: %s; registering again", self._registration.worker, message.message)
                 self._register_again(dealer, pipe)
             else:
                 log.warning("worker %s: the broker reports: %s", self._registration.worker, message.message)

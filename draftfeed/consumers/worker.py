@@ -69,6 +69,15 @@ class RetryableEngineError(RuntimeError):
 RETRYABLE = (torch.OutOfMemoryError, MemoryError, RetryableEngineError)
 
 
+class MissingMapping(Exception):
+    """The request names a vocab mapping this worker does not hold: it goes back to the broker, which sends the
+    mapping first next time. Never computed with another mapping, nor with none."""
+
+    def __init__(self, digest: str) -> None:
+        super().__init__(f"no vocab mapping {digest} here")
+        self.digest = digest
+
+
 @dataclass
 class WorkerConfig:
     broker: str
@@ -272,6 +281,9 @@ class Worker:
         try:
             tensors = self._compute(dispatch, tensor_frames)
             ok = True
+        except MissingMapping as exc:
+            log.info("worker %s: request %d of %s names vocab mapping %s, which this worker lacks: handed back for it", self.name, request.request_id, dispatch.client, exc.digest)
+            return Done(ticket=dispatch.ticket, ok=False, retry=True, missing_mapping=exc.digest, message=str(exc))
         except (BadRequest, MalformedMessage) as exc:
             reply, ok = self._failure(request.request_id, request.token, str(exc)), False
         except RETRYABLE as exc:
@@ -390,10 +402,11 @@ class Worker:
     def _supervise(self, dispatch: Dispatch, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         validate_batch(tensors, self.task.shape.vocab_size)
         vocab = None
-        if dispatch.mapping_digest is not None and self.task.name == "eagle3":
-            vocab = self._mappings.get(dispatch.mapping_digest)
+        digest = dispatch.request.mapping_digest
+        if digest is not None:
+            vocab = self._mappings.get(digest)
             if vocab is None:
-                raise BadRequest(f"worker {self.name} has not received vocab mapping {dispatch.mapping_digest}")
+                raise MissingMapping(digest)
             if isinstance(vocab, BadRequest):
                 raise vocab
         return self.task.compute(tensors["input_ids"], tensors["attention_mask"], tensors["loss_mask"], vocab)

@@ -5,11 +5,13 @@ host (supervision arrives straight from workers). The caller hands packed messag
 through an inproc pipe; the IO thread resolves one future per request. Errors from the pipeline, and
 the death of the IO thread itself, surface on those futures, where the caller waits.
 
-The IO thread keeps every unanswered request (its frames are small: token ids and masks). When the
-broker restarts (a new instance id), says it does not know this rank, says goodbye, or falls silent
-for its liveness window, the rank says hello again and, once welcomed by a new instance, resends its
-vocab mapping and every unanswered request. Each request is answered at most once: the first answer
-that echoes the request's random token resolves it; any later one is dropped and counted.
+The IO thread keeps every unanswered request (its frames are small: token ids and masks) and every vocab
+mapping a live request names. When the broker restarts (a new instance id), says it does not know or has
+forgotten this rank, says goodbye, or falls silent for its liveness window, the rank says hello again; a
+welcome that says the broker holds nothing of this rank (``resumed`` false) makes it send its mappings,
+then every unanswered request, in order. A request refused because the broker lacks its mapping
+(``unknown_mapping``) goes again behind that mapping. Each request is answered at most once: the first
+answer that echoes the request's random token resolves it; any later one is dropped and counted.
 
 Supervision a worker sends on a pair group (docs/data-planes.md) is received by pair_receivers.py. When
 such an answer is lost with its group, the rank asks for the request again under a new request id; the
@@ -80,6 +82,7 @@ class _Waiter:
     build: Callable[[int, int], list[Any]]
     token: int
     resend: bool  # sent again after a broker restart (requests and queries; not status)
+    mapping: str | None = None  # the vocab mapping the request names (its digest), sent before it when the broker lacks it
     frames: list[Any] | None = None  # packed by the IO thread; kept for resending
     retry_at: float | None = None
     busy_retries: int = 0
@@ -125,7 +128,9 @@ class Connection:
         self._ids = itertools.count()
         self._random = random.SystemRandom()
         self._waiters: dict[int, _Waiter] = {}
-        self._mapping: _Waiter | None = None  # the last vocab mapping, resent after a broker restart
+        # The vocab mappings set (digest -> its set_vocab_mapping request), the current one last; resent to a broker
+        # that lacks one a request names.
+        self._mappings: dict[str, _Waiter] = {}
         self._lock = threading.Lock()
         self._window = threading.BoundedSemaphore(window)
         self._broken: BaseException | None = None
@@ -143,7 +148,6 @@ class Connection:
             data_plane.device if data_plane is not None else "cpu", self._on_pair_result, self._on_pair_lost, self._on_pair_closed,
             self._on_pair_refused, max_result_bytes,
         )
-        self._needs_resync = False  # set when hello is sent again: the next welcome resends what is unanswered
         self.in_flight = 0
         self.peak_in_flight = 0
         pipe_endpoint = f"inproc://draftfeed-rank-{uuid.uuid4().hex}"
@@ -168,10 +172,13 @@ class Connection:
         uses_window: bool,
         timeout_s: float | None = None,
         resend: bool = True,
-        is_mapping: bool = False,
+        sets_mapping: str | None = None,
+        names_mapping: str | None = None,
     ) -> Future:
         """Send ``build(request_id, token)``; the future gets ``finish(reply_header, tensors)`` or the error.
 
+        ``sets_mapping``: this request sets the vocab mapping of that digest (kept, and resent to a broker that lacks
+        it); ``names_mapping``: the request is computed with the mapping of that digest, set earlier.
         ``build`` runs on the IO thread: tensors it packs must not change until the future is done
         (they are sent zero-copy from their own memory).
         """
@@ -183,11 +190,15 @@ class Connection:
                 "no worker answered; check `draftfeed status`"
             )
         request_id = next(self._ids)
-        waiter = _Waiter(Future(), finish, uses_window, build, self._random.getrandbits(63), resend, ids=[request_id])
+        waiter = _Waiter(Future(), finish, uses_window, build, self._random.getrandbits(63), resend, names_mapping, ids=[request_id])
         with self._lock:
             self._waiters[request_id] = waiter
-            if is_mapping:
-                self._mapping = waiter
+            if sets_mapping is not None:
+                self._mappings.pop(sets_mapping, None)
+                self._mappings[sets_mapping] = waiter  # the current one, last
+                named = {w.mapping for w in self._waiters.values()}
+                for digest in [d for d in self._mappings if d != sets_mapping and d not in named]:
+                    del self._mappings[digest]
             if uses_window:
                 self.in_flight += 1
                 self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
@@ -348,11 +359,12 @@ class Connection:
         elif isinstance(message, Welcome):
             self._liveness = (message.liveness.heartbeat_interval_s, message.liveness.liveness)
             self._worker_keys = frozenset(key.encode() for key in message.worker_keys)
-            if message.instance != self.broker_instance or self._needs_resync:
-                if self.broker_instance is not None:
-                    self._resync(control, message.instance)
-                self.broker_instance, self._needs_resync = message.instance, False
+            first = self.broker_instance is None
+            if message.instance != self.broker_instance:
+                self.broker_instance = message.instance
                 self.stats.broker_instances.append(message.instance)
+            if not message.resumed and not first:
+                self._resync(control, message.instance)
             self._welcome.set()
         elif isinstance(message, WorkerKeys):
             self._worker_keys = frozenset(key.encode() for key in message.keys)
@@ -363,12 +375,22 @@ class Connection:
             self._hello_again(control)
         elif isinstance(message, ErrorReply):
             self._on_error(message, control)
-        elif isinstance(message, (Ack, ModelInfoReply, StatusReply)):
+        elif isinstance(message, Ack):
+            with self._lock:
+                awaited = message.request_id in self._waiters
+            if awaited:  # else the acknowledgement of a mapping sent again
+                self._resolve(message.request_id, header=message, tensors={})
+        elif isinstance(message, (ModelInfoReply, StatusReply)):
             self._resolve(message.request_id, header=message, tensors={})
 
     def _on_error(self, message: ErrorReply, control: zmq.Socket) -> None:
         if message.code == "unknown_peer":
             self._hello_again(control)
+        elif message.code == "forgotten":
+            log.warning("draftfeed rank %s: %s", self.client_id, message.message)
+            self._hello_again(control)
+        elif message.code == "unknown_mapping" and message.request_id is not None:
+            self._send_behind_its_mapping(message.request_id, control)
         elif message.code == "busy" and message.request_id is not None:
             with self._lock:
                 waiter = self._waiters.get(message.request_id)
@@ -389,22 +411,42 @@ class Connection:
             self._resolve(message.request_id, error=RemoteTargetError(f"the broker refused the request: {message.message}"))
 
     def _hello_again(self, control: zmq.Socket) -> None:
-        """Say hello; the welcome that answers it resends everything unanswered."""
-        self._needs_resync = True
+        """Say hello; a welcome that says the broker holds nothing of this rank makes it resend everything."""
         control.send_multipart(pack(self._hello))
 
     def _resync(self, control: zmq.Socket, instance: str) -> None:
-        """A new broker instance: send it the vocab mapping, then every unanswered request, in order."""
+        """A broker instance that holds nothing of this rank: send it the vocab mappings (the current one and any an
+        unanswered request names), then every unanswered request, in order."""
         with self._lock:
             # Requests not packed yet go out when their turn in the pipe comes.
             waiters = sorted((w.ids[-1], w) for w in self._unique_waiters() if w.resend and w.frames is not None)
+            named = {w.mapping for _, w in waiters}
+            current = next(reversed(self._mappings), None)
+            mappings = [m for d, m in self._mappings.items() if (d == current or d in named) and m.frames is not None]
         self.stats.resyncs += 1
-        log.warning("draftfeed rank %s: broker instance %s; resending %d unanswered requests", self.client_id, instance, len(waiters))
-        mapping = self._mapping
-        if mapping is not None and mapping.frames is not None and all(w is not mapping for _, w in waiters):
-            control.send_multipart(mapping.frames, copy=False)
+        log.warning(
+            "draftfeed rank %s: broker instance %s holds nothing of this rank; resending %d vocab mappings and %d unanswered requests",
+            self.client_id, instance, len(mappings), len(waiters),
+        )
+        for mapping in mappings:
+            if all(w is not mapping for _, w in waiters):
+                control.send_multipart(mapping.frames, copy=False)
         for _request_id, waiter in waiters:
             control.send_multipart(waiter.frames, copy=False)
+
+    def _send_behind_its_mapping(self, request_id: int, control: zmq.Socket) -> None:
+        """The broker lacks the mapping this request names: send the mapping, then the request again."""
+        with self._lock:
+            waiter = self._waiters.get(request_id)
+            mapping = self._mappings.get(waiter.mapping) if waiter is not None and waiter.mapping is not None else None
+        if waiter is None or waiter.frames is None:
+            return  # answered meanwhile
+        if mapping is None or mapping.frames is None:
+            self._resolve(request_id, error=RemoteTargetError(f"the broker lacks vocab mapping {waiter.mapping}, which this rank no longer holds"))
+            return
+        log.info("draftfeed rank %s: the broker lacks vocab mapping %s; sending it before request %d again", self.client_id, waiter.mapping, request_id)
+        control.send_multipart(mapping.frames, copy=False)
+        control.send_multipart(waiter.frames, copy=False)
 
     def _unique_waiters(self) -> list[_Waiter]:
         """Each waiter once (one asked for again answers to several ids); call with the lock held."""

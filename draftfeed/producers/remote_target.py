@@ -193,12 +193,17 @@ class RemoteTarget(Generic[Sup, Info]):
         return prefetch(dataloader, submit, lambda future: self._wait(future, "supervision"), self.prefetch_depth)
 
     # ------------------------------------------------------------ plumbing
+    # The vocab mapping this rank's batches are computed with (its digest; None: the identity), named by every batch.
+    _mapping_digest: str | None = None
+
     def _submit(self, kind: str, tensors: dict[str, torch.Tensor], finish: Callable[[Any, dict[str, torch.Tensor]], Any]) -> Future:
+        digest = self._mapping_digest if kind == self.TASK else None
         return self._connection.request(
-            lambda rid, token: pack_tensors(Submit, tensors, request_id=rid, kind=kind, token=token),
+            lambda rid, token: pack_tensors(Submit, tensors, request_id=rid, kind=kind, token=token, mapping_digest=digest),
             finish,
             uses_window=True,
             timeout_s=self.request_timeout,
+            names_mapping=digest,
         )
 
     def _wait(self, future: Future, what: str) -> Any:
@@ -283,10 +288,10 @@ class RemoteEagle3Target(RemoteTarget[Eagle3Supervision, Eagle3TargetInfo]):
             lambda rid, _token: pack_tensors(SetVocabMapping, tensors, request_id=rid, digest=digest),
             lambda _reply, _tensors: None,
             uses_window=False,
-            is_mapping=True,
+            sets_mapping=digest,
         )
         self._wait(future, "the broker's acknowledgement of the vocab mapping")
-        self._mapping, self._compact = (ids, mask), None
+        self._mapping, self._mapping_digest, self._compact = (ids, mask), digest, None
 
     _mapping: tuple[torch.Tensor, torch.Tensor] | None = None
     _compact: CompactEagle3 | None = None

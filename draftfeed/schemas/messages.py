@@ -17,7 +17,11 @@ RequestId = Annotated[int, Field(ge=0, lt=2**63)]
 RequestKind = Literal["eagle3", "dspark", "input_embeddings", "output_embeddings"]
 Token = Annotated[int, Field(ge=0, lt=2**63)]
 Seconds = Annotated[float, Field(gt=0, le=3600)]
-ErrorCode = Literal["refused", "unknown_peer", "busy", "failed", "unreachable", "mismatch", "over_limit"]
+ErrorCode = Literal[
+    "refused", "unknown_peer", "forgotten", "unknown_mapping", "busy", "failed", "unreachable", "mismatch", "over_limit"
+]
+# A vocab mapping's name: a digest of its tensors, which every request computed with it names.
+MappingDigest = Annotated[str, Field(min_length=8, max_length=128)]
 # How supervision travels from a worker to a rank (docs/data-planes.md): auto picks nccl between CUDA
 # processes on one host and frames otherwise; the others force a plane.
 DataPlaneMode = Literal["auto", "frames", "nccl", "gloo"]
@@ -152,6 +156,9 @@ class Submit(Strict):
     kind: RequestKind
     # A random number the rank checks on the answer: a result that does not echo it is not for this request.
     token: Token = 0
+    # The vocab mapping this batch is computed with (an EAGLE-3 rank that set one); None: the identity. A broker
+    # or worker that does not hold it never computes the batch without it (docs/protocol.md, "Vocab mappings").
+    mapping_digest: MappingDigest | None = None
     tensors: list[TensorSpec] = Field(default_factory=list, max_length=8)
 
 
@@ -160,7 +167,7 @@ class SetVocabMapping(Strict):
 
     type: Literal["set_vocab_mapping"] = "set_vocab_mapping"
     request_id: RequestId
-    digest: Annotated[str, Field(min_length=8, max_length=128)]
+    digest: MappingDigest
     tensors: list[TensorSpec] = Field(max_length=2)
 
 
@@ -204,6 +211,10 @@ class Welcome(Strict):
     type: Literal["welcome"] = "welcome"
     broker: Name
     instance: Name
+    # True: this broker instance already held this rank (its requests, its mapping) and keeps it. False: it holds
+    # nothing of this rank (new, restarted, or it forgot the rank): the rank sends its mappings, then every
+    # unanswered request, again.
+    resumed: bool = False
     services: list[str]
     liveness: Liveness
     # On a secure broker: the public keys of the workers of the rank's service, which the rank's data socket admits.
@@ -243,7 +254,9 @@ class ErrorReply(Strict):
     type: Literal["error"] = "error"
     request_id: RequestId | None = None
     message: str
-    # refused: final; unknown_peer: say hello / register again; busy: the queue is full, send again later;
+    # refused: final; unknown_peer: say hello / register again; forgotten: the same, from a broker that knew this
+    # peer and dropped it (the message says why); unknown_mapping: the broker holds no vocab mapping of the
+    # request's digest: send the mapping, then the request again; busy: the queue is full, send again later;
     # failed: the request failed on every worker it was tried on; unreachable: workers cannot reach the
     # rank's data socket, and the broker has dropped the rank; mismatch: the service serves another target
     # than the rank checked; over_limit: the rank asks for more than the broker allows one rank (final).
@@ -293,6 +306,9 @@ class Done(Strict):
     retry: bool = False
     message: str | None = None
     rank_unreachable: bool = False
+    # With retry: the worker does not hold the vocab mapping the request names (the broker believed it did).
+    # The broker sends it the mapping before the request goes out again; it counts against no one.
+    missing_mapping: MappingDigest | None = None
 
 
 class PairStatus(Strict):
@@ -350,7 +366,6 @@ class Dispatch(Strict):
     client: Name
     reply_to: Name
     service: Name
-    mapping_digest: str | None = None
     data_plane: DataPlaneOffer | None = None  # the rank's, from its hello
     reply_key: PublicKey | None = None  # on a secure broker: the rank's public key, which its data socket proves
     max_result_bytes: Annotated[int, Field(gt=0)] | None = None  # the rank's, from its hello
@@ -358,18 +373,20 @@ class Dispatch(Strict):
 
 
 class VocabMapping(Strict):
-    """A draft-vocab mapping, sent to a worker once before the first request that uses it."""
+    """A draft-vocab mapping, sent to a worker before the first request that names it (again after the worker says
+    it lacks it)."""
 
     type: Literal["vocab_mapping"] = "vocab_mapping"
-    digest: Annotated[str, Field(min_length=8, max_length=128)]
+    digest: MappingDigest
     tensors: list[TensorSpec] = Field(max_length=2)
 
 
 class ForgetMapping(Strict):
-    """No rank uses this mapping any more; the worker frees it."""
+    """No rank uses this mapping and no live request names it; the worker frees it (and the broker forgets that the
+    worker holds it)."""
 
     type: Literal["forget_mapping"] = "forget_mapping"
-    digest: Annotated[str, Field(min_length=8, max_length=128)]
+    digest: MappingDigest
 
 
 # ---------------------------------------------------------------- worker -> trainer (data socket)

@@ -1,0 +1,86 @@
+"""A training rank in a process of its own (run on a host of tests/hosts.py): iterates a fixed list of batches and,
+once done, checks every result against the in-process computation, here, under the workers' thread count.
+
+    python -m partition_rank --broker tcp://10.79.0.1:5555 --service svc --target DIR --batches 400 [--task dspark]
+        [--draft-vocab 300] [--form probs|hidden]
+
+Prints the ready line once set up, ``batch N`` after each batch, and at the end one ``RESULT {json}`` line:
+how many batches came, whether in order, the differences found (where and how large), or the error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+import torch
+
+from draftfeed import RemoteDSparkTarget, RemoteEagle3Target
+from draftfeed.launch.cli import announce_ready
+from reference import difference, draft_vocab, make_batch, reference_dspark, reference_eagle3
+
+AUX_LAYER_IDS = [1, 3, 4]  # the default for the 8-layer tiny target
+DSPARK_LAYER_IDS = [1, 3, 4, 6, 7]
+COMPACT_TOLERANCE = 1e-6  # the compact form with a draft vocab: the rank's matmul over fewer rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--broker", required=True)
+    parser.add_argument("--service", required=True)
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--task", default="eagle3", choices=["eagle3", "dspark"])
+    parser.add_argument("--form", default="probs", choices=["probs", "hidden"])
+    parser.add_argument("--batches", type=int, default=400)
+    parser.add_argument("--depth", type=int, default=3)
+    parser.add_argument("--draft-vocab", type=int, default=0)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    batches = [make_batch(2, 16, 1000, seed=5000 + i) for i in range(args.batches)]
+    mapping = draft_vocab(args.draft_vocab) if args.draft_vocab else None
+    results = []
+    error = None
+    cls = RemoteEagle3Target if args.task == "eagle3" else RemoteDSparkTarget
+    try:
+        with cls(args.broker, args.service, prefetch_depth=args.depth, wait_log_interval=1.0) as target:
+            target.model_info()
+            if mapping is not None:
+                target.set_vocab_mapping(*mapping)
+            announce_ready(role="rank", client=target.client_id)
+            for index, (batch, supervision) in enumerate(target.iterate(batches)):
+                results.append((batch, supervision))
+                print(f"batch {index}", flush=True)
+    except Exception as exc:  # reported in the result line, for the test to show
+        error = f"{type(exc).__name__}: {exc}"
+    print(f"RESULT {json.dumps(check(args, batches, mapping, results, error))}", flush=True)
+    return 0
+
+
+def check(args, batches, mapping, results, error) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    in_order = all(got is sent for (got, _), sent in zip(results, batches))
+    differences = []
+    for index, (batch, supervision) in enumerate(results):
+        if args.task == "eagle3":
+            expected = reference_eagle3(model, batch, AUX_LAYER_IDS, *(mapping or ()))
+        else:
+            expected = reference_dspark(model, batch, DSPARK_LAYER_IDS)
+        got = supervision.as_dict()
+        for name, tensor in expected.items():
+            if args.form == "hidden" and mapping is not None and name == "target_probs" and got[name].shape == tensor.shape:
+                gap = (got[name] - tensor).abs().max().item()
+                found = None if gap <= COMPACT_TOLERANCE else f"target_probs: largest |difference| {gap:.3g} over {COMPACT_TOLERANCE}"
+            else:
+                found = difference(name, got[name], tensor)
+            if found is not None:
+                differences.append(f"batch {index}: {found}")
+    return {"received": len(results), "sent": len(batches), "in_order": in_order, "differences": differences[:20], "error": error}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
