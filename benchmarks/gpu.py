@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftfeed.consumers.engines.hf import HFEngine  # noqa: E402
 from draftfeed.consumers.tasks.eagle3 import Eagle3Task  # noqa: E402
-from draftfeed.producers.compact import CompactEagle3  # noqa: E402
+from draftfeed.contract.compact import CompactEagle3  # noqa: E402
 
 SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
@@ -91,7 +91,7 @@ def main() -> None:
         draft = torch.arange(0, vocab, max(1, vocab // 32000))[:32000]
         draft_mask = torch.zeros(vocab, dtype=torch.bool)
         draft_mask[draft] = True
-        from draftfeed.consumers.tasks.eagle3 import VocabMap
+        from draftfeed.contract.vocab import VocabMap
 
         vocab_map = VocabMap(draft.to(device), draft_mask.to(device))
 

@@ -10,7 +10,8 @@ import zmq
 
 from conftest import FAST_LIVENESS, Cluster, assert_supervision_equal, make_batch, reference_eagle3, wait_until
 from draftfeed import RemoteEagle3Target
-from draftfeed.schemas.frames import pack, pack_tensors, unpack
+from draftfeed.schemas.frames import pack, unpack
+from draftfeed.dataplane.tensor_codec import pack_tensors
 from draftfeed.schemas.messages import FRONTEND_OUTBOUND, ErrorReply, Heartbeat, Hello, Submit, Welcome
 
 pytestmark = pytest.mark.timeout(300)

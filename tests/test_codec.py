@@ -9,10 +9,11 @@ import torch
 import zmq
 
 from draftfeed.schemas.errors import MalformedMessage, ProtocolVersionMismatch
-from draftfeed.schemas.frames import pack, pack_tensors, unpack
+from draftfeed.schemas.frames import pack, unpack
+from draftfeed.dataplane.tensor_codec import pack_tensors
 from draftfeed.schemas.messages import DATA_INBOUND, FRONTEND_INBOUND, Result, TensorSpec
 from draftfeed.schemas.protocol import MAX_HEADER_BYTES, SIGNATURE
-from draftfeed.schemas.tensor_codec import DTYPES, decode_tensors, encode_tensors
+from draftfeed.dataplane.tensor_codec import DTYPES, decode_tensors, encode_tensors
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -144,3 +145,10 @@ def test_pack_layout_is_signature_header_tensors():
     assert [t["name"] for t in header["tensors"]] == ["a", "b"]
     assert [memoryview(f).nbytes for f in frames[2:]] == [8, 24]
     assert pack(Result(request_id=1, kind="eagle3", worker="w", tensors=[]))[2:] == []
+
+
+def test_the_torch_free_item_sizes_are_torchs():
+    from draftfeed.schemas.tensor_specs import ITEMSIZES
+
+    assert set(ITEMSIZES) == set(DTYPES)
+    assert {name: DTYPES[name].itemsize for name in ITEMSIZES} == ITEMSIZES

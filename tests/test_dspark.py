@@ -11,7 +11,8 @@ from conftest import assert_supervision_equal, make_batch, raw_peer, reference_d
 from draftfeed import DSparkTargetInfo, Eagle3TargetInfo, RemoteDSparkTarget, RemoteEagle3Target
 from draftfeed.consumers.tasks.dspark import check_target_layer_ids, default_target_layer_ids
 from draftfeed.launch import processes
-from draftfeed.schemas.frames import pack, pack_tensors, unpack
+from draftfeed.schemas.frames import pack, unpack
+from draftfeed.dataplane.tensor_codec import pack_tensors
 from draftfeed.schemas.messages import FRONTEND_OUTBOUND, ErrorReply, Hello, Submit
 
 pytestmark = pytest.mark.timeout(240)

@@ -12,7 +12,8 @@ from conftest import make_batch, raw_peer, wait_until
 from draftfeed import RemoteEagle3Target, RemoteTargetTimeout
 from draftfeed.producers.connection import Connection
 from draftfeed.producers.prefetch import prefetch
-from draftfeed.schemas.frames import pack, pack_tensors, unpack
+from draftfeed.schemas.frames import pack, unpack
+from draftfeed.dataplane.tensor_codec import pack_tensors
 from draftfeed.schemas.messages import FRONTEND_OUTBOUND, ErrorReply, Hello, StatusQuery, Submit, Welcome
 
 pytestmark = pytest.mark.timeout(180)

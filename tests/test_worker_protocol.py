@@ -12,9 +12,10 @@ import zmq
 
 from conftest import WORKER_ENV, make_batch, reference_eagle3
 from reference import difference, draft_vocab
-from draftfeed.schemas.frames import pack, pack_tensors, unpack
+from draftfeed.schemas.frames import pack, unpack
+from draftfeed.dataplane.tensor_codec import pack_tensors
 from draftfeed.schemas.messages import BACKEND_INBOUND, DATA_INBOUND, Dispatch, Done, Failure, Liveness, Register, Registered, Result, Submit, VocabMapping, WorkerHeartbeat
-from draftfeed.schemas.tensor_codec import decode_tensors, encode_tensors
+from draftfeed.dataplane.tensor_codec import decode_tensors, encode_tensors
 
 pytestmark = pytest.mark.timeout(120)
 

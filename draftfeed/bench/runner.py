@@ -18,9 +18,9 @@ import zmq
 
 from draftfeed.bench.synthetic import BYTES_PER_TOKEN, DRAFT_VOCAB, HIDDEN, tokens_for
 from draftfeed.launch import processes
-from draftfeed.schemas.frames import pack_tensors
+from draftfeed.dataplane.tensor_codec import pack_tensors
 from draftfeed.schemas.messages import Result
-from draftfeed.schemas.tensor_codec import DTYPES, decode_tensors, encode_tensors
+from draftfeed.dataplane.tensor_codec import DTYPES, decode_tensors, encode_tensors
 
 HUGETLB = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 MB = 1e6

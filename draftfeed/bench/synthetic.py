@@ -17,7 +17,7 @@ import torch
 from draftfeed.consumers.engines.base import TargetShape
 from draftfeed.consumers.worker import Worker, WorkerConfig
 from draftfeed.security.curve import PeerKeys
-from draftfeed.launch.cli import announce_ready
+from draftfeed.launch.ready import announce_ready
 from draftfeed.schemas.messages import Eagle3TargetInfo, LogitTransform
 
 # An 8B target's shape (Llama-3.1-8B: H = 4096, 32 layers) with a 32k draft vocabulary:

@@ -35,7 +35,7 @@ from draftfeed.broker.fair_queue import FairQueue
 from draftfeed.schemas.frames import pack
 from draftfeed.schemas.protocol import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_REQUEST_BYTES, SIGNATURE
 from draftfeed.schemas.errors import MalformedMessage
-from draftfeed.schemas.tensor_codec import check_frames, declared_bytes
+from draftfeed.schemas.tensor_specs import check_frames, declared_bytes
 from draftfeed.schemas.messages import (
     Ack,
     Done,

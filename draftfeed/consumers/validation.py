@@ -6,11 +6,8 @@ from collections.abc import Mapping
 
 import torch
 
-from draftfeed.schemas.supervision import BATCH_KEYS
-
-
-class BadRequest(ValueError):
-    """The request cannot be served as sent; the text tells the rank what to fix."""
+from draftfeed.contract.supervision import BATCH_KEYS
+from draftfeed.schemas.errors import BadRequest
 
 
 def validate_batch(tensors: Mapping[str, torch.Tensor], vocab_size: int) -> None:
@@ -40,23 +37,3 @@ def validate_batch(tensors: Mapping[str, torch.Tensor], vocab_size: int) -> None
         tensor = tensors[name]
         if tensor.dtype != torch.bool and not bool(((tensor == 0) | (tensor == 1)).all()):
             raise BadRequest(f"{name} must hold only 0 and 1")
-
-
-def validate_vocab_mapping(selected_token_ids: torch.Tensor, selected_token_mask: torch.Tensor, vocab_size: int) -> None:
-    """selected_token_ids int64 [Vd] of distinct ids in [0, V); selected_token_mask bool [V], True exactly at those ids."""
-    if selected_token_ids.dtype != torch.int64 or selected_token_ids.dim() != 1 or selected_token_ids.numel() == 0:
-        raise BadRequest(
-            f"selected_token_ids must be a non-empty 1-D int64 tensor; got {selected_token_ids.dtype} {list(selected_token_ids.shape)}"
-        )
-    if selected_token_mask.dtype != torch.bool or list(selected_token_mask.shape) != [vocab_size]:
-        raise BadRequest(
-            f"selected_token_mask must be bool [{vocab_size}] (the target's vocab size); "
-            f"got {selected_token_mask.dtype} {list(selected_token_mask.shape)}"
-        )
-    low, high = int(selected_token_ids.min()), int(selected_token_ids.max())
-    if low < 0 or high >= vocab_size:
-        raise BadRequest(f"selected_token_ids holds {high if high >= vocab_size else low}, outside [0, {vocab_size})")
-    if torch.unique(selected_token_ids).numel() != selected_token_ids.numel():
-        raise BadRequest("selected_token_ids holds an id more than once; each target id may appear once")
-    if int(selected_token_mask.sum()) != selected_token_ids.numel() or not bool(selected_token_mask[selected_token_ids].all()):
-        raise BadRequest("selected_token_mask must be True exactly at the ids in selected_token_ids")

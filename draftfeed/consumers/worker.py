@@ -29,16 +29,20 @@ import torch
 import zmq
 
 from draftfeed.consumers.broker_link import RESET, STOP, BrokerLink
+from draftfeed.consumers.engines.base import RETRYABLE_ERRORS
 from draftfeed.consumers.pair_planes import PairPlanes
 from draftfeed.consumers.rank_links import RankLinks
 from draftfeed.consumers.tasks.dspark import DSparkTask
-from draftfeed.consumers.tasks.eagle3 import Eagle3Task, VocabMap
-from draftfeed.consumers.validation import BadRequest, validate_batch, validate_vocab_mapping
+from draftfeed.consumers.tasks.eagle3 import Eagle3Task
+from draftfeed.contract.vocab import VocabMap
+from draftfeed.consumers.validation import validate_batch
+from draftfeed.contract.vocab import validate_vocab_mapping
 from draftfeed.dataplane.choice import local_offer
 from draftfeed.dataplane.pair_group import DataPlaneError, describe
 from draftfeed.net import close_quietly, host_identity
-from draftfeed.schemas.errors import MalformedMessage
-from draftfeed.schemas.frames import pack, pack_tensors, unpack
+from draftfeed.schemas.errors import BadRequest, MalformedMessage
+from draftfeed.schemas.frames import pack, unpack
+from draftfeed.dataplane.tensor_codec import pack_tensors
 from draftfeed.schemas.messages import (
     BACKEND_OUTBOUND,
     DATA_OUTBOUND,
@@ -56,17 +60,12 @@ from draftfeed.schemas.messages import (
     WorkerHeartbeat,
 )
 from draftfeed.schemas.protocol import DEFAULT_MAX_REQUEST_BYTES
-from draftfeed.schemas.tensor_codec import decode_tensors
+from draftfeed.dataplane.tensor_codec import decode_tensors
 from draftfeed.security.curve import PeerKeys
 
 log = logging.getLogger("draftfeed.worker")
 
 
-class RetryableEngineError(RuntimeError):
-    """An engine error that another worker may not hit (out of memory, a transient device fault)."""
-
-
-RETRYABLE = (torch.OutOfMemoryError, MemoryError, RetryableEngineError)
 
 
 class MissingMapping(Exception):
@@ -286,7 +285,7 @@ class Worker:
             return Done(ticket=dispatch.ticket, ok=False, retry=True, missing_mapping=exc.digest, message=str(exc))
         except (BadRequest, MalformedMessage) as exc:
             reply, ok = self._failure(request.request_id, request.token, str(exc)), False
-        except RETRYABLE as exc:
+        except RETRYABLE_ERRORS as exc:
             log.warning("worker %s: request %d of %s handed back: %s", self.name, request.request_id, dispatch.client, exc)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from draftfeed.schemas.messages import TensorSpec
-from draftfeed.schemas.tensor_codec import DTYPES, dtype_name
+from draftfeed.dataplane.tensor_codec import DTYPES, dtype_name
 
 BACKENDS = ("gloo", "nccl")
 SENDER, RECEIVER = 0, 1

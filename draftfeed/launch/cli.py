@@ -11,13 +11,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
+from draftfeed.launch.ready import announce_ready
 from draftfeed.schemas.protocol import DEFAULT_BACKEND, DEFAULT_FRONTEND
 
 if TYPE_CHECKING:  # imported where used: the CLI starts without loading pyzmq's auth or torch
     from draftfeed.security.curve import BrokerKeys, PeerKeys
-
-READY_PREFIX = "DRAFTFEED-READY "
-
 
 def _layer_ids(text: str) -> list[int]:
     try:
@@ -160,11 +158,6 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
     worker.add_argument("--max-request-bytes", type=int, default=256 << 20, help="largest request (and frame) this worker takes from the broker (default 256 MiB)")
     worker.add_argument("--secure", action="store_true", help="CURVE to the broker and to ranks, with this worker's key (docs/security.md)")
     _add_peer_key_flags(worker, "worker")
-
-
-def announce_ready(**fields: str) -> None:
-    """The line that process starters (launch/processes.py) wait for: the prefix, then JSON."""
-    print(READY_PREFIX + json.dumps(fields), flush=True)
 
 
 def _stop_on_signals(stop: callable) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
-from draftfeed.launch.cli import READY_PREFIX
+from draftfeed.launch.ready import READY_PREFIX
 
 
 @dataclass

@@ -60,7 +60,7 @@ from draftfeed.schemas.messages import (
     WorkerKeys,
 )
 from draftfeed.schemas.protocol import DEFAULT_MAX_MESSAGE_BYTES
-from draftfeed.schemas.tensor_codec import decode_tensors
+from draftfeed.dataplane.tensor_codec import decode_tensors
 from draftfeed.security.curve import DATA, PeerKeys, RoleGate, make_client, make_server, start_authenticator
 
 log = logging.getLogger("draftfeed.producer")

@@ -24,7 +24,7 @@ import torch
 from draftfeed.dataplane.pair_group import RECEIVER, PairGroup, join_store
 from draftfeed.schemas.messages import PairClose, PairOpen, Result
 from draftfeed.schemas.protocol import DEFAULT_MAX_MESSAGE_BYTES
-from draftfeed.schemas.tensor_codec import declared_bytes
+from draftfeed.schemas.tensor_specs import declared_bytes
 
 log = logging.getLogger("draftfeed.producer")
 

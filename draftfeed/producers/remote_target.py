@@ -6,7 +6,6 @@ against it calls these classes unchanged.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -18,15 +17,16 @@ from typing import Any, Callable, ClassVar, Generic, TypeVar
 import torch
 from torch import nn
 
-from draftfeed.consumers.validation import BadRequest, validate_vocab_mapping
+from draftfeed.contract.vocab import mapping_digest, validate_vocab_mapping
 from draftfeed.dataplane.choice import local_offer
 from draftfeed.security.curve import PeerKeys
-from draftfeed.producers.compact import CompactEagle3
+from draftfeed.contract.compact import CompactEagle3
 from draftfeed.producers.connection import Connection, ConnectionStats
 from draftfeed.producers.prefetch import prefetch
-from draftfeed.schemas.errors import RemoteTargetTimeout
+from draftfeed.schemas.errors import BadRequest, RemoteTargetTimeout
 from draftfeed.schemas.protocol import DEFAULT_MAX_MESSAGE_BYTES
-from draftfeed.schemas.frames import pack, pack_tensors
+from draftfeed.schemas.frames import pack
+from draftfeed.dataplane.tensor_codec import pack_tensors
 from draftfeed.schemas.messages import (
     DSparkTargetInfo,
     Eagle3TargetInfo,
@@ -36,8 +36,8 @@ from draftfeed.schemas.messages import (
     StatusQuery,
     Submit,
 )
-from draftfeed.schemas.tensor_codec import dtype_name
-from draftfeed.schemas.supervision import BATCH_KEYS, DSparkSupervision, Eagle3Supervision, Supervision
+from draftfeed.dataplane.tensor_codec import dtype_name
+from draftfeed.contract.supervision import BATCH_KEYS, DSparkSupervision, Eagle3Supervision, Supervision
 
 log = logging.getLogger("draftfeed.producer")
 Sup = TypeVar("Sup", bound=Supervision)
@@ -282,7 +282,7 @@ class RemoteEagle3Target(RemoteTarget[Eagle3Supervision, Eagle3TargetInfo]):
             validate_vocab_mapping(ids, mask, self.model_info().vocab_size)
         except BadRequest as exc:
             raise ValueError(f"set_vocab_mapping: {exc}") from None
-        digest = hashlib.blake2b(ids.numpy().tobytes() + mask.numpy().tobytes(), digest_size=16).hexdigest()
+        digest = mapping_digest(ids, mask)
         tensors = {"selected_token_ids": ids, "selected_token_mask": mask}
         future = self._connection.request(
             lambda rid, _token: pack_tensors(SetVocabMapping, tensors, request_id=rid, digest=digest),

@@ -25,3 +25,7 @@ class RemoteTargetTimeout(RemoteTargetError, TimeoutError):
 
 class TargetClosed(DraftfeedError):
     """The remote target was closed while a request was outstanding."""
+
+
+class BadRequest(DraftfeedError, ValueError):
+    """A request cannot be served as sent (its tensors, its vocab mapping); the text tells the rank what to fix."""

@@ -1,16 +1,14 @@
-"""Message <-> frames: ``[SIGNATURE, header JSON, *tensor frames]``, checked on the way in."""
+"""Message <-> frames: ``[SIGNATURE, header JSON, *tensor frames]``, checked on the way in (no torch here)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
-import torch
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from draftfeed.schemas.errors import MalformedMessage, ProtocolVersionMismatch
 from draftfeed.schemas.protocol import FIRST_TENSOR_FRAME, MAX_HEADER_BYTES, PROTOCOL_NAME, SIGNATURE
-from draftfeed.schemas.tensor_codec import encode_tensors
 
 M = TypeVar("M")
 
@@ -18,12 +16,6 @@ M = TypeVar("M")
 def pack(header: BaseModel, buffers: Sequence[Any] = ()) -> list[Any]:
     """Frames for ``send_multipart(..., copy=False)``: signature, header JSON, then the buffers as they are."""
     return [SIGNATURE, header.model_dump_json().encode(), *buffers]
-
-
-def pack_tensors(make_header: Any, tensors: Mapping[str, torch.Tensor], **fields: Any) -> list[Any]:
-    """Encode tensors and pack them with the header ``make_header(tensors=specs, **fields)``."""
-    specs, buffers = encode_tensors(tensors)
-    return pack(make_header(tensors=specs, **fields), buffers)
 
 
 def _bytes(frame: Any) -> bytes:

@@ -14,7 +14,16 @@ from typing import Protocol
 
 import torch
 
+from draftfeed.contract.ops import zero_padding_
 from draftfeed.schemas.messages import LogitTransform
+
+
+class RetryableEngineError(RuntimeError):
+    """An engine error that another worker may not hit (a transient device fault): the request goes to another worker."""
+
+
+# Errors a worker hands a request back for, instead of failing it: another worker may well serve it.
+RETRYABLE_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError, MemoryError, RetryableEngineError)
 
 
 @dataclass(frozen=True)
@@ -95,17 +104,6 @@ class Engine(Protocol):
         ...
 
 
-def transform_logits(logits: torch.Tensor, transform: LogitTransform) -> torch.Tensor:
-    """Apply a target's logit scaling and soft-capping to lm_head's output: multiply, divide, soft-cap, in that order."""
-    if transform.multiply is not None:
-        logits = logits * transform.multiply
-    if transform.divide is not None:
-        logits = logits / transform.divide
-    if transform.softcap is not None:
-        logits = torch.tanh(logits / transform.softcap) * transform.softcap
-    return logits
-
-
 def fill_padding(out: ForwardOutput, attention_mask: torch.Tensor) -> ForwardOutput:
     """Zero every tensor of ``out`` at the positions where ``attention_mask`` is 0, in place.
 
@@ -115,9 +113,7 @@ def fill_padding(out: ForwardOutput, attention_mask: torch.Tensor) -> ForwardOut
     """
     if bool(attention_mask.all()):
         return out
-    padding = (attention_mask == 0).unsqueeze(-1)
-    tensors = [*out.layer_outputs.values(), out.embeddings, out.final_hidden, out.logits]
-    for tensor in tensors:
+    for tensor in [*out.layer_outputs.values(), out.embeddings, out.final_hidden, out.logits]:
         if tensor is not None:
-            tensor.masked_fill_(padding.to(tensor.device), 0)
+            zero_padding_(tensor, attention_mask)
     return out

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from draftfeed.consumers.engines.base import TargetShape, transform_logits
+from draftfeed.consumers.engines.base import TargetShape
+from draftfeed.contract.ops import transform_logits
 from draftfeed.consumers.engines.hf import text_decoder
 from draftfeed.schemas.messages import LogitTransform
 

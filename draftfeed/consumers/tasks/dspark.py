@@ -1,4 +1,4 @@
-"""DSpark supervision from one forward pass, as shared/reference/supervision-contract.md defines it.
+"""DSpark supervision from one forward pass, as docs/contract.md defines it.
 
 Layer ids: -1 is the embedding output (the input of decoder layer 0), L - 1 the final norm's output
 (post-norm), any other id the output of that decoder layer.

@@ -1,13 +1,12 @@
-"""EAGLE-3 supervision from one forward pass, exactly as shared/reference/supervision-contract.md defines it."""
+"""EAGLE-3 supervision from one forward pass, exactly as docs/contract.md defines it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 
-from draftfeed.consumers.engines.base import Capture, Engine, TargetShape, fill_padding, transform_logits
+from draftfeed.consumers.engines.base import Capture, Engine, TargetShape, fill_padding
+from draftfeed.contract.ops import lm_head_logits, shift_left
+from draftfeed.contract.vocab import VocabMap
 from draftfeed.schemas.messages import Eagle3TargetInfo, LogitTransform, SupervisionForm
 
 
@@ -28,18 +27,6 @@ def check_aux_layer_ids(aux_layer_ids: list[int], num_hidden_layers: int, *, def
         if not 0 <= layer_id < num_hidden_layers:
             raise ValueError(f"{where}: layer {layer_id} does not exist in a {num_hidden_layers}-layer target; {advice}")
     return list(aux_layer_ids)
-
-
-def shift_left(tensor: torch.Tensor) -> torch.Tensor:
-    """Shift along the sequence (dim 1) by one, zero-filling the last position."""
-    shifted = torch.zeros_like(tensor)
-    shifted[:, :-1] = tensor[:, 1:]
-    return shifted
-
-
-def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, transform: LogitTransform) -> torch.Tensor:
-    """``hidden @ weight.T`` transformed as a target transforms its logits (multiply, divide, soft-cap, in that order)."""
-    return transform_logits(F.linear(hidden, weight.to(hidden.dtype)), transform)
 
 
 @torch.inference_mode()
@@ -66,19 +53,6 @@ def verified_logit_transform(engine: Engine) -> LogitTransform:
         "--supervision hidden: this target's logits are not its lm_head applied to its final hidden state with a "
         "known scaling or soft-capping, so ranks could not rebuild them; use --supervision probs"
     )
-
-
-@dataclass(frozen=True)
-class VocabMap:
-    selected_token_ids: torch.Tensor  # int64 [Vd]
-    selected_token_mask: torch.Tensor  # bool [V]
-
-    @staticmethod
-    def identity(vocab_size: int, device: torch.device) -> "VocabMap":
-        return VocabMap(
-            torch.arange(vocab_size, dtype=torch.int64, device=device),
-            torch.ones(vocab_size, dtype=torch.bool, device=device),
-        )
 
 
 def eagle3_from_forward(

@@ -1,4 +1,5 @@
-"""Tensor frame codec: tensors to zero-copy frames and back, with every field of the receipt checked.
+"""Tensor frame codec, the torch side of schemas/tensor_specs.py: tensors to zero-copy frames and back, with every
+field of the receipt checked before a tensor is built.
 
 Encoding never copies a contiguous CPU tensor: the frame is a memoryview of the tensor's own memory,
 and the numpy array under that view holds the tensor alive until ZeroMQ is done sending it
@@ -15,9 +16,10 @@ from typing import Any
 
 import torch
 
-from draftfeed.schemas.errors import MalformedMessage
+from draftfeed.schemas.frames import pack
 from draftfeed.schemas.messages import TensorSpec
-from draftfeed.schemas.protocol import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_TENSOR_BYTES, INLINE_COPY_BYTES, MAX_TENSORS_PER_MESSAGE
+from draftfeed.schemas.protocol import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_TENSOR_BYTES, INLINE_COPY_BYTES
+from draftfeed.schemas.tensor_specs import check_frames
 
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -71,11 +73,6 @@ def encode_tensors(tensors: Mapping[str, torch.Tensor]) -> tuple[list[TensorSpec
     return specs, buffers
 
 
-def _frame_buffer(frame: Any) -> memoryview:
-    buffer = getattr(frame, "buffer", None)
-    return buffer if buffer is not None else memoryview(frame)
-
-
 def decode_tensors(
     specs: Sequence[TensorSpec],
     frames: Sequence[Any],
@@ -91,57 +88,10 @@ def decode_tensors(
     return {spec.name: _view(spec, buffer) for spec, buffer in zip(specs, buffers)}
 
 
-def declared_bytes(specs: Sequence[TensorSpec]) -> int | None:
-    """The bytes the specs announce in all, or None if a dtype is unknown (check_frames says which)."""
-    total = 0
-    for spec in specs:
-        dtype = DTYPES.get(spec.dtype)
-        if dtype is None:
-            return None
-        total += spec.numel() * dtype.itemsize
-    return total
-
-
-def check_frames(
-    specs: Sequence[TensorSpec],
-    frames: Sequence[Any],
-    *,
-    max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-) -> list[memoryview]:
-    """The frames' buffers, once frame count, dtype names, unique names, declared sizes against the limits,
-    and each frame holding exactly shape x itemsize bytes are checked; nothing is allocated or copied.
-    Raises MalformedMessage with what is wrong. The broker checks requests with it, workers and ranks
-    decode with it."""
-    if len(specs) > MAX_TENSORS_PER_MESSAGE:
-        raise MalformedMessage(f"message declares {len(specs)} tensors; at most {MAX_TENSORS_PER_MESSAGE} are allowed")
-    if len(specs) != len(frames):
-        raise MalformedMessage(f"header declares {len(specs)} tensors but the message carries {len(frames)} tensor frames")
-    seen: set[str] = set()
-    total = 0
-    buffers: list[memoryview] = []
-    for spec, frame in zip(specs, frames):
-        if spec.name in seen:
-            raise MalformedMessage(f"tensor name {spec.name!r} appears twice in one message")
-        seen.add(spec.name)
-        dtype = DTYPES.get(spec.dtype)
-        if dtype is None:
-            raise MalformedMessage(f"tensor {spec.name!r} has unknown dtype {spec.dtype!r}; known: {', '.join(DTYPES)}")
-        nbytes = spec.numel() * dtype.itemsize
-        if nbytes > max_tensor_bytes:
-            raise MalformedMessage(
-                f"tensor {spec.name!r} declares {nbytes} bytes, over the limit of {max_tensor_bytes} bytes per tensor"
-            )
-        total += nbytes
-        if total > max_message_bytes:
-            raise MalformedMessage(f"message declares over {max_message_bytes} bytes of tensors, the limit per message")
-        buffer = _frame_buffer(frame)
-        if buffer.nbytes != nbytes:
-            raise MalformedMessage(
-                f"tensor {spec.name!r} ({spec.dtype} {spec.shape}) needs {nbytes} bytes but its frame holds {buffer.nbytes}"
-            )
-        buffers.append(buffer)
-    return buffers
+def pack_tensors(make_header: Any, tensors: Mapping[str, torch.Tensor], **fields: Any) -> list[Any]:
+    """Encode tensors and pack them with the header ``make_header(tensors=specs, **fields)``."""
+    specs, buffers = encode_tensors(tensors)
+    return pack(make_header(tensors=specs, **fields), buffers)
 
 
 def _view(spec: TensorSpec, buffer: memoryview) -> torch.Tensor:

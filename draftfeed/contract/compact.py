@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from draftfeed.consumers.tasks.eagle3 import lm_head_logits, shift_left
+from draftfeed.contract.ops import lm_head_logits, shift_left
 from draftfeed.schemas.messages import LogitTransform
 
 
