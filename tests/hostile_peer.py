@@ -1,6 +1,6 @@
 """A hostile peer, run as its own process: floods the broker and a rank's data socket with bad messages.
 
-Usage: python hostile_peer.py FRONTEND BACKEND RANK_DATA_ENDPOINT VICTIM_CLIENT_ID COUNT SEED
+Usage: python hostile_peer.py FRONTEND BACKEND RANK_DATA_ENDPOINT VICTIM_RANK_ID COUNT SEED
 Prints one JSON line: how many messages went where and how many replies came back.
 """
 
@@ -12,7 +12,7 @@ import sys
 
 import zmq
 
-SIG = b"draftfeed/1"
+from draftfeed.schemas.protocol import SIGNATURE as SIG
 
 
 def spec(name, dtype, shape):
@@ -36,7 +36,7 @@ def broker_junk(rng: random.Random, victim: str, my_id: str) -> list[bytes]:
     if kind == 5:
         return [SIG, json.dumps({"type": rng.choice(["launch", "admin", "eval", "__class__"])}).encode()]
     if kind == 6:  # hello for a service nobody serves, under its own name: accepted, then its submits
-        return [SIG, json.dumps({"type": "hello", "client": my_id, "service": f"nope-{rng.randrange(5)}", "data_endpoint": "tcp://127.0.0.1:9", "window": 2, "host": "x", "pid": 1}).encode()]
+        return [SIG, json.dumps({"type": "hello", "rank": my_id, "service": f"nope-{rng.randrange(5)}", "data_endpoint": "tcp://127.0.0.1:9", "window": 2, "host": "x", "pid": 1}).encode()]
     if kind == 7:  # shapes that do not match the buffers
         header = {"type": "submit", "request_id": rng.randrange(1 << 30), "kind": "eagle3", "tensors": [spec("input_ids", "int64", [2, 3])]}
         return [SIG, json.dumps(header).encode(), b"\0" * rng.randrange(0, 40)]
@@ -47,8 +47,8 @@ def broker_junk(rng: random.Random, victim: str, my_id: str) -> list[bytes]:
         header = {"type": "submit", "request_id": 4, "kind": "eagle3", "tensors": [spec("input_ids", "complex256", [1, 1])]}
         return [SIG, json.dumps(header).encode(), b"\0" * 32]
     if kind == 10:  # a hello that claims to be the victim rank
-        return [SIG, json.dumps({"type": "hello", "client": victim, "service": "svc", "data_endpoint": "tcp://127.0.0.1:9", "window": 64, "host": "x", "pid": 1}).encode()]
-    if kind == 11:  # a worker message on the trainer port, or a done for a ticket it never had
+        return [SIG, json.dumps({"type": "hello", "rank": victim, "service": "svc", "data_endpoint": "tcp://127.0.0.1:9", "window": 64, "host": "x", "pid": 1}).encode()]
+    if kind == 11:  # a worker message on the rank port, or a done for a ticket it never had
         return [SIG, json.dumps({"type": "done", "ticket": rng.randrange(1000), "ok": True}).encode()]
     if kind == 12:  # negative and huge numbers, wrong types
         return [SIG, json.dumps({"type": "submit", "request_id": rng.choice([-1, 2**70, "x", None]), "kind": "eagle3"}).encode()]

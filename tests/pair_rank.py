@@ -15,7 +15,7 @@ from draftfeed import RemoteEagle3Target
 def main() -> None:
     broker, service, data_plane = sys.argv[1:4]
     with RemoteEagle3Target(broker, service, data_plane=data_plane) as remote:
-        print(f"CLIENT {remote.client_id}", flush=True)
+        print(f"CLIENT {remote.rank_id}", flush=True)
         vocab = remote.model_info().vocab_size
         batches = (make_batch(2, 24, vocab, seed=i) for i in itertools.count())
         for i, _ in enumerate(remote.iterate(batches)):

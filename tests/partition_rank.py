@@ -49,7 +49,7 @@ def main() -> int:
             target.model_info()
             if mapping is not None:
                 target.set_vocab_mapping(*mapping)
-            announce_ready(role="rank", client=target.client_id)
+            announce_ready(role="rank", rank=target.rank_id)
             for index, (batch, supervision) in enumerate(target.iterate(batches)):
                 results.append((batch, supervision))
                 print(f"batch {index}", flush=True)

@@ -1,4 +1,4 @@
-"""Memory and queues stay bounded: slow trainers, slow workers, a full service queue, an unreachable rank."""
+"""Memory and queues stay bounded: slow training loops, slow workers, a full service queue, an unreachable rank."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def test_slow_trainer_keeps_memory_and_queues_flat(tiny_target):
+def test_slow_training_loop_keeps_memory_and_queues_flat(tiny_target):
     cluster = Cluster(*FAST_LIVENESS)
     try:
         workers = [cluster.add_worker(tiny_target, "--service", SERVICE, "--name", f"w{i}") for i in range(2)]
@@ -43,7 +43,7 @@ def test_slow_trainer_keeps_memory_and_queues_flat(tiny_target):
                 torch.linalg.qr(torch.randn(160, 160))  # the training step: slower than the workers
                 if step % 25 == 0:
                     status = target.status()
-                    me = next(c for c in status["clients"] if c["client"] == target.client_id)
+                    me = next(c for c in status["ranks"] if c["rank"] == target.rank_id)
                     samples.append({
                         "step": step,
                         "rss": {name: rss_mb(pid) for name, pid in pids.items()},
@@ -123,7 +123,7 @@ def test_an_unreachable_rank_is_told_so_and_others_are_served(tiny_target, tiny_
     try:
         cluster.add_worker(tiny_target, "--service", SERVICE, "--connect-timeout", "1")
         sock.connect(cluster.frontend)
-        sock.send_multipart(pack(Hello(client="lost-rank", service=SERVICE, data_endpoint="tcp://127.0.0.1:1", window=2, host="h", pid=1)))
+        sock.send_multipart(pack(Hello(rank="lost-rank", service=SERVICE, data_endpoint="tcp://127.0.0.1:1", window=2, host="h", pid=1)))
         sock.send_multipart(pack_tensors(Submit, make_batch(1, 4, 1000, seed=0), request_id=0, kind="eagle3", token=5), copy=False)
         with RemoteEagle3Target(cluster.frontend, SERVICE) as target:
             batch = make_batch(2, 8, 1000, seed=1)
@@ -140,7 +140,7 @@ def test_an_unreachable_rank_is_told_so_and_others_are_served(tiny_target, tiny_
 
         reply = wait_until(unreachable_reply, timeout_s=30, what="the unreachable error")
         assert "cannot reach this rank's data socket tcp://127.0.0.1:1" in reply.message and "data_endpoint=" in reply.message
-        assert all(c["client"] != "lost-rank" for c in cluster.status()["clients"])
+        assert all(c["rank"] != "lost-rank" for c in cluster.status()["ranks"])
     finally:
         sock.close(0)
         context.term()

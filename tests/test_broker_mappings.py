@@ -18,7 +18,7 @@ from draftfeed.schemas.messages import (
     Dispatch,
     Done,
     ErrorReply,
-    ForgetClient,
+    ForgetRank,
     ForgetMapping,
     Hello,
     SetVocabMapping,
@@ -45,7 +45,7 @@ def state(clock) -> BrokerState:
 
 
 def hello(state: BrokerState, name: str = "r", window: int = 4) -> Welcome:
-    (reply,) = frontend(state.on_hello(name.encode(), Hello(client=name, service="svc", data_endpoint="tcp://127.0.0.1:1", window=window, host="h", pid=1)))
+    (reply,) = frontend(state.on_hello(name.encode(), Hello(rank=name, service="svc", data_endpoint="tcp://127.0.0.1:1", window=window, host="h", pid=1)))
     assert isinstance(reply, Welcome)
     return reply
 
@@ -77,7 +77,7 @@ def test_a_request_naming_a_mapping_the_broker_lacks_is_refused_for_a_resend(sta
     (refusal,) = frontend(submit(state, 0, DIGEST_A))
     assert isinstance(refusal, ErrorReply) and refusal.code == "unknown_mapping" and refusal.request_id == 0
     assert DIGEST_A in refusal.message and "send the mapping, then the request again" in refusal.message
-    assert state.clients[b"r"].outstanding == 0
+    assert state.ranks[b"r"].outstanding == 0
     set_mapping(state, DIGEST_A)
     sent = backend(submit(state, 0, DIGEST_A), "w1")
     assert [type(m) for m in sent] == [VocabMapping, Dispatch]  # the mapping goes first
@@ -98,8 +98,8 @@ def test_a_forgotten_rank_is_told_so_then_resyncs_fully(state, clock, caplog):
         out = state.on_tick()
     assert "broker: forgot rank r of service 'svc': silent for 3.5 s (liveness window 3.0 s)" in caplog.text
     # The worker forgets the rank first, then the mapping no one needs any more.
-    assert [type(m) for m in backend(out, "w1") if not m.type == "heartbeat"] == [ForgetClient, ForgetMapping]
-    (told,) = only(frontend(state.on_client_heartbeat(b"r")), ErrorReply)
+    assert [type(m) for m in backend(out, "w1") if not m.type == "heartbeat"] == [ForgetRank, ForgetMapping]
+    (told,) = only(frontend(state.on_rank_heartbeat(b"r")), ErrorReply)
     assert told.code == "forgotten" and "forgot this rank: silent for 3.5 s" in told.message
     (refused,) = frontend(submit(state, 1, DIGEST_A))
     assert refused.code == "forgotten"
@@ -135,7 +135,7 @@ def test_a_worker_lacking_a_mapping_gets_it_again_before_the_request(state):
     sent = backend(out, "w1")
     assert [type(m) for m in sent] == [VocabMapping, Dispatch] and sent[1].request.request_id == 0
     assert state.services["svc"].queue.count(b"r") == 0 and state.counters["mappings_resent"] == 1
-    pending = state.clients[b"r"].requests[0]
+    pending = state.ranks[b"r"].requests[0]
     assert pending.failures == 0 and not pending.excluded  # not the request's fault, nor counted against it
     # The same worker again: it cannot keep the mapping; that counts as a failure on it.
     state.on_done(b"w1", Done(ticket=sent[1].ticket, ok=False, retry=True, missing_mapping=DIGEST_A, message="no vocab mapping"))

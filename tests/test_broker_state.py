@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from draftfeed.broker.state import BrokerSettings, BrokerState, ClientRecord, Pending
+from draftfeed.broker.state import BrokerSettings, BrokerState, RankRecord, Pending
 from draftfeed.schemas.frames import unpack
 from draftfeed.schemas.messages import (
     BACKEND_OUTBOUND,
@@ -50,11 +50,11 @@ def register(state: BrokerState, name: str, capacity: int = 1, info=INFO):
 
 
 def hello(state: BrokerState, name: str, window: int = 2):
-    return state.on_hello(name.encode(), Hello(client=name, service="svc", data_endpoint=f"tcp://127.0.0.1:1/{name}", window=window, host="h", pid=1))
+    return state.on_hello(name.encode(), Hello(rank=name, service="svc", data_endpoint=f"tcp://127.0.0.1:1/{name}", window=window, host="h", pid=1))
 
 
-def submit(state: BrokerState, client: str, request_id: int):
-    return state.on_submit(client.encode(), Submit(request_id=request_id, kind="eagle3", token=request_id + 100), [])
+def submit(state: BrokerState, rank: str, request_id: int):
+    return state.on_submit(rank.encode(), Submit(request_id=request_id, kind="eagle3", token=request_id + 100), [])
 
 
 def dispatches(out) -> list[tuple[bytes, Dispatch]]:
@@ -72,18 +72,18 @@ def errors(out) -> list[ErrorReply]:
 
 
 def test_dispatch_header_is_the_dispatch_model():
-    client = ClientRecord(b"c", Hello(client='c"x', service="s\\1", data_endpoint="tcp://1.2.3.4:5", window=2, host="h", pid=1), 0.0)
+    rank = RankRecord(b"c", Hello(rank='c"x', service="s\\1", data_endpoint="tcp://1.2.3.4:5", window=2, host="h", pid=1), 0.0)
     for digest in (None, "abcdef0123456789"):
         request = Submit(request_id=3, kind="eagle3", token=9, mapping_digest=digest, tensors=[TensorSpec(name="input_ids", dtype="int64", shape=[1, 2])])
-        pending = Pending(client, request, [], 0.0, ticket=17)
+        pending = Pending(rank, request, [], 0.0, ticket=17)
         parsed = Dispatch.model_validate_json(BrokerState._dispatch_header(pending))
-        assert parsed == Dispatch(ticket=17, client='c"x', reply_to="tcp://1.2.3.4:5", service="s\\1", request=request)
+        assert parsed == Dispatch(ticket=17, rank='c"x', reply_to="tcp://1.2.3.4:5", service="s\\1", request=request)
 
 
 def test_dispatch_header_carries_the_ranks_data_plane_offer():
     offer = DataPlaneOffer(mode="gloo", host_id="boot-1", hostname="n1", device="cuda:1", gpu_uuid="GPU-1", nccl=True)
-    hello = Hello(client="c", service="s", data_endpoint="tcp://1.2.3.4:5", window=2, host="h", pid=1, data_plane=offer)
-    pending = Pending(ClientRecord(b"c", hello, 0.0), Submit(request_id=3, kind="eagle3"), [], 0.0, ticket=1)
+    hello = Hello(rank="c", service="s", data_endpoint="tcp://1.2.3.4:5", window=2, host="h", pid=1, data_plane=offer)
+    pending = Pending(RankRecord(b"c", hello, 0.0), Submit(request_id=3, kind="eagle3"), [], 0.0, ticket=1)
     assert Dispatch.model_validate_json(BrokerState._dispatch_header(pending)).data_plane == offer
 
 
@@ -92,7 +92,7 @@ def test_ranks_a_worker_served_are_told_it_is_gone_and_pairs_show_in_status(stat
     hello(state, "r1")
     hello(state, "r2")
     assert dispatches(submit(state, "r1", 0))
-    pair = PairStatus(client="r1", plane="gloo", state="ready", reason="the worker asked for gloo", generation=0, sent_over_pair=3)
+    pair = PairStatus(rank="r1", plane="gloo", state="ready", reason="the worker asked for gloo", generation=0, sent_over_pair=3)
     state.on_worker_heartbeat(b"w1", WorkerHeartbeat(pairs=[pair]))
     assert state.status()["services"]["svc"]["workers"][0]["pairs"] == [pair.model_dump(mode="json")]
     out = state.on_worker_bye(b"w1")
@@ -118,15 +118,15 @@ def test_a_dead_worker_requeues_under_a_new_ticket_and_its_late_done_is_ignored(
     (_, old), = dispatches(submit(state, "r", 0))
     clock.now = 2.0
     register(state, "w2")
-    state.on_client_heartbeat(b"r")
+    state.on_rank_heartbeat(b"r")
     state.on_worker_heartbeat(b"w2", WorkerHeartbeat())
     clock.now = 3.5  # w1 silent for 3.5 s > 3 s window; w2 and r heard at 2.0
     (peer, new), = dispatches(state.on_tick())
     assert peer == b"w2" and new.request.request_id == 0 and new.ticket != old.ticket
     assert state.on_done(b"w2", Done(ticket=old.ticket, ok=True)) == []  # an old ticket matches nothing
-    assert state.clients[b"r"].outstanding == 1
+    assert state.ranks[b"r"].outstanding == 1
     state.on_done(b"w2", Done(ticket=new.ticket, ok=True))
-    assert state.clients[b"r"].outstanding == 0 and state.clients[b"r"].completed == 1
+    assert state.ranks[b"r"].outstanding == 0 and state.ranks[b"r"].completed == 1
 
 
 def test_requests_past_the_window_are_parked_then_refused(state):
@@ -166,9 +166,9 @@ def test_unknown_peers_are_told_to_introduce_themselves(state):
 
 
 def test_a_hello_must_name_its_own_connection(state):
-    out = state.on_hello(b"someone-else", Hello(client="victim", service="svc", data_endpoint="tcp://x:1", window=2, host="h", pid=1))
+    out = state.on_hello(b"someone-else", Hello(rank="victim", service="svc", data_endpoint="tcp://x:1", window=2, host="h", pid=1))
     (reply,) = errors(out)
-    assert "a rank speaks only for itself" in reply.message and b"someone-else" not in state.clients
+    assert "a rank speaks only for itself" in reply.message and b"someone-else" not in state.ranks
 
 
 def test_requests_whose_frames_do_not_match_their_header_are_refused_before_queueing(state):
@@ -179,4 +179,4 @@ def test_requests_whose_frames_do_not_match_their_header_are_refused_before_queu
     assert short.request_id == 1 and "needs 48 bytes but its frame holds 40" in short.message
     (huge,) = errors(state.on_submit(b"r", Submit(request_id=2, kind="eagle3", tensors=[spec.model_copy(update={"shape": [1 << 30, 1 << 30]})]), [b""]))
     assert "over the limit" in huge.message
-    assert state.clients[b"r"].outstanding == 0 and not state.services["svc"].queue
+    assert state.ranks[b"r"].outstanding == 0 and not state.services["svc"].queue

@@ -38,7 +38,7 @@ def add_faulty_worker(cluster: Cluster, target: Path, fault: str, *args: str) ->
 def pairs_of(cluster: Cluster, worker: str) -> dict[str, dict]:
     """The worker's pairs as status reports them, by rank."""
     status = cluster.worker_status(worker)
-    return {pair["client"]: pair for pair in (status or {}).get("pairs", [])}
+    return {pair["rank"]: pair for pair in (status or {}).get("pairs", [])}
 
 
 def check_batches(remote: RemoteEagle3Target, model, seeds: list[int]) -> list[dict[str, torch.Tensor]]:
@@ -111,7 +111,7 @@ def test_gloo_pair_equals_frames_and_the_in_process_computation(tiny_target, tin
 
             def group_ready() -> bool:
                 assert_supervision_equal(over_pair.generate_batch(**warm_up), reference_eagle3(tiny_model, warm_up, aux))
-                worker_side = pairs_of(cluster, name).get(over_pair.client_id, {}).get("state")
+                worker_side = pairs_of(cluster, name).get(over_pair.rank_id, {}).get("state")
                 return over_pair.data_planes() == {name: "gloo 0"} and worker_side == "ready"
 
             wait_until(group_ready, what="the pair group, ready on both sides")
@@ -130,13 +130,13 @@ def test_gloo_pair_equals_frames_and_the_in_process_computation(tiny_target, tin
             with pytest.raises(ConnectionRefusedError):
                 socket.create_connection(("127.0.0.1", store_port), timeout=5).close()
             pairs = wait_until(lambda: (p := pairs_of(cluster, name)) and len(p) == 2 and p, what="both pairs in status")
-            assert pairs[over_pair.client_id]["plane"] == "gloo" and pairs[over_pair.client_id]["state"] == "ready"
-            assert pairs[over_pair.client_id]["reason"] == "the worker asked for gloo"
-            assert pairs[over_frames.client_id]["plane"] == "frames" and pairs[over_frames.client_id]["reason"] == "the rank asks for frames"
+            assert pairs[over_pair.rank_id]["plane"] == "gloo" and pairs[over_pair.rank_id]["state"] == "ready"
+            assert pairs[over_pair.rank_id]["reason"] == "the worker asked for gloo"
+            assert pairs[over_frames.rank_id]["plane"] == "frames" and pairs[over_frames.rank_id]["reason"] == "the rank asks for frames"
             text = subprocess.run(
                 [sys.executable, "-m", "draftfeed", "status", "--broker", cluster.frontend], capture_output=True, text=True, timeout=60, check=True
             ).stdout
-            assert f"to rank {over_pair.client_id}: gloo (ready generation 0)" in text
+            assert f"to rank {over_pair.rank_id}: gloo (ready generation 0)" in text
     finally:
         cluster.stop()
 
@@ -159,10 +159,10 @@ def test_two_ranks_two_workers_mixed_planes(tiny_target, tiny_model):
         assert ranks["frames"].connection_stats.received_over_pair == 0
         planes = wait_until(lambda: (g := pairs_of(cluster, "w-gloo")) and (a := pairs_of(cluster, "w-auto")) and len(g) == 2 and len(a) == 2 and (g, a), what="four pairs in status")
         by_gloo, by_auto = planes
-        assert by_gloo[ranks["auto"].client_id]["plane"] == "gloo"
-        assert by_gloo[ranks["frames"].client_id]["plane"] == "frames"
-        assert by_auto[ranks["auto"].client_id]["plane"] == "frames"
-        assert "supervision is on cpu" in by_auto[ranks["auto"].client_id]["reason"]
+        assert by_gloo[ranks["auto"].rank_id]["plane"] == "gloo"
+        assert by_gloo[ranks["frames"].rank_id]["plane"] == "frames"
+        assert by_auto[ranks["auto"].rank_id]["plane"] == "frames"
+        assert "supervision is on cpu" in by_auto[ranks["auto"].rank_id]["reason"]
         assert gloo_worker.popen.poll() is None
         for remote in ranks.values():
             remote.close()
@@ -175,7 +175,7 @@ def test_a_forced_send_failure_falls_back_to_frames_and_the_group_is_rebuilt(fas
     worker = add_faulty_worker(fast_cluster, tiny_target, "fail:2", "--service", SERVICE, "--data-plane", "gloo", "--name", "w-flaky")
     with RemoteEagle3Target(fast_cluster.frontend, SERVICE, data_plane="gloo") as remote:
         check_batches(remote, tiny_model, list(range(6)))
-        pair = wait_until(lambda: pairs_of(fast_cluster, "w-flaky").get(remote.client_id, {}).get("fallbacks"), what="the fallback in status")
+        pair = wait_until(lambda: pairs_of(fast_cluster, "w-flaky").get(remote.rank_id, {}).get("fallbacks"), what="the fallback in status")
         assert pair == 1
         # After the backoff the worker opens generation 1; every answer meanwhile is still right.
         seed = iter(range(100, 200))
@@ -217,15 +217,15 @@ def test_a_killed_rank_releases_the_workers_group_and_others_are_served(fast_clu
     )
     try:
         assert rank.stdout is not None
-        client = rank.stdout.readline().split()[-1]
+        rank_name = rank.stdout.readline().split()[-1]
         for line in rank.stdout:
             if line.startswith("BATCH 3"):
                 break
-        wait_until(lambda: pairs_of(fast_cluster, "w-survivor").get(client, {}).get("state") == "ready", what="the rank's group ready")
+        wait_until(lambda: pairs_of(fast_cluster, "w-survivor").get(rank_name, {}).get("state") == "ready", what="the rank's group ready")
         rank.kill()
         rank.wait(timeout=10)
         # The broker finds the rank dead within its liveness window (1 s here) and the worker drops its group.
-        wait_until(lambda: client not in pairs_of(fast_cluster, "w-survivor"), timeout_s=15, what="the dead rank's group released")
+        wait_until(lambda: rank_name not in pairs_of(fast_cluster, "w-survivor"), timeout_s=15, what="the dead rank's group released")
         with RemoteEagle3Target(fast_cluster.frontend, SERVICE, data_plane="gloo") as remote:
             check_batches(remote, tiny_model, list(range(8)))
             assert remote.connection_stats.received_over_pair > 0

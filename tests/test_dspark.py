@@ -106,7 +106,7 @@ def test_a_rank_of_the_wrong_task_is_told_so(services):
             target.generate_batch(**make_batch(1, 4, 1000, seed=0))
     # A peer that skips the check is refused by the broker.
     with raw_peer(services.frontend, b"skips-checks") as sock:
-        sock.send_multipart(pack(Hello(client="skips-checks", service=DEFAULT, data_endpoint="tcp://127.0.0.1:9", window=1, host="h", pid=1)))
+        sock.send_multipart(pack(Hello(rank="skips-checks", service=DEFAULT, data_endpoint="tcp://127.0.0.1:9", window=1, host="h", pid=1)))
         sock.send_multipart(pack_tensors(Submit, make_batch(1, 4, 1000, seed=0), request_id=1, kind="eagle3"), copy=False)
         replies = []
         while sock.poll(10_000):

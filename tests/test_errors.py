@@ -68,13 +68,13 @@ def test_invalid_vocab_mapping_is_refused_at_the_rank(served, ids, mask, match):
 
 def test_broker_answers_junk_with_an_error_and_serves_on(served, tiny_model):
     with raw_peer(served.frontend) as sock:
-        for junk in ([b"GET / HTTP/1.1"], [b"draftfeed/1", b"{oops"], [b"draftfeed/9", b"{}"], [b"draftfeed/1", b'{"type": "done", "ticket": 1, "ok": true}']):
+        for junk in ([b"GET / HTTP/1.1"], [b"draftfeed/2", b"{oops"], [b"draftfeed/9", b"{}"], [b"draftfeed/2", b'{"type": "done", "ticket": 1, "ok": true}']):
             sock.send_multipart(junk)
             assert sock.poll(10_000), f"no answer to {junk!r}"
             reply, _ = unpack(sock.recv_multipart(), FRONTEND_OUTBOUND)
             assert isinstance(reply, ErrorReply) and reply.message.startswith("rejected by the broker")
         # Submitting before saying hello is refused with advice.
-        sock.send_multipart([b"draftfeed/1", b'{"type": "submit", "request_id": 4, "kind": "eagle3"}'])
+        sock.send_multipart([b"draftfeed/2", b'{"type": "submit", "request_id": 4, "kind": "eagle3"}'])
         assert sock.poll(10_000)
         reply, _ = unpack(sock.recv_multipart(), FRONTEND_OUTBOUND)
         assert isinstance(reply, ErrorReply) and reply.request_id == 4 and "hello" in reply.message

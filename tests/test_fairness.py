@@ -20,7 +20,7 @@ SERVICE = "svc"
 
 @dataclass
 class Item:
-    client_key: str
+    rank_key: str
     n: int
 
 
@@ -31,9 +31,9 @@ def test_fair_queue_serves_ranks_in_turn_and_requeues_at_the_front():
     queue.append(Item("b", 0))
     queue.append(Item("c", 0))
     order = [queue.pop() for _ in range(3)]
-    assert [(i.client_key, i.n) for i in order] == [("a", 0), ("b", 0), ("c", 0)]
+    assert [(i.rank_key, i.n) for i in order] == [("a", 0), ("b", 0), ("c", 0)]
     queue.push_front([Item("b", 0)])  # b's request came back: b goes next, before a
-    assert (queue.pop().client_key, len(queue)) == ("b", 3)
+    assert (queue.pop().rank_key, len(queue)) == ("b", 3)
     assert [queue.pop().n for _ in range(3)] == [1, 2, 3]
     with pytest.raises(IndexError):
         queue.pop()
@@ -48,7 +48,7 @@ def test_a_flooding_rank_cannot_starve_another():
     state.on_register(b"w", Register(worker="w", service=SERVICE, task="eagle3", engine="hf", info=INFO, capacity=1, host="h", pid=1))
     sent = []
     for name, window in (("A", 64), ("B", 8)):
-        state.on_hello(name.encode(), Hello(client=name, service=SERVICE, data_endpoint=f"tcp://127.0.0.1:1/{name}", window=window, host="h", pid=1))
+        state.on_hello(name.encode(), Hello(rank=name, service=SERVICE, data_endpoint=f"tcp://127.0.0.1:1/{name}", window=window, host="h", pid=1))
     for n in range(40):
         sent += dispatches(state.on_submit(b"A", Submit(request_id=n, kind="eagle3"), []))
     for n in range(5):
@@ -56,19 +56,19 @@ def test_a_flooding_rank_cannot_starve_another():
     while len(sent) < 45:
         _, last = sent[-1]
         sent += dispatches(state.on_done(b"w", Done(ticket=last.ticket, ok=True)))
-    order = [d.client for _, d in sent]
+    order = [d.rank for _, d in sent]
     assert order[:12] == ["A", "A", "B", "A", "B", "A", "B", "A", "B", "A", "B", "A"]
     assert order[12:] == ["A"] * 33
-    assert [d.request.request_id for _, d in sent if d.client == "B"] == list(range(5)), "each rank's own requests stay in order"
+    assert [d.request.request_id for _, d in sent if d.rank == "B"] == list(range(5)), "each rank's own requests stay in order"
 
 
 def test_a_window_over_the_per_rank_cap_is_refused_with_the_flag_to_change():
     state = BrokerState("test", BrokerSettings(max_queued_per_rank=16))
-    out = state.on_hello(b"r", Hello(client="r", service=SERVICE, data_endpoint="tcp://127.0.0.1:1", window=17, host="h", pid=1))
+    out = state.on_hello(b"r", Hello(rank="r", service=SERVICE, data_endpoint="tcp://127.0.0.1:1", window=17, host="h", pid=1))
     [error] = errors(out)
     assert error.code == "over_limit" and "cap of 16 requests per rank (--max-queued-per-rank)" in error.message
     assert "use prefetch_depth 16 or less" in error.message
-    assert not state.clients
+    assert not state.ranks
 
 
 def test_the_cap_stops_a_real_rank_at_connect():

@@ -32,11 +32,11 @@ def test_hostile_peer_changes_nothing_for_a_running_rank(tiny_target, tiny_model
                     results.append((batch, supervision))
                     hostile_started.wait(60)  # the flood runs during the training loop
 
-            trainer = threading.Thread(target=train, daemon=True)
-            trainer.start()
+            training = threading.Thread(target=train, daemon=True)
+            training.start()
             hostile = subprocess.Popen(
                 [sys.executable, str(Path(__file__).with_name("hostile_peer.py")), cluster.frontend, cluster.backend,
-                 target._connection._hello.data_endpoint, target.client_id, str(MESSAGES), "7"],
+                 target._connection._hello.data_endpoint, target.rank_id, str(MESSAGES), "7"],
                 stdout=subprocess.PIPE, text=True,
             )
             hostile_started.set()
@@ -45,8 +45,8 @@ def test_hostile_peer_changes_nothing_for_a_running_rank(tiny_target, tiny_model
             finally:
                 if hostile.poll() is None:
                     hostile.kill()
-            trainer.join(120)
-            assert not trainer.is_alive()
+            training.join(120)
+            assert not training.is_alive()
             stats = target.connection_stats
             status = target.status()
         report = json.loads(out.strip().splitlines()[-1])
@@ -55,7 +55,7 @@ def test_hostile_peer_changes_nothing_for_a_running_rank(tiny_target, tiny_model
         assert report["replies"] >= 0.9 * report["sent"]["broker"], report
         assert status["counters"]["rejected_messages"] >= 0.5 * report["sent"]["broker"]
         assert stats.foreign_dropped + stats.duplicates_dropped + stats.malformed_dropped == report["sent"]["data"]
-        assert all(c["client"] != "hostile-0" or c["window"] == 2 for c in status["clients"])
+        assert all(c["rank"] != "hostile-0" or c["window"] == 2 for c in status["ranks"])
         assert len(results) == len(batches)
         for (got, supervision), batch in zip(results, batches):
             assert got is batch

@@ -20,13 +20,13 @@ def test_a_request_over_its_services_limit_is_refused_with_the_flag_to_change():
     specs = [TensorSpec(name=name, dtype="int64", shape=[1, 200]) for name in ("input_ids", "attention_mask", "loss_mask")]
     frames = [bytes(1600)] * 3  # 4800 bytes of tensors: over 1000, under 1 MiB
     for service in ("small", "big"):
-        state.on_hello(service.encode(), Hello(client=service, service=service, data_endpoint="tcp://127.0.0.1:1", window=2, host="h", pid=1))
+        state.on_hello(service.encode(), Hello(rank=service, service=service, data_endpoint="tcp://127.0.0.1:1", window=2, host="h", pid=1))
     refused = errors(state.on_submit(b"small", Submit(request_id=0, kind="eagle3", tensors=specs), frames))
     assert [e.code for e in refused] == ["refused"]
     assert "declares 4800 bytes of tensors, over the limit of service 'small' (1000 bytes)" in refused[0].message
     assert "--service-max-request-bytes small=BYTES" in refused[0].message
     assert errors(state.on_submit(b"big", Submit(request_id=0, kind="eagle3", tensors=specs), frames)) == []
-    assert state.clients[b"big"].outstanding == 1 and state.clients[b"small"].outstanding == 0
+    assert state.ranks[b"big"].outstanding == 1 and state.ranks[b"small"].outstanding == 0
 
 
 def test_a_frame_over_the_brokers_limit_is_dropped_before_it_is_read():

@@ -50,7 +50,7 @@ def test_rank_partitioned_longer_than_the_liveness_window(hosts_available, tiny_
                 hosts.cut("rank")
                 try:
                     rank.wait_for_line("silent for .*saying hello again", timeout_s=30, after=marks[1])
-                    broker.wait_for_line(f"forgot rank {rank.ready['client']} .*silent for", timeout_s=30, after=marks[0])
+                    broker.wait_for_line(f"forgot rank {rank.ready['rank']} .*silent for", timeout_s=30, after=marks[0])
                 finally:
                     hosts.restore("rank")
             result = json.loads(rank.wait_for_line("^RESULT ", timeout_s=180)[len("RESULT "):])

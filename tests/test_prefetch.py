@@ -28,7 +28,7 @@ def served(cluster, tiny_target):
 
 
 @pytest.mark.parametrize("depth", [0, 1, 2, 4])
-def test_in_flight_never_exceeds_the_depth_with_a_slow_trainer(served, depth):
+def test_in_flight_never_exceeds_the_depth_with_a_slow_training_loop(served, depth):
     batches = [make_batch(2, 64, 1000, seed=i) for i in range(24)]
     with RemoteEagle3Target(served.frontend, SERVICE, prefetch_depth=depth) as target:
         seen_in_flight = []
@@ -37,7 +37,7 @@ def test_in_flight_never_exceeds_the_depth_with_a_slow_trainer(served, depth):
             torch.linalg.qr(torch.randn(256, 256))  # a training step: slower than handing over a batch
 
         def me() -> dict:
-            return next(c for c in target.status()["clients"] if c["client"] == target.client_id)
+            return next(c for c in target.status()["ranks"] if c["rank"] == target.rank_id)
 
         # The last worker's done may reach the broker after its result reached this rank.
         status = wait_until(lambda: (lambda m: m if m["completed"] == len(batches) else None)(me()), what="the broker to count every batch done")
@@ -71,7 +71,7 @@ def test_window_is_exact_when_nothing_is_served(served):
 
 def test_broker_refuses_a_rank_that_ignores_its_window(served):
     with raw_peer(served.frontend, b"greedy") as sock:
-        sock.send_multipart(pack(Hello(client="greedy", service="nobody-serves-this-either", data_endpoint="tcp://127.0.0.1:1", window=1, host="h", pid=1)))
+        sock.send_multipart(pack(Hello(rank="greedy", service="nobody-serves-this-either", data_endpoint="tcp://127.0.0.1:1", window=1, host="h", pid=1)))
         assert sock.poll(10_000)
         assert isinstance(unpack(sock.recv_multipart(), FRONTEND_OUTBOUND)[0], Welcome)
         tensors = make_batch(1, 4, 1000, seed=0)

@@ -194,7 +194,7 @@ RANK_SCRIPT = textwrap.dedent(
     mask = torch.zeros(1000, dtype=torch.bool)
     mask[ids] = True
     target.set_vocab_mapping(ids, mask)
-    print(target.client_id, flush=True)
+    print(target.rank_id, flush=True)
     def forever():
         i = 0
         while True:
@@ -217,7 +217,7 @@ def test_killed_rank_is_forgotten_and_others_are_not_slowed(fast_cluster, tiny_t
         assert doomed_id, "the doomed rank did not start"
 
         def doomed_status():
-            return next((c for c in fast_cluster.status()["clients"] if c["client"] == doomed_id), None)
+            return next((c for c in fast_cluster.status()["ranks"] if c["rank"] == doomed_id), None)
 
         wait_until(lambda: (doomed_status() or {}).get("completed", 0) >= 3, what="the doomed rank to be served")
         wait_until(lambda: sum(w["mappings"] for w in fast_cluster.status()["services"][SERVICE]["workers"]) >= 1, what="a worker to hold its mapping")
@@ -225,7 +225,7 @@ def test_killed_rank_is_forgotten_and_others_are_not_slowed(fast_cluster, tiny_t
         doomed.wait(10)
         wait_until(lambda: doomed_status() is None, what="the broker to forget the killed rank")
         status = fast_cluster.status()
-        assert status["counters"]["clients_expired"] == 1
+        assert status["counters"]["ranks_expired"] == 1
         wait_until(
             lambda: all(w["rank_links"] == 0 and w["mappings"] == 0 for w in fast_cluster.status()["services"][SERVICE]["workers"]),
             what="the workers to drop their link and mapping for the killed rank",

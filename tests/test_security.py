@@ -80,25 +80,25 @@ def intruder(context: zmq.Context, endpoint: str, own: tuple[bytes, bytes] | Non
 
 
 def test_keys_generate_writes_certificates_and_allow_lists(keys, tmp_path):
-    for name in ("broker", "trainer", "worker", "worker2"):
+    for name in ("broker", "rank", "worker", "worker2"):
         pair = load_pair(keys / f"{name}.key_secret")
         assert load_public(keys / f"{name}.key") == pair.public
         assert stat.S_IMODE(os.stat(keys / f"{name}.key_secret").st_mode) == 0o600
-    assert sorted(p.name for p in (keys / "trainers").iterdir()) == ["trainer.key"]
+    assert sorted(p.name for p in (keys / "ranks").iterdir()) == ["rank.key"]
     assert sorted(p.name for p in (keys / "workers").iterdir()) == ["worker.key", "worker2.key"]
     again = keys_cli("--out", str(keys))
     assert again.returncode == 2 and "exists" in again.stderr and "never overwritten" in again.stderr
     bad = subprocess.run([sys.executable, "-m", "draftfeed", "launch", "broker", "--keys", str(keys)], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "without --secure" in bad.stderr
     (tmp_path / "mixed").mkdir()
-    for name in ("trainer.key", "worker.key"):
+    for name in ("rank.key", "worker.key"):
         (tmp_path / "mixed" / name).write_bytes((keys / name).read_bytes())
     mixed = subprocess.run(
         [sys.executable, "-m", "draftfeed", "launch", "broker", "--secure", "--key", str(keys / "broker.key_secret"),
-         "--trainer-keys", str(tmp_path / "mixed"), "--worker-keys", str(keys / "workers")],
+         "--rank-keys", str(tmp_path / "mixed"), "--worker-keys", str(keys / "workers")],
         capture_output=True, text=True, timeout=60,
     )
-    assert mixed.returncode == 2 and "on both the trainer and the worker allow-list" in mixed.stderr
+    assert mixed.returncode == 2 and "on both the rank and the worker allow-list" in mixed.stderr
 
 
 def test_encrypted_supervision_equals_the_in_process_computation(secure, keys, tiny_target, tiny_model):
@@ -116,7 +116,7 @@ def test_encrypted_supervision_equals_the_in_process_computation(secure, keys, t
         def one_more() -> bool:
             batch = make_batch(2, 24, VOCAB, seed=next(seeds))
             assert_supervision_equal(remote.generate_batch(**batch), reference_eagle3(tiny_model, batch, aux))
-            status = fetch_status(broker.ready["frontend"], keys=PeerKeys.from_folder(keys, "trainer"))
+            status = fetch_status(broker.ready["frontend"], keys=PeerKeys.from_folder(keys, "rank"))
             return any(w["worker"] == "w2" and w["served"] > 0 for w in status["services"][SERVICE]["workers"])
 
         wait_until(one_more, timeout_s=60, what="the second worker serving the rank", poll_s=0)
@@ -128,8 +128,8 @@ def test_intruders_get_nothing_and_do_not_disturb_a_run(secure, keys, tiny_targe
     broker, add_worker = secure
     add_worker(str(tiny_target), "--service", SERVICE, "--secure", "--keys", str(keys), "--name", "w1")
     foreign = keys / "foreign"
-    trainer, worker2 = load_pair(keys / "trainer.key_secret"), load_pair(keys / "worker2.key_secret")
-    stranger = load_pair(foreign / "trainer.key_secret")
+    rank, worker2 = load_pair(keys / "rank.key_secret"), load_pair(keys / "worker2.key_secret")
+    stranger = load_pair(foreign / "rank.key_secret")
     broker_key, wrong_broker_key = load_public(keys / "broker.key"), load_public(foreign / "broker.key")
     with RemoteEagle3Target(broker.ready["frontend"], SERVICE, keys=keys) as remote:
         aux = remote.model_info().aux_layer_ids
@@ -146,7 +146,7 @@ def test_intruders_get_nothing_and_do_not_disturb_a_run(secure, keys, tiny_targe
         training = threading.Thread(target=run)
         training.start()
         data_endpoint = remote._connection._hello.data_endpoint
-        hello = pack(Hello(client="intruder", service=SERVICE, data_endpoint="tcp://127.0.0.1:9", window=1, host="h", pid=1))
+        hello = pack(Hello(rank="intruder", service=SERVICE, data_endpoint="tcp://127.0.0.1:9", window=1, host="h", pid=1))
         register = pack(Register(worker="intruder", service=SERVICE, task="eagle3", engine="hf", info=remote.model_info(), capacity=1, host="h", pid=1))
         forged = pack(Result(request_id=0, token=0, kind="eagle3", worker="intruder", tensors=[]))
         context = zmq.Context()
@@ -154,12 +154,12 @@ def test_intruders_get_nothing_and_do_not_disturb_a_run(secure, keys, tiny_targe
             attempts = {
                 "plaintext at the frontend": (intruder(context, broker.ready["frontend"], None, None, b"intruder"), [*pack(StatusQuery(request_id=1))]),
                 "unknown key at the frontend": (intruder(context, broker.ready["frontend"], (stranger.public, stranger.secret), broker_key, b"intruder"), hello),
-                "trainer key, wrong broker key": (intruder(context, broker.ready["frontend"], (trainer.public, trainer.secret), wrong_broker_key, b"intruder"), hello),
+                "rank key, wrong broker key": (intruder(context, broker.ready["frontend"], (rank.public, rank.secret), wrong_broker_key, b"intruder"), hello),
                 "plaintext at the backend": (intruder(context, broker.ready["backend"], None, None, b"intruder"), register),
                 "unknown key at the backend": (intruder(context, broker.ready["backend"], (stranger.public, stranger.secret), broker_key, b"intruder"), register),
                 "plaintext at the rank's data socket": (intruder(context, data_endpoint, None, None, b"intruder"), forged),
                 # On the worker allow-list, but not a registered worker of this service: the rank admits only those.
-                "unregistered worker key at the rank": (intruder(context, data_endpoint, (worker2.public, worker2.secret), trainer.public, b"intruder"), forged),
+                "unregistered worker key at the rank": (intruder(context, data_endpoint, (worker2.public, worker2.secret), rank.public, b"intruder"), forged),
             }
             heard = {name: heard_anything(sock, message) for name, (sock, message) in attempts.items()}
         finally:
@@ -169,9 +169,9 @@ def test_intruders_get_nothing_and_do_not_disturb_a_run(secure, keys, tiny_targe
         assert heard == {name: False for name in attempts}
         stats = remote.connection_stats
         assert (stats.foreign_dropped, stats.malformed_dropped) == (0, 0), "nothing from an intruder reached the rank"
-        status = fetch_status(broker.ready["frontend"], keys=PeerKeys.from_folder(keys, "trainer"))
+        status = fetch_status(broker.ready["frontend"], keys=PeerKeys.from_folder(keys, "rank"))
         assert [w["worker"] for w in status["services"][SERVICE]["workers"]] == ["w1"]
-        assert [c["client"] for c in status["clients"]] == [remote.client_id]
+        assert [c["rank"] for c in status["ranks"]] == [remote.rank_id]
         assert status["counters"]["rejected_messages"] == 0, "no intruder message even reached the broker's parser"
 
 
@@ -198,10 +198,10 @@ def test_role_confusion_is_refused_with_a_logged_reason(secure, keys, tiny_targe
     broker, add_worker = secure
     with pytest.raises(RuntimeError, match="--worker-keys"):
         add_worker(
-            str(tiny_target), "--service", SERVICE, "--secure", "--key", str(keys / "trainer.key_secret"), "--broker-key", str(keys / "broker.key"),
+            str(tiny_target), "--service", SERVICE, "--secure", "--key", str(keys / "rank.key_secret"), "--broker-key", str(keys / "broker.key"),
             "--register-timeout", "3", ready_timeout_s=60,
         )
-    with pytest.raises(RemoteTargetError, match="--trainer-keys"):
+    with pytest.raises(RemoteTargetError, match="--rank-keys"):
         RemoteEagle3Target(broker.ready["frontend"], SERVICE, keys=PeerKeys.from_files(keys / "worker.key_secret", keys / "broker.key"), connect_timeout=3)
-    wait_until(lambda: any("a trainer key tried to connect as a worker" in line for line in broker.log_tail), what="the broker's log of the trainer key")
-    wait_until(lambda: any("a worker key tried to connect as a trainer" in line for line in broker.log_tail), what="the broker's log of the worker key")
+    wait_until(lambda: any("a rank key tried to connect as a worker" in line for line in broker.log_tail), what="the broker's log of the rank key")
+    wait_until(lambda: any("a worker key tried to connect as a rank" in line for line in broker.log_tail), what="the broker's log of the worker key")

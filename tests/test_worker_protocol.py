@@ -55,7 +55,7 @@ def harness(tiny_target):
 
 def dispatch(backend, peer, reply_to, ticket, tensors, service="svc"):
     specs, buffers = encode_tensors(tensors)
-    message = Dispatch(ticket=ticket, client="c", reply_to=reply_to, service=service, request=Submit(request_id=ticket, kind="eagle3", tensors=specs))
+    message = Dispatch(ticket=ticket, rank="c", reply_to=reply_to, service=service, request=Submit(request_id=ticket, kind="eagle3", tensors=specs))
     backend.send_multipart([peer, *pack(message, buffers)], copy=False)
 
 
@@ -86,7 +86,7 @@ def test_worker_refuses_a_dispatch_for_another_service_and_serves_on(harness, ti
     assert isinstance(answer, Failure) and "serves 'svc', not 'someone-else'" in answer.message and not done.ok
 
     # Junk from the "broker" is ignored; the next real dispatch is served exactly.
-    backend.send_multipart([peer, b"draftfeed/1", b"{garbage"])
+    backend.send_multipart([peer, b"draftfeed/2", b"{garbage"])
     backend.send_multipart([peer, b"nonsense"])
     dispatch(backend, peer, reply_to, 2, batch)
     answer, tensor_frames, done = receive(rank, backend)
@@ -103,7 +103,7 @@ def test_a_request_naming_a_mapping_the_worker_lacks_goes_back_never_computed_wi
     ids, mask = draft_vocab(50)
     digest = "0123456789abcdef"
     specs, buffers = encode_tensors(batch)
-    message = Dispatch(ticket=7, client="c", reply_to=reply_to, service="svc", request=Submit(request_id=7, kind="eagle3", mapping_digest=digest, tensors=specs))
+    message = Dispatch(ticket=7, rank="c", reply_to=reply_to, service="svc", request=Submit(request_id=7, kind="eagle3", mapping_digest=digest, tensors=specs))
     backend.send_multipart([peer, *pack(message, buffers)], copy=False)
     done = next_done(backend)
     assert done.ticket == 7 and not done.ok and done.retry and done.missing_mapping == digest
@@ -121,7 +121,7 @@ def test_a_request_naming_a_mapping_the_worker_lacks_goes_back_never_computed_wi
 def test_frames_that_do_not_match_the_header_are_refused(harness):
     backend, peer, rank, reply_to = harness
     specs, buffers = encode_tensors(make_batch(1, 5, 1000, seed=3))
-    message = Dispatch(ticket=3, client="c", reply_to=reply_to, service="svc", request=Submit(request_id=3, kind="eagle3", tensors=specs))
+    message = Dispatch(ticket=3, rank="c", reply_to=reply_to, service="svc", request=Submit(request_id=3, kind="eagle3", tensors=specs))
     backend.send_multipart([peer, *pack(message, buffers[:2]), b"short"], copy=False)
     answer, _, _ = receive(rank, backend)
     assert isinstance(answer, Failure) and "needs 40 bytes but its frame holds 5" in answer.message

@@ -23,6 +23,8 @@ import time
 
 import zmq
 
+from draftfeed.schemas.protocol import SIGNATURE
+
 
 def _faults() -> int:
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -128,7 +130,7 @@ def raw_worker(backend: str, count: int) -> None:
         header = json.loads(frames[1])
         if header.get("type") != "dispatch":
             if header.get("type") == "heartbeat":
-                sock.send_multipart([b"draftfeed/1", b'{"type":"heartbeat"}'])
+                sock.send_multipart([SIGNATURE, b'{"type":"heartbeat"}'])
             continue
         endpoint = header["reply_to"]
         if endpoint not in ranks:
@@ -136,8 +138,8 @@ def raw_worker(backend: str, count: int) -> None:
             ranks[endpoint].setsockopt(zmq.LINGER, 0)
             ranks[endpoint].connect(endpoint)
         request = header["request"]
-        ranks[endpoint].send_multipart([b"draftfeed/1", json.dumps({"type": "result", "request_id": request["request_id"], "token": request["token"], "kind": "eagle3", "worker": "raw-worker", "tensors": []}).encode()])
-        sock.send_multipart([b"draftfeed/1", json.dumps({"type": "done", "ticket": header["ticket"], "ok": True}).encode()])
+        ranks[endpoint].send_multipart([SIGNATURE, json.dumps({"type": "result", "request_id": request["request_id"], "token": request["token"], "kind": "eagle3", "worker": "raw-worker", "tensors": []}).encode()])
+        sock.send_multipart([SIGNATURE, json.dumps({"type": "done", "ticket": header["ticket"], "ok": True}).encode()])
         served += 1
     for rank_sock in ranks.values():
         rank_sock.close(0)
@@ -157,13 +159,13 @@ def raw_rank(frontend: str, count: int, window: int) -> None:
     control.setsockopt(zmq.ROUTING_ID, b"raw-rank")
     port = data.bind_to_random_port("tcp://127.0.0.1")
     control.connect(frontend)
-    control.send_multipart(pack(Hello(client="raw-rank", service="raw", data_endpoint=f"tcp://127.0.0.1:{port}", window=window, host="h", pid=0)))
+    control.send_multipart(pack(Hello(rank="raw-rank", service="raw", data_endpoint=f"tcp://127.0.0.1:{port}", window=window, host="h", pid=0)))
     control.recv_multipart()  # welcome
     sent = received = 0
     started = time.perf_counter()
     while received < count:
         while sent < count and sent - received < window:
-            control.send_multipart([b"draftfeed/1", b'{"type":"submit","request_id":%d,"kind":"eagle3","token":1}' % sent])
+            control.send_multipart([SIGNATURE, b'{"type":"submit","request_id":%d,"kind":"eagle3","token":1}' % sent])
             sent += 1
         if data.poll(100):
             data.recv_multipart()

@@ -79,7 +79,7 @@ absolute figures (shared hosts are noisy). Regenerate with `draftfeed bench --re
 - **broker**: one-byte requests routed through broker and synthetic workers and answered, per second, and
   the latency of one request at a time; the baseline is a direct DEALER -> ROUTER echo.
 - **overlap**: a training loop with a fixed step time and a worker with a fixed compute time shorter than it:
-  the share of wall time the trainer waits for supervision at each prefetch depth.
+  the share of wall time the training loop waits for supervision at each prefetch depth.
 - **scaling**: batches per second with 1, 2 and 4 synthetic workers (fixed compute time, standing for a GPU
   forward) against 1 worker's rate times their number.
 - **real target**: the hf engine on the tiny Llama, end to end one batch at a time, against the same task

@@ -348,7 +348,7 @@ def bench_overlap(quick: bool) -> list[Row]:
                     time.sleep(step_s)  # the training step
                     mark = time.perf_counter()
                 total = time.perf_counter() - started
-            rows.append(Row("overlap", f"depth {depth}: trainer waits, steady state (step {step_s * 1000:.0f} ms, worker {compute_ms} ms)", 100 * waited / total, 100.0, "% of time", "waiting the whole time", "< 2% at depth >= 2"))
+            rows.append(Row("overlap", f"depth {depth}: the training loop waits, steady state (step {step_s * 1000:.0f} ms, worker {compute_ms} ms)", 100 * waited / total, 100.0, "% of time", "waiting the whole time", "< 2% at depth >= 2"))
     return rows
 
 

@@ -33,7 +33,7 @@ from draftfeed.schemas.messages import (
     WorkerHeartbeat,
 )
 from draftfeed.schemas.protocol import DEFAULT_BACKEND, DEFAULT_FRONTEND
-from draftfeed.security.curve import TRAINERS, WORKERS, BrokerKeys, RoleGate, make_server, peer_key, start_authenticator
+from draftfeed.security.curve import RANKS, WORKERS, BrokerKeys, RoleGate, make_server, peer_key, start_authenticator
 
 log = logging.getLogger("draftfeed.broker")
 
@@ -45,7 +45,7 @@ class Broker:
     then drains: nothing new is dispatched, what workers hold completes (up to ``drain_timeout_s``),
     and every peer is told goodbye so that it reconnects to the next broker at once.
 
-    With ``keys`` both sockets are CURVE servers: only trainer keys get in at the frontend, only worker keys
+    With ``keys`` both sockets are CURVE servers: only rank keys get in at the frontend, only worker keys
     at the backend (docs/security.md). Without, anyone who reaches the ports gets in.
     """
 
@@ -77,10 +77,10 @@ class Broker:
         if self.keys is not None:
             keys = self.keys
             self._authenticator = start_authenticator(self._context, {
-                TRAINERS: RoleGate("trainer", lambda: keys.trainers, {"worker": keys.workers}),
-                WORKERS: RoleGate("worker", lambda: keys.workers, {"trainer": keys.trainers}),
+                RANKS: RoleGate("rank", lambda: keys.ranks, {"worker": keys.workers}),
+                WORKERS: RoleGate("worker", lambda: keys.workers, {"rank": keys.ranks}),
             })
-            make_server(self._frontend, keys.own, TRAINERS)
+            make_server(self._frontend, keys.own, RANKS)
             make_server(self._backend, keys.own, WORKERS)
         self.frontend_endpoint = bind(self._frontend, self.frontend_endpoint)
         self.backend_endpoint = bind(self._backend, self.backend_endpoint)
@@ -113,7 +113,7 @@ class Broker:
         poller.register(self._frontend, zmq.POLLIN)
         poller.register(self._backend, zmq.POLLIN)
         interval = self.state.settings.heartbeat_interval_s
-        log.info("broker %s (instance %s): trainers on %s, workers on %s", self.state.name, self.state.instance, self.frontend_endpoint, self.backend_endpoint)
+        log.info("broker %s (instance %s): ranks on %s, workers on %s", self.state.name, self.state.instance, self.frontend_endpoint, self.backend_endpoint)
         next_tick = time.monotonic() + interval
         drain_deadline: float | None = None
         try:
@@ -161,7 +161,7 @@ class Broker:
         if isinstance(message, Submit):
             return state.on_submit(peer, message, tensors)
         if isinstance(message, Heartbeat):
-            return state.on_client_heartbeat(peer)
+            return state.on_rank_heartbeat(peer)
         if isinstance(message, Hello):
             return state.on_hello(peer, message, key)
         if isinstance(message, SetVocabMapping):
@@ -171,8 +171,8 @@ class Broker:
         if isinstance(message, StatusQuery):
             return state.on_status(peer, message)
         if isinstance(message, Bye):
-            return state.on_client_bye(peer)
-        raise MalformedMessage(f"unexpected message type {message.type!r} on the trainer port")
+            return state.on_rank_bye(peer)
+        raise MalformedMessage(f"unexpected message type {message.type!r} on the rank port")
 
     def _on_backend(self, peer: bytes, body: list[Any], key: str | None) -> list[Outgoing]:
         message, _tensors = unpack(body, BACKEND_INBOUND)
@@ -190,7 +190,7 @@ class Broker:
         raise MalformedMessage(f"unexpected message type {message.type!r} on the worker port")
 
     def _reject(self, sock: zmq.Socket, peer: bytes, reason: str) -> None:
-        side = "trainer" if sock is self._frontend else "worker"
+        side = "rank" if sock is self._frontend else "worker"
         self.state.counters["rejected_messages"] += 1
         self._bad_input.warning(f"{side}:{reason[:40]}", "broker: rejected a message from %s %r: %s", side, peer[:64], reason)
         self._send_one(sock, peer, pack(ErrorReply(message=f"rejected by the broker: {reason}")))

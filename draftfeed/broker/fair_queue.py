@@ -14,12 +14,12 @@ from collections.abc import Iterable, Iterator
 from typing import Generic, Hashable, Protocol, TypeVar
 
 
-class _HasClient(Protocol):
+class _HasRank(Protocol):
     @property
-    def client_key(self) -> Hashable: ...
+    def rank_key(self) -> Hashable: ...
 
 
-T = TypeVar("T", bound=_HasClient)
+T = TypeVar("T", bound=_HasRank)
 
 
 class FairQueue(Generic[T]):
@@ -29,16 +29,16 @@ class FairQueue(Generic[T]):
 
     def append(self, item: T) -> None:
         """A new request: at the back of its rank's FIFO; a rank new to the rotation joins at its back."""
-        self._by_rank.setdefault(item.client_key, deque()).append(item)
+        self._by_rank.setdefault(item.rank_key, deque()).append(item)
         self._size += 1
 
     def push_front(self, items: Iterable[T]) -> None:
         """Requests going back (in their original order) to the front of their ranks' FIFOs."""
         for item in reversed(list(items)):
-            queue = self._by_rank.get(item.client_key)
+            queue = self._by_rank.get(item.rank_key)
             if queue is None:
-                queue = self._by_rank[item.client_key] = deque()
-                self._by_rank.move_to_end(item.client_key, last=False)  # it was served before: it goes next
+                queue = self._by_rank[item.rank_key] = deque()
+                self._by_rank.move_to_end(item.rank_key, last=False)  # it was served before: it goes next
             queue.appendleft(item)
             self._size += 1
 

@@ -17,7 +17,7 @@ before the first request naming it. A worker that turns out not to hold it hands
 (``Done.missing_mapping``) and is sent the mapping again; a request is never computed without its mapping.
 
 A forgotten peer (silent too long, gone, unreachable) is remembered by name for a while, so that its next
-message is answered ``forgotten`` with the reason; its old records are never used again (``ClientRecord.gone``).
+message is answered ``forgotten`` with the reason; its old records are never used again (``RankRecord.gone``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from draftfeed.schemas.messages import (
     DSparkTargetInfo,
     Eagle3TargetInfo,
     ErrorReply,
-    ForgetClient,
+    ForgetRank,
     ForgetMapping,
     Goodbye,
     Heartbeat,
@@ -108,7 +108,7 @@ class Outgoing:
 class Pending:
     """A rank's request from its arrival until a worker reports it done."""
 
-    client: "ClientRecord"
+    rank: "RankRecord"
     request: Submit
     frames: list[Any]
     enqueued_at: float
@@ -126,13 +126,13 @@ class Pending:
         return self.request.mapping_digest
 
     @property
-    def client_key(self) -> bytes:
+    def rank_key(self) -> bytes:
         """Its rank, for the service's fair queue."""
-        return self.client.peer
+        return self.rank.peer
 
 
 @dataclass
-class ClientRecord:
+class RankRecord:
     peer: bytes
     hello: Hello
     last_seen: float
@@ -155,7 +155,7 @@ class WorkerRecord:
     last_seen: float
     in_flight: dict[int, Pending] = field(default_factory=dict)
     mappings_sent: set[str] = field(default_factory=set)
-    clients_served: set[bytes] = field(default_factory=set)
+    ranks_served: set[bytes] = field(default_factory=set)
     served: int = 0
     failed: int = 0
     handed_back: int = 0
@@ -197,7 +197,7 @@ class MappingRecord:
         return bool(self.users) or self.requests > 0
 
 
-def to_client(peer: bytes, message: Any, frames: Iterable[Any] = ()) -> Outgoing:
+def to_rank(peer: bytes, message: Any, frames: Iterable[Any] = ()) -> Outgoing:
     return Outgoing("frontend", peer, pack(message, list(frames)))
 
 
@@ -215,14 +215,14 @@ class BrokerState:
         self.settings = settings or BrokerSettings()
         self.clock = clock
         self.services: dict[str, ServiceRecord] = {}
-        self.clients: dict[bytes, ClientRecord] = {}
+        self.ranks: dict[bytes, RankRecord] = {}
         self.workers: dict[bytes, WorkerRecord] = {}
         self.mappings: dict[str, MappingRecord] = {}
         self.forgotten_ranks: OrderedDict[bytes, str] = OrderedDict()  # peer -> why, newest last
         self.forgotten_workers: OrderedDict[bytes, str] = OrderedDict()
         self.draining = False
         self.counters = {
-            "rejected_messages": 0, "workers_expired": 0, "clients_expired": 0, "requeued": 0, "workers_refused": 0,
+            "rejected_messages": 0, "workers_expired": 0, "ranks_expired": 0, "requeued": 0, "workers_refused": 0,
             "mappings_resent": 0,
         }
         self._next_ticket = 0
@@ -235,30 +235,30 @@ class BrokerState:
         return record
 
     # ------------------------------------------------------------ ranks
-    def _known_client(self, peer: bytes, request_id: int | None) -> tuple[ClientRecord | None, list[Outgoing]]:
-        client = self.clients.get(peer)
-        if client is None:
+    def _known_rank(self, peer: bytes, request_id: int | None) -> tuple[RankRecord | None, list[Outgoing]]:
+        rank = self.ranks.get(peer)
+        if rank is None:
             why = self.forgotten_ranks.get(peer)
             if why is not None:
                 message = f"broker {self.name} (instance {self.instance}) forgot this rank: {why}; say hello again and resend"
-                return None, [to_client(peer, ErrorReply(request_id=request_id, message=message, code="forgotten"))]
+                return None, [to_rank(peer, ErrorReply(request_id=request_id, message=message, code="forgotten"))]
             message = "this broker does not know this rank (it restarted, or the rank was silent too long): say hello again"
-            return None, [to_client(peer, ErrorReply(request_id=request_id, message=message, code="unknown_peer"))]
-        client.last_seen = self.clock()
-        return client, []
+            return None, [to_rank(peer, ErrorReply(request_id=request_id, message=message, code="unknown_peer"))]
+        rank.last_seen = self.clock()
+        return rank, []
 
     def on_hello(self, peer: bytes, hello: Hello, key: str | None = None) -> list[Outgoing]:
         """``key``: the rank's authenticated public key when the broker is secure."""
-        if hello.client.encode() != peer:
-            return [to_client(peer, ErrorReply(message=f"hello names rank {hello.client!r}, but this connection is {peer!r}: a rank speaks only for itself"))]
+        if hello.rank.encode() != peer:
+            return [to_rank(peer, ErrorReply(message=f"hello names rank {hello.rank!r}, but this connection is {peer!r}: a rank speaks only for itself"))]
         if hello.window > self.settings.max_queued_per_rank:
             message = (
-                f"rank {hello.client} asks for a prefetch window of {hello.window}, over this broker's cap of "
+                f"rank {hello.rank} asks for a prefetch window of {hello.window}, over this broker's cap of "
                 f"{self.settings.max_queued_per_rank} requests per rank (--max-queued-per-rank): use prefetch_depth "
                 f"{self.settings.max_queued_per_rank} or less"
             )
             log.warning("broker: %s", message)
-            return [to_client(peer, ErrorReply(message=message, code="over_limit"))]
+            return [to_rank(peer, ErrorReply(message=message, code="over_limit"))]
         service = self.service(hello.service)
         if hello.expect is not None:
             if service.info is not None and service.info != hello.expect:
@@ -266,51 +266,51 @@ class BrokerState:
                     f"service {service.name!r} serves another target than this rank checked: "
                     f"{hello.expect.describe_mismatch(service.info, 'rank expects', 'workers serve')}"
                 )
-                return [to_client(peer, ErrorReply(message=message, code="mismatch"))]
+                return [to_rank(peer, ErrorReply(message=message, code="mismatch"))]
             service.info = hello.expect
-        client = self.clients.get(peer)
-        resumed = client is not None
-        if client is None:
-            self.clients[peer] = client = ClientRecord(peer, hello, self.clock())
+        rank = self.ranks.get(peer)
+        resumed = rank is not None
+        if rank is None:
+            self.ranks[peer] = rank = RankRecord(peer, hello, self.clock())
             why = self.forgotten_ranks.pop(peer, None)
             again = f" again (it had been forgotten: {why})" if why else ""
-            log.info("broker: rank %s (host %s, pid %d) connected%s for service %r", hello.client, hello.host, hello.pid, again, hello.service)
+            log.info("broker: rank %s (host %s, pid %d) connected%s for service %r", hello.rank, hello.host, hello.pid, again, hello.service)
         else:  # the same rank again (its link flickered): keep its requests, take its new settings
-            client.hello, client.last_seen, client.dispatch_fields = hello, self.clock(), None
-        client.key = key
+            rank.hello, rank.last_seen, rank.dispatch_fields = hello, self.clock(), None
+        rank.key = key
         welcome = Welcome(
             broker=self.name, instance=self.instance, resumed=resumed, services=sorted(self.services),
             liveness=self.settings.liveness_message, worker_keys=self._worker_keys(service) if key is not None else [],
         )
-        return [to_client(peer, welcome)]
+        return [to_rank(peer, welcome)]
 
-    def on_client_heartbeat(self, peer: bytes) -> list[Outgoing]:
-        return self._known_client(peer, None)[1]
+    def on_rank_heartbeat(self, peer: bytes) -> list[Outgoing]:
+        return self._known_rank(peer, None)[1]
 
     def on_submit(self, peer: bytes, submit: Submit, frames: list[Any]) -> list[Outgoing]:
-        client, out = self._known_client(peer, submit.request_id)
-        if client is None:
+        rank, out = self._known_rank(peer, submit.request_id)
+        if rank is None:
             return out
-        if submit.request_id in client.requests:
+        if submit.request_id in rank.requests:
             return []  # a resend of a request the broker already holds
-        refusal = self._refuse_submit(client, submit, frames)
+        refusal = self._refuse_submit(rank, submit, frames)
         if refusal is not None:
             code, message = refusal
-            return [to_client(peer, ErrorReply(request_id=submit.request_id, message=message, code=code))]
-        pending = Pending(client, submit, frames, self.clock())
+            return [to_rank(peer, ErrorReply(request_id=submit.request_id, message=message, code=code))]
+        pending = Pending(rank, submit, frames, self.clock())
         if pending.mapping is not None:
             self.mappings[pending.mapping].requests += 1
-        client.requests[submit.request_id] = pending
-        client.submitted += 1
-        if client.outstanding >= client.hello.window:
+        rank.requests[submit.request_id] = pending
+        rank.submitted += 1
+        if rank.outstanding >= rank.hello.window:
             # The rank counts a request done when its result arrives, the broker when the worker's done
             # does: a rank may rightly send its next request in between. Park it until that done.
-            client.parked.append(pending)
+            rank.parked.append(pending)
             return []
         return self._enqueue(pending)
 
-    def _refuse_submit(self, client: ClientRecord, submit: Submit, frames: list[Any]) -> tuple[str, str] | None:
-        name = client.hello.service
+    def _refuse_submit(self, rank: RankRecord, submit: Submit, frames: list[Any]) -> tuple[str, str] | None:
+        name = rank.hello.service
         limit = self.settings.request_limit(name)
         declared = declared_bytes(submit.tensors)
         if declared is not None and declared > limit:
@@ -327,12 +327,12 @@ class BrokerState:
                 f"broker {self.name} holds no vocab mapping {submit.mapping_digest}, which request {submit.request_id} names: "
                 "send the mapping, then the request again"
             )
-        if client.outstanding >= client.hello.window and len(client.parked) >= client.hello.window:
+        if rank.outstanding >= rank.hello.window and len(rank.parked) >= rank.hello.window:
             return "refused", (
-                f"rank {client.hello.client} has {client.outstanding + len(client.parked)} requests outstanding, "
-                f"its prefetch window is {client.hello.window}: wait for results before sending more"
+                f"rank {rank.hello.rank} has {rank.outstanding + len(rank.parked)} requests outstanding, "
+                f"its prefetch window is {rank.hello.window}: wait for results before sending more"
             )
-        service = self.service(client.hello.service)
+        service = self.service(rank.hello.service)
         if service.info is not None and submit.kind in ("eagle3", "dspark") and submit.kind != service.info.task:
             return "refused", f"service {service.name!r} serves {service.info.task} supervision, not {submit.kind}: connect to a {submit.kind} service"
         if len(service.queue) >= self.settings.max_queued_per_service:
@@ -340,38 +340,38 @@ class BrokerState:
         return None
 
     def _enqueue(self, pending: Pending) -> list[Outgoing]:
-        client = pending.client
-        client.outstanding += 1
-        client.peak_outstanding = max(client.peak_outstanding, client.outstanding)
-        service = self.service(client.hello.service)
+        rank = pending.rank
+        rank.outstanding += 1
+        rank.peak_outstanding = max(rank.peak_outstanding, rank.outstanding)
+        service = self.service(rank.hello.service)
         service.queue.append(pending)
         return self._dispatch(service)
 
     def on_set_vocab_mapping(self, peer: bytes, message: SetVocabMapping, frames: list[Any]) -> list[Outgoing]:
-        client, out = self._known_client(peer, message.request_id)
-        if client is None:
+        rank, out = self._known_rank(peer, message.request_id)
+        if rank is None:
             return out
         try:
             check_frames(message.tensors, frames)
         except MalformedMessage as exc:
-            return [to_client(peer, ErrorReply(request_id=message.request_id, message=str(exc)))]
-        if client.mapping_digest != message.digest:
-            out = self._release_mapping(client)
+            return [to_rank(peer, ErrorReply(request_id=message.request_id, message=str(exc)))]
+        if rank.mapping_digest != message.digest:
+            out = self._release_mapping(rank)
             record = self.mappings.get(message.digest)
             if record is None:
                 record = self.mappings[message.digest] = MappingRecord(message, frames)
             record.users.add(peer)
-            client.mapping_digest = message.digest
-        out.append(to_client(peer, Ack(request_id=message.request_id)))
+            rank.mapping_digest = message.digest
+        out.append(to_rank(peer, Ack(request_id=message.request_id)))
         return out
 
-    def _release_mapping(self, client: ClientRecord) -> list[Outgoing]:
+    def _release_mapping(self, rank: RankRecord) -> list[Outgoing]:
         """The rank no longer uses the mapping it set (requests naming it keep it)."""
-        digest, client.mapping_digest = client.mapping_digest, None
+        digest, rank.mapping_digest = rank.mapping_digest, None
         record = self.mappings.get(digest) if digest else None
         if record is None:
             return []
-        record.users.discard(client.peer)
+        record.users.discard(rank.peer)
         return self._drop_mapping_if_unneeded(digest)
 
     def _drop_mapping_if_unneeded(self, digest: str) -> list[Outgoing]:
@@ -400,14 +400,14 @@ class BrokerState:
         return self._drop_mapping_if_unneeded(pending.mapping)
 
     def on_model_info(self, peer: bytes, query: ModelInfoQuery) -> list[Outgoing]:
-        client, out = self._known_client(peer, query.request_id)
-        if client is None:
+        rank, out = self._known_rank(peer, query.request_id)
+        if rank is None:
             return out
-        service = self.service(client.hello.service)
+        service = self.service(rank.hello.service)
         if service.info is None or not service.workers:
             service.info_waiters.append((peer, query.request_id))
             return []
-        return [to_client(peer, self._model_info_reply(service, query.request_id))]
+        return [to_rank(peer, self._model_info_reply(service, query.request_id))]
 
     @staticmethod
     def _model_info_reply(service: ServiceRecord, request_id: int) -> ModelInfoReply:
@@ -422,37 +422,37 @@ class BrokerState:
         )
 
     def on_status(self, peer: bytes, query: StatusQuery) -> list[Outgoing]:
-        return [to_client(peer, StatusReply(request_id=query.request_id, status=self.status()))]
+        return [to_rank(peer, StatusReply(request_id=query.request_id, status=self.status()))]
 
-    def on_client_bye(self, peer: bytes) -> list[Outgoing]:
-        return self._forget_client(peer, "it said goodbye")
+    def on_rank_bye(self, peer: bytes) -> list[Outgoing]:
+        return self._forget_rank(peer, "it said goodbye")
 
-    def _forget_client(self, peer: bytes, why: str) -> list[Outgoing]:
+    def _forget_rank(self, peer: bytes, why: str) -> list[Outgoing]:
         """Drop a rank and everything held for it: queued and parked work, its mapping, workers' links to it.
 
         Workers are told to forget the rank before they are told to forget its mappings."""
-        client = self.clients.pop(peer, None)
-        if client is None:
+        rank = self.ranks.pop(peer, None)
+        if rank is None:
             return []
-        client.gone = True
+        rank.gone = True
         log.info(
             "broker: forgot rank %s of service %r: %s; dropped %d of its requests (%d at workers)",
-            client.hello.client, client.hello.service, why, len(client.requests), sum(1 for p in client.requests.values() if p.ticket >= 0),
+            rank.hello.rank, rank.hello.service, why, len(rank.requests), sum(1 for p in rank.requests.values() if p.ticket >= 0),
         )
         self._remember_forgotten(self.forgotten_ranks, peer, why)
-        service = self.service(client.hello.service)
-        service.queue.drop_rank(client.peer)
+        service = self.service(rank.hello.service)
+        service.queue.drop_rank(rank.peer)
         service.info_waiters = [(p, r) for p, r in service.info_waiters if p != peer]
-        client.parked.clear()
+        rank.parked.clear()
         out: list[Outgoing] = []
-        forget = ForgetClient(client=client.hello.client, reply_to=client.hello.data_endpoint)
+        forget = ForgetRank(rank=rank.hello.rank, reply_to=rank.hello.data_endpoint)
         for worker in self.workers.values():
-            if peer in worker.clients_served:
-                worker.clients_served.discard(peer)
+            if peer in worker.ranks_served:
+                worker.ranks_served.discard(peer)
                 out.append(to_worker(worker.peer, forget))
-        for pending in client.requests.values():
+        for pending in rank.requests.values():
             out.extend(self._finish(pending))
-        out.extend(self._release_mapping(client))
+        out.extend(self._release_mapping(rank))
         return out + self._dispatch(service)
 
     @staticmethod
@@ -481,7 +481,7 @@ class BrokerState:
     def _announce_worker_keys(self, service: ServiceRecord) -> list[Outgoing]:
         """Tell the service's ranks (on a secure broker) which workers their data sockets admit."""
         message = WorkerKeys(keys=self._worker_keys(service))
-        return [to_client(c.peer, message) for c in self.clients.values() if c.key is not None and c.hello.service == service.name]
+        return [to_rank(c.peer, message) for c in self.ranks.values() if c.key is not None and c.hello.service == service.name]
 
     def on_register(self, peer: bytes, register: Register, key: str | None = None) -> list[Outgoing]:
         """``key``: the worker's authenticated public key when the broker is secure."""
@@ -513,7 +513,7 @@ class BrokerState:
             out.extend(self._announce_worker_keys(service))  # before its first dispatch reaches a rank
         out.append(to_worker(peer, Registered(broker=self.name, instance=self.instance, liveness=self.settings.liveness_message)))
         for waiter, request_id in service.info_waiters:
-            out.append(to_client(waiter, self._model_info_reply(service, request_id)))
+            out.append(to_rank(waiter, self._model_info_reply(service, request_id)))
         service.info_waiters.clear()
         out.extend(self._dispatch(service))
         return out
@@ -556,14 +556,14 @@ class BrokerState:
         else:
             worker.failed += 1
         out = self._complete(pending)
-        if done.rank_unreachable and not pending.client.gone:
-            hello = pending.client.hello
+        if done.rank_unreachable and not pending.rank.gone:
+            hello = pending.rank.hello
             message = (
                 f"worker {worker.registration.worker} on {worker.registration.host} cannot reach this rank's data socket "
                 f"{hello.data_endpoint}; pass data_endpoint='tcp://<an address workers can reach>:*' to the remote target"
             )
-            out.append(to_client(pending.client.peer, ErrorReply(message=message, code="unreachable")))
-            out.extend(self._forget_client(pending.client.peer, f"worker {worker.registration.worker} cannot reach its data socket"))
+            out.append(to_rank(pending.rank.peer, ErrorReply(message=message, code="unreachable")))
+            out.extend(self._forget_rank(pending.rank.peer, f"worker {worker.registration.worker} cannot reach its data socket"))
         return out + self._dispatch(service)
 
     def _on_missing_mapping(self, worker: WorkerRecord, pending: Pending, digest: str, service: ServiceRecord) -> list[Outgoing]:
@@ -581,14 +581,14 @@ class BrokerState:
         return self._requeue([pending], service)
 
     def _complete(self, pending: Pending) -> list[Outgoing]:
-        client = pending.client
-        if client.requests.pop(pending.request.request_id, None) is None:
+        rank = pending.rank
+        if rank.requests.pop(pending.request.request_id, None) is None:
             return []
         out = self._finish(pending)
-        client.outstanding -= 1
-        client.completed += 1
-        if client.parked and not client.gone:
-            out.extend(self._enqueue(client.parked.popleft()))
+        rank.outstanding -= 1
+        rank.completed += 1
+        if rank.parked and not rank.gone:
+            out.extend(self._enqueue(rank.parked.popleft()))
         return out
 
     def _requeue(self, pendings: list[Pending], service: ServiceRecord) -> list[Outgoing]:
@@ -596,11 +596,11 @@ class BrokerState:
         out: list[Outgoing] = []
         back: list[Pending] = []
         for pending in sorted(pendings, key=lambda p: p.enqueued_at):
-            if pending.client.gone:
+            if pending.rank.gone:
                 continue  # its rank was forgotten; if it came back, it sent the request again under a new record
             if pending.failures >= self.settings.max_attempts:
                 message = f"request failed on {pending.failures} workers of service {service.name!r}; last: {pending.last_error}"
-                out.append(to_client(pending.client.peer, ErrorReply(request_id=pending.request.request_id, message=message, code="failed")))
+                out.append(to_rank(pending.rank.peer, ErrorReply(request_id=pending.request.request_id, message=message, code="failed")))
                 out.extend(self._complete(pending))
                 continue
             self.counters["requeued"] += 1
@@ -628,7 +628,7 @@ class BrokerState:
                 pending.last_error = f"worker {worker.registration.worker} died while it held the request"
         # Ranks it served release their pair groups with it (docs/data-planes.md).
         gone = WorkerGone(worker=worker.registration.worker)
-        out = [to_client(client, gone) for client in worker.clients_served if client in self.clients]
+        out = [to_rank(rank, gone) for rank in worker.ranks_served if rank in self.ranks]
         if worker.key is not None:
             out.extend(self._announce_worker_keys(service))
         return out + self._requeue(pendings, service)
@@ -643,7 +643,7 @@ class BrokerState:
             if not any(w.free_credits > 0 for w in service.workers.values()):
                 break
             pending = service.queue.pop()  # the next rank's oldest request, round-robin across ranks
-            if pending.client.gone:
+            if pending.rank.gone:
                 continue
             candidates = [w for w in service.workers.values() if w.free_credits > 0 and w.peer not in pending.excluded]
             if not candidates:
@@ -657,7 +657,7 @@ class BrokerState:
 
     def _assign(self, worker: WorkerRecord, pending: Pending) -> list[Outgoing]:
         out: list[Outgoing] = []
-        client = pending.client
+        rank = pending.rank
         digest = pending.mapping
         if digest is not None and digest not in worker.mappings_sent:
             mapping = self.mappings[digest]  # held: a live request keeps its mapping
@@ -667,7 +667,7 @@ class BrokerState:
         self._next_ticket += 1
         worker.in_flight[pending.ticket] = pending
         worker.last_assigned = pending.ticket
-        worker.clients_served.add(client.peer)
+        worker.ranks_served.add(rank.peer)
         out.append(Outgoing("backend", worker.peer, [SIGNATURE, self._dispatch_header(pending), *pending.frames]))
         return out
 
@@ -675,20 +675,20 @@ class BrokerState:
     def _dispatch_header(pending: Pending) -> bytes:
         """The ``dispatch`` header (messages.Dispatch) written directly: the hot path's one JSON document,
         from the rank's fields (encoded once per rank) and the request (encoded once per request)."""
-        client = pending.client
-        if client.dispatch_fields is None:
-            hello = client.hello
-            fields = {"client": hello.client, "reply_to": hello.data_endpoint, "service": hello.service}
+        rank = pending.rank
+        if rank.dispatch_fields is None:
+            hello = rank.hello
+            fields = {"rank": hello.rank, "reply_to": hello.data_endpoint, "service": hello.service}
             if hello.data_plane is not None:
                 fields["data_plane"] = hello.data_plane.model_dump(mode="json")
-            if client.key is not None:
-                fields["reply_key"] = client.key
+            if rank.key is not None:
+                fields["reply_key"] = rank.key
             if hello.max_result_bytes is not None:
                 fields["max_result_bytes"] = hello.max_result_bytes
-            client.dispatch_fields = json.dumps(fields)[1:-1].encode()
+            rank.dispatch_fields = json.dumps(fields)[1:-1].encode()
         if pending.request_json is None:
             pending.request_json = pending.request.model_dump_json().encode()
-        return b'{"type":"dispatch","ticket":%d,%s,"request":%s}' % (pending.ticket, client.dispatch_fields, pending.request_json)
+        return b'{"type":"dispatch","ticket":%d,%s,"request":%s}' % (pending.ticket, rank.dispatch_fields, pending.request_json)
 
     # ------------------------------------------------------------ time
     def on_tick(self) -> list[Outgoing]:
@@ -700,11 +700,11 @@ class BrokerState:
             self.counters["workers_expired"] += 1
             silent = f"silent for {now - self.workers[peer].last_seen:.1f} s (liveness window {window:.1f} s)"
             out.extend(self._remove_worker(peer, silent, died=True))
-        for peer in [p for p, c in self.clients.items() if now - c.last_seen > window]:
-            self.counters["clients_expired"] += 1
-            out.extend(self._forget_client(peer, f"silent for {now - self.clients[peer].last_seen:.1f} s (liveness window {window:.1f} s)"))
+        for peer in [p for p, c in self.ranks.items() if now - c.last_seen > window]:
+            self.counters["ranks_expired"] += 1
+            out.extend(self._forget_rank(peer, f"silent for {now - self.ranks[peer].last_seen:.1f} s (liveness window {window:.1f} s)"))
         beat = Heartbeat(instance=self.instance)
-        out.extend(to_client(peer, beat) for peer in self.clients)
+        out.extend(to_rank(peer, beat) for peer in self.ranks)
         out.extend(to_worker(peer, beat) for peer in self.workers)
         for service in self.services.values():
             while service.completions and now - service.completions[0] > THROUGHPUT_WINDOW_S:
@@ -721,7 +721,7 @@ class BrokerState:
 
     def goodbye(self) -> list[Outgoing]:
         message = Goodbye(instance=self.instance)
-        return [to_client(peer, message) for peer in self.clients] + [to_worker(peer, message) for peer in self.workers]
+        return [to_rank(peer, message) for peer in self.ranks] + [to_worker(peer, message) for peer in self.workers]
 
     # ------------------------------------------------------------ observability
     def status(self) -> dict[str, Any]:
@@ -743,9 +743,9 @@ class BrokerState:
                 }
                 for name, service in sorted(self.services.items())
             },
-            "clients": [
+            "ranks": [
                 {
-                    "client": c.hello.client,
+                    "rank": c.hello.rank,
                     "service": c.hello.service,
                     "host": c.hello.host,
                     "pid": c.hello.pid,
@@ -758,7 +758,7 @@ class BrokerState:
                     "completed": c.completed,
                     "last_heartbeat_s": round(now - c.last_seen, 3),
                 }
-                for c in self.clients.values()
+                for c in self.ranks.values()
             ],
         }
 

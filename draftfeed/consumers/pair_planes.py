@@ -36,7 +36,7 @@ REOPEN_BACKOFF_S = (1.0, 60.0)
 @dataclass
 class _Pair:
     endpoint: str
-    client: str
+    rank: str
     choice: PlaneChoice
     state: str = "frames"  # frames (for good) | down (open at reopen_at) | opening | ready
     generation: int | None = None
@@ -51,7 +51,7 @@ class _Pair:
 
     def status(self) -> PairStatus:
         return PairStatus(
-            client=self.client, plane=self.choice.plane, state=self.state, reason=self.choice.reason[:512],
+            rank=self.rank, plane=self.choice.plane, state=self.state, reason=self.choice.reason[:512],
             generation=self.generation, sent_over_pair=self.sent_over_pair, fallbacks=self.fallbacks,
         )
 
@@ -69,11 +69,11 @@ class PairPlanes:
         self._lock = threading.Lock()
         self._next_generation = 0
 
-    def group_for(self, endpoint: str, client: str, rank_offer: DataPlaneOffer | None) -> tuple[PairGroup, int] | None:
+    def group_for(self, endpoint: str, rank: str, rank_offer: DataPlaneOffer | None) -> tuple[PairGroup, int] | None:
         """The ready group to this rank and its generation, or None: send this answer as frames."""
         pair = self._pairs.get(endpoint)
         if pair is None:
-            pair = self._new_pair(endpoint, client, rank_offer)
+            pair = self._new_pair(endpoint, rank, rank_offer)
         if pair.state == "opening":
             self._check_opening(pair)
         if pair.state == "down" and time.monotonic() >= pair.reopen_at:
@@ -93,14 +93,14 @@ class PairPlanes:
         if pair is None:
             return
         pair.fallbacks += 1
-        log.warning("worker %s: %s pair group %s with rank %s failed (%s); this answer goes as frames", self.worker, pair.choice.plane, pair.generation, pair.client, reason)
+        log.warning("worker %s: %s pair group %s with rank %s failed (%s); this answer goes as frames", self.worker, pair.choice.plane, pair.generation, pair.rank, reason)
         self._tear_down(pair, reason, tell_rank=True)
 
     def rank_closed(self, endpoint: str, message: PairClose) -> None:
         """The rank tore the group of ``message.generation`` down on its side."""
         pair = self._pairs.get(endpoint)
         if pair is not None and pair.generation == message.generation and pair.state in ("opening", "ready"):
-            log.warning("worker %s: rank %s closed pair group %d: %s", self.worker, pair.client, message.generation, message.reason)
+            log.warning("worker %s: rank %s closed pair group %d: %s", self.worker, pair.rank, message.generation, message.reason)
             self._tear_down(pair, message.reason, tell_rank=False)
 
     def forget(self, endpoint: str) -> None:
@@ -119,10 +119,10 @@ class PairPlanes:
             self.forget(endpoint)
 
     # ------------------------------------------------------------ internals
-    def _new_pair(self, endpoint: str, client: str, rank_offer: DataPlaneOffer | None) -> _Pair:
+    def _new_pair(self, endpoint: str, rank: str, rank_offer: DataPlaneOffer | None) -> _Pair:
         choice = choose_plane(self.offer, rank_offer)
-        log.info("worker %s: data plane to rank %s: %s (%s)", self.worker, client, choice.plane, choice.reason)
-        pair = _Pair(endpoint, client, choice, state="frames" if choice.plane == "frames" else "down")
+        log.info("worker %s: data plane to rank %s: %s (%s)", self.worker, rank, choice.plane, choice.reason)
+        pair = _Pair(endpoint, rank, choice, state="frames" if choice.plane == "frames" else "down")
         with self._lock:
             self._pairs[endpoint] = pair
         return pair
@@ -150,7 +150,7 @@ class PairPlanes:
             name=f"draftfeed-pair-{generation}", daemon=True,
         )
         pair.opening.start()
-        log.info("worker %s: opening %s pair group %d with rank %s", self.worker, backend, generation, pair.client)
+        log.info("worker %s: opening %s pair group %d with rank %s", self.worker, backend, generation, pair.rank)
 
     def _check_opening(self, pair: _Pair) -> None:
         if pair.opening is None or pair.opening.is_alive():
@@ -160,9 +160,9 @@ class PairPlanes:
         if isinstance(outcome, PairGroup):
             pair.group, pair.state = outcome, "ready"
             pair.store = None  # built and warmed up: the group no longer needs the store, which stops listening
-            log.info("worker %s: %s pair group %d with rank %s is ready", self.worker, pair.choice.plane, pair.generation, pair.client)
+            log.info("worker %s: %s pair group %d with rank %s is ready", self.worker, pair.choice.plane, pair.generation, pair.rank)
         else:
-            log.warning("worker %s: %s pair group %s with rank %s could not be built: %s", self.worker, pair.choice.plane, pair.generation, pair.client, outcome)
+            log.warning("worker %s: %s pair group %s with rank %s could not be built: %s", self.worker, pair.choice.plane, pair.generation, pair.rank, outcome)
             self._tear_down(pair, f"could not be built: {outcome}", tell_rank=True)
 
     def _tear_down(self, pair: _Pair, reason: str, tell_rank: bool) -> None:
@@ -176,7 +176,7 @@ class PairPlanes:
         low, high = REOPEN_BACKOFF_S
         delay = min(high, low * 2 ** (pair.failures - 1))
         pair.state, pair.reopen_at = "down", time.monotonic() + delay
-        log.info("worker %s: rank %s gets frames; a new pair group in %.0f s (%s)", self.worker, pair.client, delay, reason)
+        log.info("worker %s: rank %s gets frames; a new pair group in %.0f s (%s)", self.worker, pair.rank, delay, reason)
 
     @staticmethod
     def _release(pair: _Pair) -> None:
@@ -194,8 +194,8 @@ def _build(host: str, port: int, backend: str, generation: int, nonce: str, time
     """The worker's side, as a client of its own store: the group keeps its store alive, and the server, which
     the pair holds apart, must be able to stop once the group is built."""
     try:
-        client = join_store(host, port, timeout_s=timeout_s)
-        group = PairGroup(client, SENDER, backend, generation=generation, timeout_s=timeout_s, namespace=nonce)
+        store = join_store(host, port, timeout_s=timeout_s)
+        group = PairGroup(store, SENDER, backend, generation=generation, timeout_s=timeout_s, namespace=nonce)
         group.warm_up()
         out.append(group)
     except (DataPlaneError, RuntimeError, ValueError) as exc:

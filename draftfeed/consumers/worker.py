@@ -51,7 +51,7 @@ from draftfeed.schemas.messages import (
     DrainAck,
     Draining,
     Failure,
-    ForgetClient,
+    ForgetRank,
     ForgetMapping,
     PairClose,
     Register,
@@ -231,7 +231,7 @@ class Worker:
             self._mappings[message.digest] = self._load_mapping(message, tensor_frames)
         elif isinstance(message, ForgetMapping):
             self._mappings.pop(message.digest, None)
-        elif isinstance(message, ForgetClient):
+        elif isinstance(message, ForgetRank):
             self._forget(message, pipe)
         elif isinstance(message, DrainAck):
             self._drain_acked = True
@@ -248,15 +248,15 @@ class Worker:
             if isinstance(message, PairClose):
                 self._planes.rank_closed(endpoint, message)
 
-    def _forget(self, message: ForgetClient, pipe: zmq.Socket) -> None:
+    def _forget(self, message: ForgetRank, pipe: zmq.Socket) -> None:
         assert self._ranks is not None and self._planes is not None
         self._planes.forget(message.reply_to)
         self._ranks.forget(message.reply_to)
-        dropped = [q for q in self._queue if q.dispatch.client == message.client]
-        self._queue = deque(q for q in self._queue if q.dispatch.client != message.client)
+        dropped = [q for q in self._queue if q.dispatch.rank == message.rank]
+        self._queue = deque(q for q in self._queue if q.dispatch.rank != message.rank)
         for queued in dropped:
             pipe.send_multipart(pack(Done(ticket=queued.dispatch.ticket, ok=False, message="rank gone")))
-        log.info("worker %s: rank %s is gone; dropped %d of its queued requests", self.name, message.client, len(dropped))
+        log.info("worker %s: rank %s is gone; dropped %d of its queued requests", self.name, message.rank, len(dropped))
 
     def _hand_back(self, pipe: zmq.Socket, reason: str) -> None:
         while self._queue:
@@ -281,17 +281,17 @@ class Worker:
             tensors = self._compute(dispatch, tensor_frames)
             ok = True
         except MissingMapping as exc:
-            log.info("worker %s: request %d of %s names vocab mapping %s, which this worker lacks: handed back for it", self.name, request.request_id, dispatch.client, exc.digest)
+            log.info("worker %s: request %d of %s names vocab mapping %s, which this worker lacks: handed back for it", self.name, request.request_id, dispatch.rank, exc.digest)
             return Done(ticket=dispatch.ticket, ok=False, retry=True, missing_mapping=exc.digest, message=str(exc))
         except (BadRequest, MalformedMessage) as exc:
             reply, ok = self._failure(request.request_id, request.token, str(exc)), False
         except RETRYABLE_ERRORS as exc:
-            log.warning("worker %s: request %d of %s handed back: %s", self.name, request.request_id, dispatch.client, exc)
+            log.warning("worker %s: request %d of %s handed back: %s", self.name, request.request_id, dispatch.rank, exc)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             return Done(ticket=dispatch.ticket, ok=False, retry=True, message=f"{type(exc).__name__}: {exc}")
         except Exception as exc:  # the engine failed on this batch; the worker serves on
-            log.exception("worker %s: request %d of %s failed", self.name, request.request_id, dispatch.client)
+            log.exception("worker %s: request %d of %s failed", self.name, request.request_id, dispatch.rank)
             message = f"{type(exc).__name__} in the {self.task.engine.name} engine: {exc}"
             reply, ok = self._failure(request.request_id, request.token, message), False
         too_big = tensors is not None and _over_limit(tensors, dispatch.max_result_bytes)
@@ -315,7 +315,7 @@ class Worker:
         assert self._planes is not None
         request, endpoint = dispatch.request, dispatch.reply_to
         fields = dict(request_id=request.request_id, token=request.token, kind=request.kind, worker=self.name)
-        pair = self._planes.group_for(endpoint, dispatch.client, dispatch.data_plane)
+        pair = self._planes.group_for(endpoint, dispatch.rank, dispatch.data_plane)
         if pair is not None:
             group, generation = pair
             header = Result(tensors=describe(tensors), plane="pair", generation=generation, **fields)
@@ -329,7 +329,7 @@ class Worker:
             except DataPlaneError as exc:
                 self._planes.failed(endpoint, str(exc))  # the rank drops what it got; frames follow
             except Exception as exc:  # e.g. a device error copying the tensors: the group is out of step too
-                log.exception("worker %s: sending on the pair group to %s failed", self.name, dispatch.client)
+                log.exception("worker %s: sending on the pair group to %s failed", self.name, dispatch.rank)
                 group.close()
                 self._planes.failed(endpoint, f"{type(exc).__name__}: {exc}")
         return self._deliver(endpoint, pack_tensors(Result, tensors, **fields), pipe)
@@ -337,7 +337,7 @@ class Worker:
     def _deliver(self, endpoint: str, frames: list[Any], pipe: zmq.Socket) -> str:
         """Send to a rank: "sent", "forgotten" (the broker reported it gone), "unreachable" (never connected
         within connect_timeout) or "stalled" (took nothing for send_timeout). Meanwhile it files what the
-        link passes on, so a rank that died (forget_client, within the liveness window) ends the wait."""
+        link passes on, so a rank that died (forget_rank, within the liveness window) ends the wait."""
         assert self._ranks is not None
         started = time.monotonic()
         poller = zmq.Poller()

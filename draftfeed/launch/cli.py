@@ -74,17 +74,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--from-json", default=None, help="measure nothing: render --report from the JSON of an earlier run")
 
     status = commands.add_parser("status", help="print the broker's services, workers, ranks and queues")
-    status.add_argument("--broker", default="tcp://127.0.0.1:5555", help="the broker's trainer (frontend) endpoint")
+    status.add_argument("--broker", default="tcp://127.0.0.1:5555", help="the broker's rank (frontend) endpoint")
     status.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the broker (default 10)")
-    _add_peer_key_flags(status, "trainer")
+    _add_peer_key_flags(status, "rank")
 
     keys = commands.add_parser("keys", help="create CURVE keys for a secure deployment (docs/security.md)")
     key_commands = keys.add_subparsers(dest="keys_command", required=True)
     generate = key_commands.add_parser("generate", help="write key pairs in ZeroMQ's certificate format")
     generate.add_argument("--out", required=True, help="the folder to write to (created if missing; existing keys are never overwritten)")
-    generate.add_argument("--name", default=None, help="write one more pair NAME.key / NAME.key_secret instead of the broker, trainer and worker set")
-    generate.add_argument("--role", choices=["trainer", "worker"], default=None, help="with --name: also put NAME.key on OUT/trainers or OUT/workers, the broker's allow-lists")
+    generate.add_argument("--name", default=None, help="write one more pair NAME.key / NAME.key_secret instead of the broker, rank and worker set")
+    generate.add_argument("--role", choices=["rank", "worker"], default=None, help="with --name: also put NAME.key on OUT/ranks or OUT/workers, the broker's allow-lists")
     return parser
 
 
@@ -95,7 +95,7 @@ def _add_peer_key_flags(parser: argparse.ArgumentParser, role: str) -> None:
 
 
 def _peer_keys(args: argparse.Namespace, role: str, required: bool) -> PeerKeys | None:
-    """The keys a trainer or worker connects with, from --keys/--key/--broker-key or $DRAFTFEED_KEYS."""
+    """The keys a rank or worker connects with, from --keys/--key/--broker-key or $DRAFTFEED_KEYS."""
     import os
 
     from draftfeed.security.curve import KEYS_ENV, PeerKeys
@@ -120,10 +120,10 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
     broker.add_argument("--backend", default=DEFAULT_BACKEND, help=f"where workers connect (default {DEFAULT_BACKEND})")
     broker.add_argument("--name", default=None, help="the broker's name in logs and status (default HOST-PID)")
     broker.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats to and from every peer (default 1); peers adopt it")
-    broker.add_argument("--secure", action="store_true", help="CURVE on both sockets: only trainer keys at the frontend, only worker keys at the backend (docs/security.md)")
-    broker.add_argument("--keys", default=None, help="with --secure: a folder from `draftfeed keys generate` (broker.key_secret, trainers/, workers/)")
+    broker.add_argument("--secure", action="store_true", help="CURVE on both sockets: only rank keys at the frontend, only worker keys at the backend (docs/security.md)")
+    broker.add_argument("--keys", default=None, help="with --secure: a folder from `draftfeed keys generate` (broker.key_secret, ranks/, workers/)")
     broker.add_argument("--key", default=None, help="with --secure: the broker's .key_secret file (overrides --keys)")
-    broker.add_argument("--trainer-keys", default=None, help="with --secure: the folder of trainer public keys allowed at the frontend (overrides --keys)")
+    broker.add_argument("--rank-keys", default=None, help="with --secure: the folder of rank public keys allowed at the frontend (overrides --keys)")
     broker.add_argument("--worker-keys", default=None, help="with --secure: the folder of worker public keys allowed at the backend (overrides --keys)")
     broker.add_argument("--liveness", type=int, default=5, help="heartbeat intervals a peer may stay silent before it counts as dead (default 5)")
     broker.add_argument("--max-queued", type=int, default=4096, help="requests one service may queue; past it ranks are told to send again later (default 4096)")
@@ -190,7 +190,7 @@ def run_broker(args: argparse.Namespace) -> int:
 def _broker_keys(args: argparse.Namespace) -> BrokerKeys | None:
     from draftfeed.security.curve import BrokerKeys
 
-    given = [flag for flag, value in (("--keys", args.keys), ("--key", args.key), ("--trainer-keys", args.trainer_keys), ("--worker-keys", args.worker_keys)) if value]
+    given = [flag for flag, value in (("--keys", args.keys), ("--key", args.key), ("--rank-keys", args.rank_keys), ("--worker-keys", args.worker_keys)) if value]
     if not args.secure:
         if given:
             raise ValueError(f"{', '.join(given)} given without --secure: add --secure to use them")
@@ -198,13 +198,13 @@ def _broker_keys(args: argparse.Namespace) -> BrokerKeys | None:
     folder = Path(args.keys) if args.keys else None
     paths = {
         "--key": args.key or (folder / "broker.key_secret" if folder else None),
-        "--trainer-keys": args.trainer_keys or (folder / "trainers" if folder else None),
+        "--rank-keys": args.rank_keys or (folder / "ranks" if folder else None),
         "--worker-keys": args.worker_keys or (folder / "workers" if folder else None),
     }
     missing = [flag for flag, path in paths.items() if path is None]
     if missing:
         raise ValueError(f"--secure needs {', '.join(missing)} (or --keys DIR from `draftfeed keys generate`)")
-    return BrokerKeys.from_files(paths["--key"], paths["--trainer-keys"], paths["--worker-keys"])
+    return BrokerKeys.from_files(paths["--key"], paths["--rank-keys"], paths["--worker-keys"])
 
 
 def run_keys(args: argparse.Namespace) -> int:
@@ -216,10 +216,10 @@ def run_keys(args: argparse.Namespace) -> int:
             if args.role is not None:
                 raise KeyFileError("--role goes with --name")
             pairs = generate(out)
-            print(f"wrote the broker, trainer and worker key pairs to {out}:")
+            print(f"wrote the broker, rank and worker key pairs to {out}:")
             print(f"  broker:   draftfeed launch broker --secure --keys {out}   ({out}/broker.key_secret stays on the broker host)")
             print(f"  workers:  draftfeed launch worker --secure --keys {out} ...   (needs worker.key_secret and broker.key)")
-            print(f"  trainers: RemoteEagle3Target(..., keys='{out}') or DRAFTFEED_KEYS={out}   (needs trainer.key_secret and broker.key)")
+            print(f"  ranks: RemoteEagle3Target(..., keys='{out}') or DRAFTFEED_KEYS={out}   (needs rank.key_secret and broker.key)")
             for name, pair in pairs.items():
                 print(f"  {name} public key {pair.public.decode()}")
         else:
@@ -307,7 +307,7 @@ def run_status(args: argparse.Namespace) -> int:
     from draftfeed.launch.status import fetch_status, format_status
 
     try:
-        keys = _peer_keys(args, "trainer", required=False)
+        keys = _peer_keys(args, "rank", required=False)
     except ValueError as exc:
         print(f"draftfeed status: {exc}", file=sys.stderr)
         return 2

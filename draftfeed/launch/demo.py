@@ -36,7 +36,7 @@ def run_demo(args: argparse.Namespace) -> int:
         try:
             broker = processes.start_broker()
             started.append(broker)
-            print(f"broker: pid {broker.pid}, trainers -> {broker.ready['frontend']}, workers -> {broker.ready['backend']}")
+            print(f"broker: pid {broker.pid}, ranks -> {broker.ready['frontend']}, workers -> {broker.ready['backend']}")
             for index in range(args.workers):
                 worker = processes.start_worker(
                     broker.ready["backend"], str(target_dir), "--service", SERVICE, "--name", f"demo-worker-{index}",
@@ -55,7 +55,7 @@ def _settled_status(target: RemoteEagle3Target, timeout_s: float = 5.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         status = target.status()
-        me = next(c for c in status["clients"] if c["client"] == target.client_id)
+        me = next(c for c in status["ranks"] if c["rank"] == target.rank_id)
         if me["completed"] == me["submitted"] or time.monotonic() > deadline:
             return status
         time.sleep(0.05)
@@ -101,7 +101,7 @@ def _train(frontend: str, args: argparse.Namespace) -> int:
     print(
         f"done: {args.steps} steps in {elapsed:.2f} s: {args.steps / elapsed:.1f} steps/s, {tokens / elapsed:,.0f} tokens/s, "
         f"{total_bytes / 1e6:,.1f} MB of supervision ({total_bytes / elapsed / 1e6:,.1f} MB/s); "
-        f"trainer waited {100 * waited / elapsed:.0f}% of the time"
+        f"rank waited {100 * waited / elapsed:.0f}% of the time"
     )
     print(f"batches served per worker: {served}")
     return 0

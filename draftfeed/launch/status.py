@@ -13,7 +13,7 @@ from draftfeed.security.curve import PeerKeys, make_client
 
 
 def fetch_status(broker: str, timeout_s: float = 10.0, keys: PeerKeys | None = None) -> dict[str, Any]:
-    """One status query on the broker's trainer endpoint (with a trainer's ``keys`` for a secure broker);
+    """One status query on the broker's rank endpoint (with a rank's ``keys`` for a secure broker);
     raises RemoteTargetTimeout if nobody answers."""
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
@@ -52,12 +52,12 @@ def format_status(status: dict[str, Any]) -> str:
             for pair in w.get("pairs", []):
                 generation = "" if pair["generation"] is None else f" generation {pair['generation']}"
                 lines.append(
-                    f"    to rank {pair['client']}: {pair['plane']} ({pair['state']}{generation}), {pair['sent_over_pair']} sent on the group, "
+                    f"    to rank {pair['rank']}: {pair['plane']} ({pair['state']}{generation}), {pair['sent_over_pair']} sent on the group, "
                     f"{pair['fallbacks']} fell back to frames; {pair['reason']}"
                 )
-    for c in status["clients"]:
+    for c in status["ranks"]:
         lines.append(
-            f"rank {c['client']:<30} service {c['service']}: queued {c['queued']}, outstanding {c['outstanding']}/{c['window']} "
+            f"rank {c['rank']:<30} service {c['service']}: queued {c['queued']}, outstanding {c['outstanding']}/{c['window']} "
             f"(peak {c['peak_outstanding']}), done {c['completed']}/{c['submitted']}, heartbeat {c['last_heartbeat_s']:.1f} s ago"
         )
     return "\n".join(lines)

@@ -120,7 +120,7 @@ class Connection:
         if window < 1:
             raise ValueError(f"window must be at least 1, got {window}")
         self.broker, self.service, self.window, self.task = broker, service, window, task
-        self.client_id = f"{host_identity()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.rank_id = f"{host_identity()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.stats = ConnectionStats()
         self._bad_input = RateLimitedLog(log)
         self._data_bind = data_endpoint or f"tcp://{local_address_towards(broker)}:*"
@@ -154,12 +154,12 @@ class Connection:
         self._pipe = self._context.socket(zmq.PAIR)
         self._pipe.setsockopt(zmq.LINGER, 0)
         self._pipe.bind(pipe_endpoint)
-        self._thread = threading.Thread(target=self._io_main, args=(pipe_endpoint,), name=f"draftfeed-io-{self.client_id}", daemon=True)
+        self._thread = threading.Thread(target=self._io_main, args=(pipe_endpoint,), name=f"draftfeed-io-{self.rank_id}", daemon=True)
         self._thread.start()
         if not self._welcome.wait(connect_timeout_s) or self._broken is not None:
             reason = self._broken or f"no broker answered at {broker} within {connect_timeout_s:.0f} s"
             if keys is not None and self._broken is None:
-                reason = f"{reason} (with keys: check that broker.key is that broker's and that this trainer's key is on its --trainer-keys list)"
+                reason = f"{reason} (with keys: check that broker.key is that broker's and that this rank's key is on its --rank-keys list)"
             self.close()
             raise RemoteTargetError(f"cannot connect to the draftfeed broker: {reason}; is `draftfeed launch broker` running there?")
 
@@ -240,7 +240,7 @@ class Connection:
             # The window bounds requests; the HWMs leave room for it plus control messages only.
             control.setsockopt(zmq.SNDHWM, self.window + _CONTROL_SLACK)
             control.setsockopt(zmq.RCVHWM, self.window + _CONTROL_SLACK)
-            control.setsockopt(zmq.ROUTING_ID, self.client_id.encode())
+            control.setsockopt(zmq.ROUTING_ID, self.rank_id.encode())
             data.setsockopt(zmq.RCVHWM, self.window + 1)
             # A frame over the limit is refused by libzmq before it is allocated (workers check first, see hello).
             data.setsockopt(zmq.MAXMSGSIZE, self.max_result_bytes)
@@ -249,7 +249,7 @@ class Connection:
                 self._authenticator = start_authenticator(self._context, {DATA: RoleGate("worker of this service", lambda: self._worker_keys)})
                 make_server(data, self.keys.own, DATA)
             self._hello = Hello(
-                client=self.client_id, service=self.service, data_endpoint=bind(data, self._data_bind),
+                rank=self.rank_id, service=self.service, data_endpoint=bind(data, self._data_bind),
                 window=self.window, host=host_identity(), pid=os.getpid(), task=self.task, data_plane=self.data_plane,
                 max_result_bytes=self.max_result_bytes,
             )
@@ -257,7 +257,7 @@ class Connection:
                 log.warning(
                     "draftfeed rank %s: INSECURE: supervision arrives on %s without encryption, and anyone who reaches it "
                     "can connect; pass keys= (or set DRAFTFEED_KEYS) with a --secure broker (docs/security.md)",
-                    self.client_id, self._hello.data_endpoint,
+                    self.rank_id, self._hello.data_endpoint,
                 )
             pipe.connect(pipe_endpoint)
             control.connect(self.broker)
@@ -269,7 +269,7 @@ class Connection:
             except zmq.Again:
                 pass  # the broker is unreachable: it forgets this rank after its liveness window
         except BaseException as exc:
-            log.exception("draftfeed rank %s: IO thread failed", self.client_id)
+            log.exception("draftfeed rank %s: IO thread failed", self.rank_id)
             self._broken = exc
             self._fail_all(RemoteTargetError(f"the connection's IO thread failed: {exc!r}"))
             self._welcome.set()
@@ -316,7 +316,7 @@ class Connection:
                     interval, liveness = self._liveness
                 control.send_multipart(pack(Heartbeat()))
                 if now - self.broker_last_heard > interval * liveness:
-                    log.warning("draftfeed rank %s: broker %s silent for %.1f s; saying hello again", self.client_id, self.broker, now - self.broker_last_heard)
+                    log.warning("draftfeed rank %s: broker %s silent for %.1f s; saying hello again", self.rank_id, self.broker, now - self.broker_last_heard)
                     self._hello_again(control)
                     self.broker_last_heard = now  # try again after another window
                 next_beat = now + interval
@@ -348,7 +348,7 @@ class Connection:
                 handle(frames)
             except MalformedMessage as exc:
                 self.stats.malformed_dropped += 1
-                self._bad_input.warning(str(exc)[:40], "draftfeed rank %s: ignoring a malformed message: %s", self.client_id, exc)
+                self._bad_input.warning(str(exc)[:40], "draftfeed rank %s: ignoring a malformed message: %s", self.rank_id, exc)
 
     def _on_control(self, frames: list[Any], control: zmq.Socket) -> None:
         message, _tensors = unpack(frames, FRONTEND_OUTBOUND)
@@ -371,7 +371,7 @@ class Connection:
         elif isinstance(message, WorkerGone):
             self.pairs.close_worker(message.worker, "the broker reports the worker gone")
         elif isinstance(message, Goodbye):
-            log.warning("draftfeed rank %s: broker %s is shutting down; waiting for its successor", self.client_id, message.instance)
+            log.warning("draftfeed rank %s: broker %s is shutting down; waiting for its successor", self.rank_id, message.instance)
             self._hello_again(control)
         elif isinstance(message, ErrorReply):
             self._on_error(message, control)
@@ -387,7 +387,7 @@ class Connection:
         if message.code == "unknown_peer":
             self._hello_again(control)
         elif message.code == "forgotten":
-            log.warning("draftfeed rank %s: %s", self.client_id, message.message)
+            log.warning("draftfeed rank %s: %s", self.rank_id, message.message)
             self._hello_again(control)
         elif message.code == "unknown_mapping" and message.request_id is not None:
             self._send_behind_its_mapping(message.request_id, control)
@@ -399,14 +399,14 @@ class Connection:
                     low, high = _BUSY_RETRY_S
                     waiter.retry_at = time.monotonic() + min(high, low * 2 ** min(waiter.busy_retries, 10))
             self.stats.busy_retries += 1
-            log.info("draftfeed rank %s: %s", self.client_id, message.message)
+            log.info("draftfeed rank %s: %s", self.rank_id, message.message)
         elif message.code in ("unreachable", "mismatch", "over_limit"):
-            log.error("draftfeed rank %s: %s", self.client_id, message.message)
+            log.error("draftfeed rank %s: %s", self.rank_id, message.message)
             self._broken = RemoteTargetError(message.message)
             self._fail_all(RemoteTargetError(message.message))
             self._welcome.set()  # a rank still connecting raises this at once
         elif message.request_id is None:
-            log.error("draftfeed rank %s: the broker reports: %s", self.client_id, message.message)
+            log.error("draftfeed rank %s: the broker reports: %s", self.rank_id, message.message)
         else:
             self._resolve(message.request_id, error=RemoteTargetError(f"the broker refused the request: {message.message}"))
 
@@ -426,7 +426,7 @@ class Connection:
         self.stats.resyncs += 1
         log.warning(
             "draftfeed rank %s: broker instance %s holds nothing of this rank; resending %d vocab mappings and %d unanswered requests",
-            self.client_id, instance, len(mappings), len(waiters),
+            self.rank_id, instance, len(mappings), len(waiters),
         )
         for mapping in mappings:
             if all(w is not mapping for _, w in waiters):
@@ -444,7 +444,7 @@ class Connection:
         if mapping is None or mapping.frames is None:
             self._resolve(request_id, error=RemoteTargetError(f"the broker lacks vocab mapping {waiter.mapping}, which this rank no longer holds"))
             return
-        log.info("draftfeed rank %s: the broker lacks vocab mapping %s; sending it before request %d again", self.client_id, waiter.mapping, request_id)
+        log.info("draftfeed rank %s: the broker lacks vocab mapping %s; sending it before request %d again", self.rank_id, waiter.mapping, request_id)
         control.send_multipart(mapping.frames, copy=False)
         control.send_multipart(waiter.frames, copy=False)
 
@@ -478,11 +478,11 @@ class Connection:
             waiter = self._waiters.get(message.request_id)
         if waiter is None:
             self.stats.duplicates_dropped += 1
-            log.debug("draftfeed rank %s: dropping a second answer to request %d", self.client_id, message.request_id)
+            log.debug("draftfeed rank %s: dropping a second answer to request %d", self.rank_id, message.request_id)
             return
         if waiter.token != message.token:
             self.stats.foreign_dropped += 1
-            self._bad_input.warning("token", "draftfeed rank %s: dropping an answer to request %d with the wrong token (from %s)", self.client_id, message.request_id, message.worker)
+            self._bad_input.warning("token", "draftfeed rank %s: dropping an answer to request %d with the wrong token (from %s)", self.rank_id, message.request_id, message.worker)
             return
         if isinstance(message, Failure):
             error = RemoteTargetError(f"worker {message.worker} of service {self.service!r} could not serve the request: {message.message}")
@@ -521,7 +521,7 @@ class Connection:
             self._waiters[new_id] = waiter
             waiter.ids.append(new_id)
         self.stats.lost_over_pair += 1
-        log.warning("draftfeed rank %s: the answer to request %d was lost on a pair group (%s); asking again as request %d", self.client_id, request_id, reason, new_id)
+        log.warning("draftfeed rank %s: the answer to request %d was lost on a pair group (%s); asking again as request %d", self.rank_id, request_id, reason, new_id)
         self._send_as(waiter, new_id, control)
 
     def _resolve(self, request_id: int, *, header: Any = None, tensors: dict[str, Any] | None = None, error: BaseException | None = None) -> None:

@@ -1,6 +1,6 @@
 """The training rank's view of a frozen target served by draftfeed workers: RemoteEagle3Target, RemoteDSparkTarget.
 
-Method and parameter names follow NeMo AutoModel's remote target backend, so a trainer written
+Method and parameter names follow NeMo AutoModel's remote target backend, so a rank written
 against it calls these classes unchanged.
 """
 
@@ -57,7 +57,7 @@ class RemoteTarget(Generic[Sup, Info]):
     own setting and this one decide together; a pair that cannot use a group uses frames.
 
     ``keys`` connects to a ``--secure`` broker (docs/security.md): a ``PeerKeys``, or a folder from
-    ``draftfeed keys generate`` (its trainer.key_secret and broker.key); by default the folder named by
+    ``draftfeed keys generate`` (its rank.key_secret and broker.key); by default the folder named by
     ``$DRAFTFEED_KEYS``, if set. The rank's own data socket then admits only the service's workers.
 
     ``max_result_bytes`` is the largest answer (all its tensors) this rank takes: workers answer a bigger one
@@ -93,7 +93,7 @@ class RemoteTarget(Generic[Sup, Info]):
         offer = local_offer(data_plane, self.device)  # raises ValueError for an unknown data_plane
         self._connection = Connection(
             broker, service, max(prefetch_depth, 1), task=self.TASK, data_endpoint=data_endpoint,
-            connect_timeout_s=connect_timeout, data_plane=offer, keys=PeerKeys.resolve(keys, "trainer"), max_result_bytes=max_result_bytes,
+            connect_timeout_s=connect_timeout, data_plane=offer, keys=PeerKeys.resolve(keys, "rank"), max_result_bytes=max_result_bytes,
         )
         self._info: Info | None = None
         self._workers: list[str] = []
@@ -243,9 +243,9 @@ class RemoteTarget(Generic[Sup, Info]):
         return self._connection.peak_in_flight
 
     @property
-    def client_id(self) -> str:
+    def rank_id(self) -> str:
         """This rank's name at the broker (as ``draftfeed status`` lists it)."""
-        return self._connection.client_id
+        return self._connection.rank_id
 
     def data_planes(self) -> dict[str, str]:
         """The open pair groups of this rank: worker name -> "backend generation"."""

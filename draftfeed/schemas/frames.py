@@ -34,7 +34,7 @@ def unpack(frames: Sequence[Any], adapter: TypeAdapter[M]) -> tuple[M, list[Any]
         if signature.startswith(PROTOCOL_NAME + b"/"):
             raise ProtocolVersionMismatch(
                 f"peer speaks {signature.decode(errors='replace')}, this process speaks {SIGNATURE.decode()}: "
-                "run the same draftfeed version on trainers, broker and workers"
+                "run the same draftfeed version on ranks, broker and workers"
             )
         raise MalformedMessage(f"not a draftfeed message: first frame {signature[:32]!r} is not {SIGNATURE!r}")
     header_frame = frames[1]

@@ -1,7 +1,7 @@
 """Pydantic models of every message header. The frame layout around them is in protocol.py.
 
 Each header has a literal ``type``; the unions at the bottom say which messages each socket accepts,
-so a peer that sends a worker message to the trainer port gets a validation error, not a crash.
+so a peer that sends a worker message to the rank port gets a validation error, not a crash.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class _TargetInfo(Strict):
     vocab_size: Annotated[int, Field(ge=1)]
 
     def __getitem__(self, key: str) -> object:
-        """Dict-style access (``info["hidden_size"]``), as trainers written for a dict of model info expect."""
+        """Dict-style access (``info["hidden_size"]``), as ranks written for a dict of model info expect."""
         if key not in type(self).model_fields:
             raise KeyError(key)
         return getattr(self, key)
@@ -128,12 +128,12 @@ class DataPlaneOffer(Strict):
     nccl: bool = False  # torch here has NCCL and a CUDA device
 
 
-# ---------------------------------------------------------------- trainer -> broker (frontend)
+# ---------------------------------------------------------------- rank -> broker (frontend)
 class Hello(Strict):
     """A training rank announces itself: where its data socket listens and how many batches it keeps in flight."""
 
     type: Literal["hello"] = "hello"
-    client: Name
+    rank: Name
     service: Name
     data_endpoint: Name
     window: Annotated[int, Field(ge=1, le=1024)]
@@ -192,7 +192,7 @@ class Heartbeat(Strict):
     instance: str | None = None
 
 
-# ---------------------------------------------------------------- broker -> trainer
+# ---------------------------------------------------------------- broker -> rank
 class Liveness(Strict):
     """The broker's heartbeat settings, which its peers adopt: silent for interval x liveness seconds is dead."""
 
@@ -314,7 +314,7 @@ class Done(Strict):
 class PairStatus(Strict):
     """One (worker, rank) pair's data plane, as the worker reports it for ``draftfeed status``."""
 
-    client: Name
+    rank: Name
     plane: Literal["frames", "nccl", "gloo"]
     state: Literal["frames", "opening", "ready", "down"]
     reason: Annotated[str, Field(max_length=512)]
@@ -350,11 +350,11 @@ class DrainAck(Strict):
     type: Literal["drain_ack"] = "drain_ack"
 
 
-class ForgetClient(Strict):
+class ForgetRank(Strict):
     """A rank is gone: drop its queued work and close the link to it."""
 
-    type: Literal["forget_client"] = "forget_client"
-    client: Name
+    type: Literal["forget_rank"] = "forget_rank"
+    rank: Name
     reply_to: Name
 
 
@@ -363,7 +363,7 @@ class Dispatch(Strict):
 
     type: Literal["dispatch"] = "dispatch"
     ticket: Annotated[int, Field(ge=0)]
-    client: Name
+    rank: Name
     reply_to: Name
     service: Name
     data_plane: DataPlaneOffer | None = None  # the rank's, from its hello
@@ -389,7 +389,7 @@ class ForgetMapping(Strict):
     digest: MappingDigest
 
 
-# ---------------------------------------------------------------- worker -> trainer (data socket)
+# ---------------------------------------------------------------- worker -> rank (data socket)
 class Result(Strict):
     """Supervision. On plane ``frames`` the tensors follow as frames; on ``pair`` this header carries no
     frames and the tensors follow on the pair group of ``generation``, in the order of ``tensors``."""
@@ -445,7 +445,7 @@ FrontendOutbound = Annotated[
 ]
 BackendInbound = Annotated[Union[Register, Done, WorkerHeartbeat, Draining, Bye], Field(discriminator="type")]
 BackendOutbound = Annotated[
-    Union[Registered, Dispatch, VocabMapping, ForgetMapping, ForgetClient, DrainAck, ErrorReply, Heartbeat, Goodbye],
+    Union[Registered, Dispatch, VocabMapping, ForgetMapping, ForgetRank, DrainAck, ErrorReply, Heartbeat, Goodbye],
     Field(discriminator="type"),
 ]
 DataInbound = Annotated[Union[Result, Failure, PairOpen, PairClose], Field(discriminator="type")]

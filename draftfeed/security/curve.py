@@ -6,7 +6,7 @@ broker, workers towards a rank's data socket) hold their own pair and the server
 talk to nobody else. The handshake, encryption and the ZAP exchange are libzmq's and pyzmq's
 (``zmq.auth.thread.ThreadAuthenticator``); this module only says which keys go where.
 
-ZAP domains: ``draftfeed-trainers`` (broker frontend: trainer keys), ``draftfeed-workers`` (broker backend:
+ZAP domains: ``draftfeed-ranks`` (broker frontend: rank keys), ``draftfeed-workers`` (broker backend:
 worker keys), ``draftfeed-data`` (a rank's data socket: the keys of the workers the broker has registered
 for the rank's service, which the broker sends the rank).
 """
@@ -25,7 +25,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from draftfeed.logs import RateLimitedLog
 from draftfeed.security.keys import KeyFileError, KeyPair, load_allow_list, load_pair, load_public
 
-TRAINERS = "draftfeed-trainers"
+RANKS = "draftfeed-ranks"
 WORKERS = "draftfeed-workers"
 DATA = "draftfeed-data"
 KEYS_ENV = "DRAFTFEED_KEYS"  # a folder laid out by `draftfeed keys generate`: the config entry for ranks
@@ -35,7 +35,7 @@ log = logging.getLogger("draftfeed.security")
 
 @dataclass(frozen=True)
 class PeerKeys:
-    """A trainer's or a worker's keys: its own pair and the broker's public key."""
+    """A rank's or a worker's keys: its own pair and the broker's public key."""
 
     own: KeyPair
     broker: bytes
@@ -64,24 +64,24 @@ class BrokerKeys:
     """The broker's pair and its two allow-lists."""
 
     own: KeyPair
-    trainers: frozenset[bytes]
+    ranks: frozenset[bytes]
     workers: frozenset[bytes]
 
     @classmethod
-    def from_files(cls, key: str | Path, trainer_keys: str | Path, worker_keys: str | Path) -> "BrokerKeys":
-        trainers, workers = load_allow_list(trainer_keys, "trainer"), load_allow_list(worker_keys, "worker")
-        both = trainers & workers
+    def from_files(cls, key: str | Path, rank_keys: str | Path, worker_keys: str | Path) -> "BrokerKeys":
+        ranks, workers = load_allow_list(rank_keys, "rank"), load_allow_list(worker_keys, "worker")
+        both = ranks & workers
         if both:
             raise KeyFileError(
-                f"{len(both)} key(s) are on both the trainer and the worker allow-list ({trainer_keys}, {worker_keys}): "
-                "give each role its own keys, or a trainer could register as a worker"
+                f"{len(both)} key(s) are on both the rank and the worker allow-list ({rank_keys}, {worker_keys}): "
+                "give each role its own keys, or a rank could register as a worker"
             )
-        return cls(load_pair(key), frozenset(trainers), frozenset(workers))
+        return cls(load_pair(key), frozenset(ranks), frozenset(workers))
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "BrokerKeys":
         folder = Path(folder)
-        return cls.from_files(folder / "broker.key_secret", folder / "trainers", folder / "workers")
+        return cls.from_files(folder / "broker.key_secret", folder / "ranks", folder / "workers")
 
 
 def make_client(sock: zmq.Socket, own: KeyPair, server: bytes) -> None:

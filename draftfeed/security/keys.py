@@ -3,14 +3,14 @@
 ``generate(out)`` lays out a whole deployment (docs/security.md)::
 
     OUT/broker.key_secret       the broker's pair: stays on the broker host
-    OUT/broker.key              its public key: every trainer and worker checks the broker against it
-    OUT/trainer.key_secret      a trainer pair, for training ranks and `draftfeed status`
-    OUT/trainers/trainer.key    the broker's trainer allow-list (--trainer-keys OUT/trainers)
+    OUT/broker.key              its public key: every rank and worker checks the broker against it
+    OUT/rank.key_secret         a rank pair, for training ranks and `draftfeed status`
+    OUT/ranks/rank.key          the broker's rank allow-list (--rank-keys OUT/ranks)
     OUT/worker.key_secret       a worker pair, for workers
     OUT/workers/worker.key      the broker's worker allow-list (--worker-keys OUT/workers)
 
 An allow-list is a folder of public keys; a role's folder holds no other role's keys, which is what keeps
-a trainer key from registering as a worker.
+a rank key from registering as a worker.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import zmq.auth
 
-ROLES = ("trainer", "worker")
+ROLES = ("rank", "worker")
 
 
 class KeyFileError(ValueError):
@@ -52,10 +52,10 @@ def generate_pair(folder: Path, name: str, allow_list: Path | None = None) -> Ke
 
 
 def generate(out: Path) -> dict[str, KeyPair]:
-    """The broker's pair and one trainer and one worker pair, each public key in its role's allow-list."""
+    """The broker's pair and one rank and one worker pair, each public key in its role's allow-list."""
     return {
         "broker": generate_pair(out, "broker"),
-        "trainer": generate_pair(out, "trainer", out / "trainers"),
+        "rank": generate_pair(out, "rank", out / "ranks"),
         "worker": generate_pair(out, "worker", out / "workers"),
     }
 
