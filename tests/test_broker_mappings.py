@@ -10,7 +10,8 @@ import logging
 
 import pytest
 
-from draftfeed.broker.state import BrokerSettings, BrokerState
+from draftfeed.broker.settings import BrokerSettings
+from draftfeed.broker.state import BrokerState
 from draftfeed.schemas.frames import unpack
 from draftfeed.schemas.messages import (
     BACKEND_OUTBOUND,
@@ -163,7 +164,7 @@ def test_a_mapping_lives_while_a_request_names_it(state):
     assert second.request.request_id == 1 and only(backend(out), ForgetMapping) == []
     out = state.on_done(b"w1", Done(ticket=second.ticket, ok=True))
     assert [m.digest for m in only(backend(out), ForgetMapping)] == [DIGEST_A]
-    assert list(state.mappings) == [DIGEST_B]
+    assert list(state.mappings.records) == [DIGEST_B]
 
 
 def test_a_forgotten_worker_is_told_so(state, clock, caplog):

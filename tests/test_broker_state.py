@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from draftfeed.broker.state import BrokerSettings, BrokerState, RankRecord, Pending
+from draftfeed.broker.settings import BrokerSettings
+from draftfeed.broker.state import BrokerState
 from draftfeed.schemas.frames import unpack
 from draftfeed.schemas.messages import (
     BACKEND_OUTBOUND,
@@ -22,6 +23,8 @@ from draftfeed.schemas.messages import (
     TensorSpec,
     WorkerGone,
     WorkerHeartbeat,
+    dispatch_header,
+    dispatch_rank_fields,
 )
 
 INFO = Eagle3TargetInfo(num_hidden_layers=8, hidden_size=64, vocab_size=1000, aux_layer_ids=[1, 3, 4])
@@ -72,19 +75,19 @@ def errors(out) -> list[ErrorReply]:
 
 
 def test_dispatch_header_is_the_dispatch_model():
-    rank = RankRecord(b"c", Hello(rank='c"x', service="s\\1", data_endpoint="tcp://1.2.3.4:5", window=2, host="h", pid=1), 0.0)
+    hello = Hello(rank='c"x', service="s\\1", data_endpoint="tcp://1.2.3.4:5", window=2, host="h", pid=1)
     for digest in (None, "abcdef0123456789"):
         request = Submit(request_id=3, kind="eagle3", token=9, mapping_digest=digest, tensors=[TensorSpec(name="input_ids", dtype="int64", shape=[1, 2])])
-        pending = Pending(rank, request, [], 0.0, ticket=17)
-        parsed = Dispatch.model_validate_json(BrokerState._dispatch_header(pending))
+        parsed = Dispatch.model_validate_json(dispatch_header(17, dispatch_rank_fields(hello, None), request.model_dump_json().encode()))
         assert parsed == Dispatch(ticket=17, rank='c"x', reply_to="tcp://1.2.3.4:5", service="s\\1", request=request)
 
 
-def test_dispatch_header_carries_the_ranks_data_plane_offer():
+def test_dispatch_header_carries_the_ranks_data_plane_offer_key_and_limit():
     offer = DataPlaneOffer(mode="gloo", host_id="boot-1", hostname="n1", device="cuda:1", gpu_uuid="GPU-1", nccl=True)
-    hello = Hello(rank="c", service="s", data_endpoint="tcp://1.2.3.4:5", window=2, host="h", pid=1, data_plane=offer)
-    pending = Pending(RankRecord(b"c", hello, 0.0), Submit(request_id=3, kind="eagle3"), [], 0.0, ticket=1)
-    assert Dispatch.model_validate_json(BrokerState._dispatch_header(pending)).data_plane == offer
+    hello = Hello(rank="c", service="s", data_endpoint="tcp://1.2.3.4:5", window=2, host="h", pid=1, data_plane=offer, max_result_bytes=77)
+    key = "k" * 40
+    parsed = Dispatch.model_validate_json(dispatch_header(1, dispatch_rank_fields(hello, key), Submit(request_id=3, kind="eagle3").model_dump_json().encode()))
+    assert parsed.data_plane == offer and parsed.reply_key == key and parsed.max_result_bytes == 77
 
 
 def test_ranks_a_worker_served_are_told_it_is_gone_and_pairs_show_in_status(state):

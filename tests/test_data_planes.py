@@ -126,7 +126,7 @@ def test_gloo_pair_equals_frames_and_the_in_process_computation(tiny_target, tin
             assert over_frames.connection_stats.received_over_pair == 0
             assert over_pair.data_planes() == {name: "gloo 0"} and over_frames.data_planes() == {}
             # The rendezvous store lived only until the group was built: nothing listens on its port now.
-            store_port = over_pair._connection.pairs._receivers[name].opened.store_port
+            store_port = over_pair.pair_group(name).store_port
             with pytest.raises(ConnectionRefusedError):
                 socket.create_connection(("127.0.0.1", store_port), timeout=5).close()
             pairs = wait_until(lambda: (p := pairs_of(cluster, name)) and len(p) == 2 and p, what="both pairs in status")

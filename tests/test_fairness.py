@@ -10,7 +10,8 @@ import pytest
 from conftest import Cluster, make_batch, wait_until
 from draftfeed import RemoteEagle3Target, RemoteTargetError
 from draftfeed.broker.fair_queue import FairQueue
-from draftfeed.broker.state import BrokerSettings, BrokerState
+from draftfeed.broker.settings import BrokerSettings
+from draftfeed.broker.state import BrokerState
 from draftfeed.schemas.messages import Done, Hello, Register, Submit
 from test_broker_state import INFO, dispatches, errors
 

@@ -36,7 +36,7 @@ def test_hostile_peer_changes_nothing_for_a_running_rank(tiny_target, tiny_model
             training.start()
             hostile = subprocess.Popen(
                 [sys.executable, str(Path(__file__).with_name("hostile_peer.py")), cluster.frontend, cluster.backend,
-                 target._connection._hello.data_endpoint, target.rank_id, str(MESSAGES), "7"],
+                 target.data_endpoint, target.rank_id, str(MESSAGES), "7"],
                 stdout=subprocess.PIPE, text=True,
             )
             hostile_started.set()

@@ -7,7 +7,8 @@ import pytest
 
 from conftest import Cluster, make_batch, raw_peer
 from draftfeed import RemoteEagle3Target, RemoteTargetError
-from draftfeed.broker.state import BrokerSettings, BrokerState
+from draftfeed.broker.settings import BrokerSettings
+from draftfeed.broker.state import BrokerState
 from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import FRONTEND_OUTBOUND, Hello, StatusQuery, StatusReply, Submit, TensorSpec
 from test_broker_state import errors

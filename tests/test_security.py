@@ -145,7 +145,7 @@ def test_intruders_get_nothing_and_do_not_disturb_a_run(secure, keys, tiny_targe
 
         training = threading.Thread(target=run)
         training.start()
-        data_endpoint = remote._connection._hello.data_endpoint
+        data_endpoint = remote.data_endpoint
         hello = pack(Hello(rank="intruder", service=SERVICE, data_endpoint="tcp://127.0.0.1:9", window=1, host="h", pid=1))
         register = pack(Register(worker="intruder", service=SERVICE, task="eagle3", engine="hf", info=remote.model_info(), capacity=1, host="h", pid=1))
         forged = pack(Result(request_id=0, token=0, kind="eagle3", worker="intruder", tensors=[]))

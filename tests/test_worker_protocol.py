@@ -11,6 +11,7 @@ import torch
 import zmq
 
 from conftest import WORKER_ENV, make_batch, reference_eagle3
+from draftfeed.contract.vocab import mapping_digest
 from reference import difference, draft_vocab
 from draftfeed.schemas.frames import pack, unpack
 from draftfeed.dataplane.tensor_codec import pack_tensors
@@ -101,7 +102,7 @@ def test_a_request_naming_a_mapping_the_worker_lacks_goes_back_never_computed_wi
     backend, peer, rank, reply_to = harness
     batch = make_batch(1, 5, 1000, seed=3)
     ids, mask = draft_vocab(50)
-    digest = "0123456789abcdef"
+    digest = mapping_digest(ids, mask)
     specs, buffers = encode_tensors(batch)
     message = Dispatch(ticket=7, rank="c", reply_to=reply_to, service="svc", request=Submit(request_id=7, kind="eagle3", mapping_digest=digest, tensors=specs))
     backend.send_multipart([peer, *pack(message, buffers)], copy=False)

@@ -11,7 +11,9 @@ from typing import Any
 
 import zmq
 
-from draftfeed.broker.state import BrokerSettings, BrokerState, Outgoing
+from draftfeed.broker.records import Outgoing
+from draftfeed.broker.settings import BrokerSettings
+from draftfeed.broker.state import BrokerState
 from draftfeed.logs import RateLimitedLog
 from draftfeed.net import bind, close_quietly, is_loopback
 from draftfeed.schemas.errors import MalformedMessage

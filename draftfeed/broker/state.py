@@ -1,8 +1,10 @@
-"""The broker's policy, apart from its sockets: services, queues, credits, ranks, workers, liveness.
+"""The broker's policy, apart from its sockets: one handler per message, each returning what to send.
 
-Every handler takes a parsed message and returns the messages to send (``Outgoing``); nothing here
-touches a socket, so the policy is tested and read on its own. Tensor frames are carried as received
-and forwarded untouched: the broker never reads payload bytes.
+Every handler takes a parsed message and returns the messages to send (``Outgoing``); nothing here touches a
+socket, so the policy is tested and read on its own. Tensor frames are carried as received and forwarded
+untouched: the broker never reads payload bytes. Who does what: admission.py refuses, mappings.py keeps the
+vocab mappings, scheduler.py picks workers and writes dispatches, status.py reports; this module ties them
+to the life of ranks, workers and requests.
 
 Delivery: a request stays with the broker from its arrival until a worker reports it done. A worker
 found dead (silent for the liveness window), re-registering, or handing a request back has its
@@ -12,9 +14,8 @@ broker already holds is ignored, so resends are idempotent.
 
 Vocab mappings: every request names the mapping it is computed with (``Submit.mapping_digest``). The broker
 takes a request only while it holds that mapping (else ``unknown_mapping``: the rank sends it, then the
-request again), keeps a mapping while a rank uses it or a live request names it, and sends it to a worker
-before the first request naming it. A worker that turns out not to hold it hands the request back
-(``Done.missing_mapping``) and is sent the mapping again; a request is never computed without its mapping.
+request again), and a worker that turns out not to hold it hands the request back (``Done.missing_mapping``)
+and is sent the mapping again; a request is never computed without its mapping (mappings.py).
 
 A forgotten peer (silent too long, gone, unreachable) is remembered by name for a while, so that its next
 message is answered ``forgotten`` with the reason; its old records are never used again (``RankRecord.gone``).
@@ -22,33 +23,29 @@ message is answered ``forgotten`` with the reason; its old records are never use
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
-from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any
 
-from draftfeed.broker.fair_queue import FairQueue
-from draftfeed.schemas.frames import pack
-from draftfeed.schemas.protocol import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_REQUEST_BYTES, SIGNATURE
+from draftfeed.broker.admission import refuse_hello, refuse_registration, refuse_submit
+from draftfeed.broker.forgotten import ForgottenPeers
+from draftfeed.broker.mappings import MappingTable
+from draftfeed.broker.records import Outgoing, Pending, RankRecord, ServiceRecord, WorkerRecord, to_rank, to_worker
+from draftfeed.broker.scheduler import Scheduler
+from draftfeed.broker.settings import BrokerSettings
+from draftfeed.broker.status import THROUGHPUT_WINDOW_S, status_document
 from draftfeed.schemas.errors import MalformedMessage
-from draftfeed.schemas.tensor_specs import check_frames, declared_bytes
 from draftfeed.schemas.messages import (
     Ack,
     Done,
     DrainAck,
-    DSparkTargetInfo,
-    Eagle3TargetInfo,
     ErrorReply,
     ForgetRank,
-    ForgetMapping,
     Goodbye,
     Heartbeat,
     Hello,
-    Liveness,
     ModelInfoQuery,
     ModelInfoReply,
     Register,
@@ -57,176 +54,37 @@ from draftfeed.schemas.messages import (
     StatusQuery,
     StatusReply,
     Submit,
-    PairStatus,
-    VocabMapping,
     Welcome,
     WorkerGone,
     WorkerHeartbeat,
     WorkerKeys,
 )
+from draftfeed.schemas.tensor_specs import check_frames
 
-Side = Literal["frontend", "backend"]
 log = logging.getLogger("draftfeed.broker")
-THROUGHPUT_WINDOW_S = 10.0
-FORGOTTEN_KEPT = 4096  # peers remembered as forgotten, each with why, for a clear answer to their next message
-
-
-@dataclass(frozen=True)
-class BrokerSettings:
-    heartbeat_interval_s: float = 1.0
-    liveness: int = 5
-    max_queued_per_service: int = 4096
-    # Most requests one rank may have at the broker: a rank's hello asking for a larger window is refused.
-    max_queued_per_rank: int = 256
-    max_attempts: int = 3
-    # Largest frame either broker socket takes: libzmq drops a peer that sends a bigger one before allocating it.
-    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
-    # Tensor bytes one request may declare, per service (others: max_request_bytes); checked before queueing.
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    service_max_request_bytes: dict[str, int] = field(default_factory=dict)
-
-    def request_limit(self, service: str) -> int:
-        return self.service_max_request_bytes.get(service, self.max_request_bytes)
-
-    @property
-    def liveness_message(self) -> Liveness:
-        return Liveness(heartbeat_interval_s=self.heartbeat_interval_s, liveness=self.liveness)
-
-    @property
-    def window_s(self) -> float:
-        return self.heartbeat_interval_s * self.liveness
-
-
-@dataclass
-class Outgoing:
-    side: Side
-    peer: bytes
-    frames: list[Any]
-
-
-@dataclass
-class Pending:
-    """A rank's request from its arrival until a worker reports it done."""
-
-    rank: "RankRecord"
-    request: Submit
-    frames: list[Any]
-    enqueued_at: float
-    ticket: int = -1
-    request_json: bytes | None = None  # the request, encoded once for every dispatch of it
-    failures: int = 0  # dispatches handed back or lost with a dead worker (a poison batch must not kill every worker)
-    excluded: set[bytes] = field(default_factory=set)
-    last_error: str | None = None
-    finished: bool = False  # completed, or its rank forgotten: it holds no mapping and is never dispatched again
-    mapping_refused_by: set[bytes] = field(default_factory=set)  # workers that said they lack its mapping
-
-    @property
-    def mapping(self) -> str | None:
-        """The vocab mapping it is computed with (its digest), None for the identity."""
-        return self.request.mapping_digest
-
-    @property
-    def rank_key(self) -> bytes:
-        """Its rank, for the service's fair queue."""
-        return self.rank.peer
-
-
-@dataclass
-class RankRecord:
-    peer: bytes
-    hello: Hello
-    last_seen: float
-    requests: dict[int, Pending] = field(default_factory=dict)  # every live request, by request id
-    parked: deque[Pending] = field(default_factory=deque)  # beyond the window, waiting for a done
-    outstanding: int = 0  # queued or at a worker
-    peak_outstanding: int = 0
-    submitted: int = 0
-    completed: int = 0
-    mapping_digest: str | None = None  # the mapping it set last (it may still have requests naming earlier ones)
-    dispatch_fields: bytes | None = None  # this rank's part of every dispatch header, encoded once
-    key: str | None = None  # its authenticated CURVE public key, on a secure broker
-    gone: bool = False  # forgotten: a later hello of the same rank makes a new record
-
-
-@dataclass
-class WorkerRecord:
-    peer: bytes
-    registration: Register
-    last_seen: float
-    in_flight: dict[int, Pending] = field(default_factory=dict)
-    mappings_sent: set[str] = field(default_factory=set)
-    ranks_served: set[bytes] = field(default_factory=set)
-    served: int = 0
-    failed: int = 0
-    handed_back: int = 0
-    last_assigned: int = -1
-    draining: bool = False
-    rank_links: int = 0
-    mappings_held: int = 0
-    pairs: list[PairStatus] = field(default_factory=list)  # its data plane to each rank, from its heartbeats
-    key: str | None = None  # its authenticated CURVE public key, on a secure broker
-
-    @property
-    def free_credits(self) -> int:
-        return 0 if self.draining else self.registration.capacity - len(self.in_flight)
-
-
-@dataclass
-class ServiceRecord:
-    name: str
-    workers: dict[bytes, WorkerRecord] = field(default_factory=dict)
-    queue: FairQueue[Pending] = field(default_factory=FairQueue)  # round-robin across ranks (fair_queue.py)
-    info_waiters: list[tuple[bytes, int]] = field(default_factory=list)
-    completions: deque[float] = field(default_factory=deque)
-    # The service's target, fixed by its first worker or by a rank's checked expectation: every worker
-    # that registers later must match it, so a mis-launched worker can never feed a run.
-    info: Eagle3TargetInfo | DSparkTargetInfo | None = None
-
-
-@dataclass
-class MappingRecord:
-    """A vocab mapping, kept while a rank uses it (``users``) or a live request names it (``requests``)."""
-
-    header: SetVocabMapping
-    frames: list[Any]
-    users: set[bytes] = field(default_factory=set)
-    requests: int = 0
-
-    @property
-    def needed(self) -> bool:
-        return bool(self.users) or self.requests > 0
-
-
-def to_rank(peer: bytes, message: Any, frames: Iterable[Any] = ()) -> Outgoing:
-    return Outgoing("frontend", peer, pack(message, list(frames)))
-
-
-def to_worker(peer: bytes, message: Any, frames: Iterable[Any] = ()) -> Outgoing:
-    return Outgoing("backend", peer, pack(message, list(frames)))
 
 
 class BrokerState:
     """Requests queue per service, taken round-robin across its ranks (fair_queue.py), and each goes to the
-    worker with the most free credits (workers are not taken round-robin)."""
+    worker with the most free credits (scheduler.py)."""
 
     def __init__(self, name: str, settings: BrokerSettings | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.name = name
         self.instance = uuid.uuid4().hex[:12]
         self.settings = settings or BrokerSettings()
         self.clock = clock
+        self.started_at = clock()
         self.services: dict[str, ServiceRecord] = {}
         self.ranks: dict[bytes, RankRecord] = {}
         self.workers: dict[bytes, WorkerRecord] = {}
-        self.mappings: dict[str, MappingRecord] = {}
-        self.forgotten_ranks: OrderedDict[bytes, str] = OrderedDict()  # peer -> why, newest last
-        self.forgotten_workers: OrderedDict[bytes, str] = OrderedDict()
-        self.draining = False
+        self.mappings = MappingTable()
+        self.scheduler = Scheduler(self.mappings)
+        self.forgotten_ranks = ForgottenPeers()
+        self.forgotten_workers = ForgottenPeers()
         self.counters = {
             "rejected_messages": 0, "workers_expired": 0, "ranks_expired": 0, "requeued": 0, "workers_refused": 0,
             "mappings_resent": 0,
         }
-        self._next_ticket = 0
-        self.started_at = time.time()
 
     def service(self, name: str) -> ServiceRecord:
         record = self.services.get(name)
@@ -237,42 +95,31 @@ class BrokerState:
     # ------------------------------------------------------------ ranks
     def _known_rank(self, peer: bytes, request_id: int | None) -> tuple[RankRecord | None, list[Outgoing]]:
         rank = self.ranks.get(peer)
-        if rank is None:
-            why = self.forgotten_ranks.get(peer)
-            if why is not None:
-                message = f"broker {self.name} (instance {self.instance}) forgot this rank: {why}; say hello again and resend"
-                return None, [to_rank(peer, ErrorReply(request_id=request_id, message=message, code="forgotten"))]
-            message = "this broker does not know this rank (it restarted, or the rank was silent too long): say hello again"
-            return None, [to_rank(peer, ErrorReply(request_id=request_id, message=message, code="unknown_peer"))]
-        rank.last_seen = self.clock()
-        return rank, []
+        if rank is not None:
+            rank.last_seen = self.clock()
+            return rank, []
+        why = self.forgotten_ranks.why(peer)
+        if why is not None:
+            message = f"broker {self.name} (instance {self.instance}) forgot this rank: {why}; say hello again and resend"
+            return None, [to_rank(peer, ErrorReply(request_id=request_id, message=message, code="forgotten"))]
+        message = "this broker does not know this rank (it restarted, or the rank was silent too long): say hello again"
+        return None, [to_rank(peer, ErrorReply(request_id=request_id, message=message, code="unknown_peer"))]
 
     def on_hello(self, peer: bytes, hello: Hello, key: str | None = None) -> list[Outgoing]:
         """``key``: the rank's authenticated public key when the broker is secure."""
-        if hello.rank.encode() != peer:
-            return [to_rank(peer, ErrorReply(message=f"hello names rank {hello.rank!r}, but this connection is {peer!r}: a rank speaks only for itself"))]
-        if hello.window > self.settings.max_queued_per_rank:
-            message = (
-                f"rank {hello.rank} asks for a prefetch window of {hello.window}, over this broker's cap of "
-                f"{self.settings.max_queued_per_rank} requests per rank (--max-queued-per-rank): use prefetch_depth "
-                f"{self.settings.max_queued_per_rank} or less"
-            )
-            log.warning("broker: %s", message)
-            return [to_rank(peer, ErrorReply(message=message, code="over_limit"))]
+        refusal = refuse_hello(peer, hello, self.settings, self.services.get(hello.service) or ServiceRecord(hello.service))
+        if refusal is not None:
+            code, message = refusal
+            log.warning("broker: refused the hello of rank %s: %s", hello.rank, message)
+            return [to_rank(peer, ErrorReply(message=message, code=code))]
         service = self.service(hello.service)
         if hello.expect is not None:
-            if service.info is not None and service.info != hello.expect:
-                message = (
-                    f"service {service.name!r} serves another target than this rank checked: "
-                    f"{hello.expect.describe_mismatch(service.info, 'rank expects', 'workers serve')}"
-                )
-                return [to_rank(peer, ErrorReply(message=message, code="mismatch"))]
             service.info = hello.expect
         rank = self.ranks.get(peer)
         resumed = rank is not None
         if rank is None:
             self.ranks[peer] = rank = RankRecord(peer, hello, self.clock())
-            why = self.forgotten_ranks.pop(peer, None)
+            why = self.forgotten_ranks.take(peer)
             again = f" again (it had been forgotten: {why})" if why else ""
             log.info("broker: rank %s (host %s, pid %d) connected%s for service %r", hello.rank, hello.host, hello.pid, again, hello.service)
         else:  # the same rank again (its link flickered): keep its requests, take its new settings
@@ -293,59 +140,29 @@ class BrokerState:
             return out
         if submit.request_id in rank.requests:
             return []  # a resend of a request the broker already holds
-        refusal = self._refuse_submit(rank, submit, frames)
+        service = self.service(rank.hello.service)
+        refusal = refuse_submit(self.name, rank, submit, frames, self.settings, service, self.mappings)
         if refusal is not None:
             code, message = refusal
             return [to_rank(peer, ErrorReply(request_id=submit.request_id, message=message, code=code))]
+        at_window = rank.outstanding >= rank.hello.window
         pending = Pending(rank, submit, frames, self.clock())
-        if pending.mapping is not None:
-            self.mappings[pending.mapping].requests += 1
+        self.mappings.hold(pending)
         rank.requests[submit.request_id] = pending
         rank.submitted += 1
-        if rank.outstanding >= rank.hello.window:
+        if at_window:
             # The rank counts a request done when its result arrives, the broker when the worker's done
             # does: a rank may rightly send its next request in between. Park it until that done.
             rank.parked.append(pending)
             return []
-        return self._enqueue(pending)
+        log.debug("broker: request %d of rank %s queued for service %r", submit.request_id, rank.hello.rank, service.name)
+        return self._enqueue(pending, service)
 
-    def _refuse_submit(self, rank: RankRecord, submit: Submit, frames: list[Any]) -> tuple[str, str] | None:
-        name = rank.hello.service
-        limit = self.settings.request_limit(name)
-        declared = declared_bytes(submit.tensors)
-        if declared is not None and declared > limit:
-            return "refused", (
-                f"request {submit.request_id} declares {declared} bytes of tensors, over the limit of service {name!r} ({limit} "
-                f"bytes): send smaller batches, or start the broker with --service-max-request-bytes {name}=BYTES"
-            )
-        try:
-            check_frames(submit.tensors, frames, max_message_bytes=limit)
-        except MalformedMessage as exc:
-            return "refused", str(exc)
-        if submit.mapping_digest is not None and submit.mapping_digest not in self.mappings:
-            return "unknown_mapping", (
-                f"broker {self.name} holds no vocab mapping {submit.mapping_digest}, which request {submit.request_id} names: "
-                "send the mapping, then the request again"
-            )
-        if rank.outstanding >= rank.hello.window and len(rank.parked) >= rank.hello.window:
-            return "refused", (
-                f"rank {rank.hello.rank} has {rank.outstanding + len(rank.parked)} requests outstanding, "
-                f"its prefetch window is {rank.hello.window}: wait for results before sending more"
-            )
-        service = self.service(rank.hello.service)
-        if service.info is not None and submit.kind in ("eagle3", "dspark") and submit.kind != service.info.task:
-            return "refused", f"service {service.name!r} serves {service.info.task} supervision, not {submit.kind}: connect to a {submit.kind} service"
-        if len(service.queue) >= self.settings.max_queued_per_service:
-            return "busy", f"service {service.name!r} has {len(service.queue)} requests queued, its limit: send again later"
-        return None
-
-    def _enqueue(self, pending: Pending) -> list[Outgoing]:
+    def _enqueue(self, pending: Pending, service: ServiceRecord) -> list[Outgoing]:
         rank = pending.rank
-        rank.outstanding += 1
         rank.peak_outstanding = max(rank.peak_outstanding, rank.outstanding)
-        service = self.service(rank.hello.service)
         service.queue.append(pending)
-        return self._dispatch(service)
+        return self.scheduler.dispatch(service)
 
     def on_set_vocab_mapping(self, peer: bytes, message: SetVocabMapping, frames: list[Any]) -> list[Outgoing]:
         rank, out = self._known_rank(peer, message.request_id)
@@ -355,49 +172,9 @@ class BrokerState:
             check_frames(message.tensors, frames)
         except MalformedMessage as exc:
             return [to_rank(peer, ErrorReply(request_id=message.request_id, message=str(exc)))]
-        if rank.mapping_digest != message.digest:
-            out = self._release_mapping(rank)
-            record = self.mappings.get(message.digest)
-            if record is None:
-                record = self.mappings[message.digest] = MappingRecord(message, frames)
-            record.users.add(peer)
-            rank.mapping_digest = message.digest
+        out = self.mappings.set_for(rank, message, frames, self.workers.values())
         out.append(to_rank(peer, Ack(request_id=message.request_id)))
         return out
-
-    def _release_mapping(self, rank: RankRecord) -> list[Outgoing]:
-        """The rank no longer uses the mapping it set (requests naming it keep it)."""
-        digest, rank.mapping_digest = rank.mapping_digest, None
-        record = self.mappings.get(digest) if digest else None
-        if record is None:
-            return []
-        record.users.discard(rank.peer)
-        return self._drop_mapping_if_unneeded(digest)
-
-    def _drop_mapping_if_unneeded(self, digest: str) -> list[Outgoing]:
-        """Forget a mapping nobody needs, and tell the workers that hold it, which forget it with the broker."""
-        record = self.mappings.get(digest)
-        if record is None or record.needed:
-            return []
-        del self.mappings[digest]
-        out = []
-        for worker in self.workers.values():
-            if digest in worker.mappings_sent:
-                worker.mappings_sent.discard(digest)
-                out.append(to_worker(worker.peer, ForgetMapping(digest=digest)))
-        return out
-
-    def _finish(self, pending: Pending) -> list[Outgoing]:
-        """A request leaves the broker's care (completed, or its rank forgotten): its mapping may go."""
-        if pending.finished:
-            return []
-        pending.finished = True
-        if pending.mapping is None:
-            return []
-        record = self.mappings.get(pending.mapping)
-        if record is not None:
-            record.requests -= 1
-        return self._drop_mapping_if_unneeded(pending.mapping)
 
     def on_model_info(self, peer: bytes, query: ModelInfoQuery) -> list[Outgoing]:
         rank, out = self._known_rank(peer, query.request_id)
@@ -435,11 +212,9 @@ class BrokerState:
         if rank is None:
             return []
         rank.gone = True
-        log.info(
-            "broker: forgot rank %s of service %r: %s; dropped %d of its requests (%d at workers)",
-            rank.hello.rank, rank.hello.service, why, len(rank.requests), sum(1 for p in rank.requests.values() if p.ticket >= 0),
-        )
-        self._remember_forgotten(self.forgotten_ranks, peer, why)
+        at_workers = sum(1 for p in rank.requests.values() if p.ticket >= 0)
+        log.info("broker: forgot rank %s of service %r: %s; dropped %d of its requests (%d at workers)", rank.hello.rank, rank.hello.service, why, len(rank.requests), at_workers)
+        self.forgotten_ranks.remember(peer, why)
         service = self.service(rank.hello.service)
         service.queue.drop_rank(rank.peer)
         service.info_waiters = [(p, r) for p, r in service.info_waiters if p != peer]
@@ -451,29 +226,22 @@ class BrokerState:
                 worker.ranks_served.discard(peer)
                 out.append(to_worker(worker.peer, forget))
         for pending in rank.requests.values():
-            out.extend(self._finish(pending))
-        out.extend(self._release_mapping(rank))
-        return out + self._dispatch(service)
-
-    @staticmethod
-    def _remember_forgotten(forgotten: OrderedDict[bytes, str], peer: bytes, why: str) -> None:
-        forgotten[peer] = why
-        forgotten.move_to_end(peer)
-        while len(forgotten) > FORGOTTEN_KEPT:
-            forgotten.popitem(last=False)
+            out.extend(self.mappings.release(pending, self.workers.values()))
+        out.extend(self.mappings.release_rank(rank, self.workers.values()))
+        return out + self.scheduler.dispatch(service)
 
     # ------------------------------------------------------------ workers
     def _known_worker(self, peer: bytes) -> tuple[WorkerRecord | None, list[Outgoing]]:
         worker = self.workers.get(peer)
-        if worker is None:
-            why = self.forgotten_workers.get(peer)
-            if why is not None:
-                message = f"broker {self.name} (instance {self.instance}) forgot this worker: {why}; register again"
-                return None, [to_worker(peer, ErrorReply(message=message, code="forgotten"))]
-            message = "this broker does not know this worker (it restarted, or the worker was silent too long): register again"
-            return None, [to_worker(peer, ErrorReply(message=message, code="unknown_peer"))]
-        worker.last_seen = self.clock()
-        return worker, []
+        if worker is not None:
+            worker.last_seen = self.clock()
+            return worker, []
+        why = self.forgotten_workers.why(peer)
+        if why is not None:
+            message = f"broker {self.name} (instance {self.instance}) forgot this worker: {why}; register again"
+            return None, [to_worker(peer, ErrorReply(message=message, code="forgotten"))]
+        message = "this broker does not know this worker (it restarted, or the worker was silent too long): register again"
+        return None, [to_worker(peer, ErrorReply(message=message, code="unknown_peer"))]
 
     def _worker_keys(self, service: ServiceRecord) -> list[str]:
         return sorted({w.key for w in service.workers.values() if w.key is not None})
@@ -481,30 +249,25 @@ class BrokerState:
     def _announce_worker_keys(self, service: ServiceRecord) -> list[Outgoing]:
         """Tell the service's ranks (on a secure broker) which workers their data sockets admit."""
         message = WorkerKeys(keys=self._worker_keys(service))
-        return [to_rank(c.peer, message) for c in self.ranks.values() if c.key is not None and c.hello.service == service.name]
+        return [to_rank(r.peer, message) for r in self.ranks.values() if r.key is not None and r.hello.service == service.name]
 
     def on_register(self, peer: bytes, register: Register, key: str | None = None) -> list[Outgoing]:
         """``key``: the worker's authenticated public key when the broker is secure."""
-        if register.worker.encode() != peer:
-            return [to_worker(peer, ErrorReply(message=f"registration names worker {register.worker!r}, but this connection is {peer!r}"))]
         out: list[Outgoing] = []
-        if peer in self.workers:
+        if peer in self.workers and register.worker.encode() == peer:
             # A worker registers again after it lost sight of the broker; it has dropped its queue and mappings.
             out.extend(self._remove_worker(peer, "it registered again (it had lost sight of this broker)"))
         service = self.service(register.service)
-        if service.info is not None and register.info != service.info:
+        refusal = refuse_registration(peer, register, service)
+        if refusal is not None:
             self.counters["workers_refused"] += 1
-            reason = (
-                f"worker {register.worker} on {register.host} serves another target than service {service.name!r}: "
-                f"{register.info.describe_mismatch(service.info, 'worker has', 'service has')}"
-            )
-            log.warning("broker: refused registration: %s", reason)
-            return out + [to_worker(peer, ErrorReply(message=reason, code="refused"))]
+            log.warning("broker: refused registration: %s", refusal)
+            return out + [to_worker(peer, ErrorReply(message=refusal, code="refused"))]
         service.info = register.info
         worker = WorkerRecord(peer, register, self.clock(), key=key)
         self.workers[peer] = worker
         service.workers[peer] = worker
-        self.forgotten_workers.pop(peer, None)
+        self.forgotten_workers.take(peer)
         log.info(
             "broker: worker %s (host %s, pid %d, engine %s, capacity %d) registered for service %r",
             register.worker, register.host, register.pid, register.engine, register.capacity, register.service,
@@ -515,8 +278,7 @@ class BrokerState:
         for waiter, request_id in service.info_waiters:
             out.append(to_rank(waiter, self._model_info_reply(service, request_id)))
         service.info_waiters.clear()
-        out.extend(self._dispatch(service))
-        return out
+        return out + self.scheduler.dispatch(service)
 
     def on_worker_heartbeat(self, peer: bytes, heartbeat: WorkerHeartbeat) -> list[Outgoing]:
         worker, out = self._known_worker(peer)
@@ -528,6 +290,7 @@ class BrokerState:
         worker = self.workers.get(peer)
         if worker is not None:
             worker.draining = True
+            log.info("broker: worker %s is draining: it gets no more work", worker.name)
         return [to_worker(peer, DrainAck())]
 
     def on_worker_bye(self, peer: bytes) -> list[Outgoing]:
@@ -548,47 +311,47 @@ class BrokerState:
             if not worker.draining:  # a draining worker hands work back through no fault of the request
                 pending.excluded.add(peer)
                 pending.failures += 1
-                pending.last_error = f"worker {worker.registration.worker}: {done.message}"
+                pending.last_error = f"worker {worker.name}: {done.message}"
             return self._requeue([pending], service)
         if done.ok:
             worker.served += 1
             service.completions.append(self.clock())
         else:
             worker.failed += 1
-        out = self._complete(pending)
+        log.debug("broker: request %d of rank %s done by worker %s (ok %s)", pending.request.request_id, pending.rank.hello.rank, worker.name, done.ok)
+        out = self._complete(pending, service)
         if done.rank_unreachable and not pending.rank.gone:
             hello = pending.rank.hello
             message = (
-                f"worker {worker.registration.worker} on {worker.registration.host} cannot reach this rank's data socket "
+                f"worker {worker.name} on {worker.registration.host} cannot reach this rank's data socket "
                 f"{hello.data_endpoint}; pass data_endpoint='tcp://<an address workers can reach>:*' to the remote target"
             )
             out.append(to_rank(pending.rank.peer, ErrorReply(message=message, code="unreachable")))
-            out.extend(self._forget_rank(pending.rank.peer, f"worker {worker.registration.worker} cannot reach its data socket"))
-        return out + self._dispatch(service)
+            out.extend(self._forget_rank(pending.rank.peer, f"worker {worker.name} cannot reach its data socket"))
+        return out + self.scheduler.dispatch(service)
 
     def _on_missing_mapping(self, worker: WorkerRecord, pending: Pending, digest: str, service: ServiceRecord) -> list[Outgoing]:
         """The worker lacks a mapping the broker believed it held: forget that belief and send the request again,
         the mapping first. A second time from the same worker counts as a failure of it (it cannot keep one)."""
-        worker.mappings_sent.discard(digest)
+        self.mappings.worker_lacks(worker, digest)
         worker.handed_back += 1
         self.counters["mappings_resent"] += 1
-        log.info("broker: worker %s lacks vocab mapping %s; it gets the mapping again before request %d", worker.registration.worker, digest, pending.request.request_id)
+        log.info("broker: worker %s lacks vocab mapping %s; it gets the mapping again before request %d", worker.name, digest, pending.request.request_id)
         if worker.peer in pending.mapping_refused_by:
             pending.excluded.add(worker.peer)
             pending.failures += 1
-            pending.last_error = f"worker {worker.registration.worker} lacked vocab mapping {digest} twice"
+            pending.last_error = f"worker {worker.name} lacked vocab mapping {digest} twice"
         pending.mapping_refused_by.add(worker.peer)
         return self._requeue([pending], service)
 
-    def _complete(self, pending: Pending) -> list[Outgoing]:
+    def _complete(self, pending: Pending, service: ServiceRecord) -> list[Outgoing]:
         rank = pending.rank
         if rank.requests.pop(pending.request.request_id, None) is None:
             return []
-        out = self._finish(pending)
-        rank.outstanding -= 1
+        out = self.mappings.release(pending, self.workers.values())
         rank.completed += 1
         if rank.parked and not rank.gone:
-            out.extend(self._enqueue(rank.parked.popleft()))
+            out.extend(self._enqueue(rank.parked.popleft(), service))
         return out
 
     def _requeue(self, pendings: list[Pending], service: ServiceRecord) -> list[Outgoing]:
@@ -596,28 +359,26 @@ class BrokerState:
         out: list[Outgoing] = []
         back: list[Pending] = []
         for pending in sorted(pendings, key=lambda p: p.enqueued_at):
+            pending.ticket = -1
             if pending.rank.gone:
                 continue  # its rank was forgotten; if it came back, it sent the request again under a new record
             if pending.failures >= self.settings.max_attempts:
                 message = f"request failed on {pending.failures} workers of service {service.name!r}; last: {pending.last_error}"
                 out.append(to_rank(pending.rank.peer, ErrorReply(request_id=pending.request.request_id, message=message, code="failed")))
-                out.extend(self._complete(pending))
+                out.extend(self._complete(pending, service))
                 continue
             self.counters["requeued"] += 1
             back.append(pending)
         service.queue.push_front(back)
-        return out + self._dispatch(service)
+        return out + self.scheduler.dispatch(service)
 
     def _remove_worker(self, peer: bytes, why: str, *, died: bool = False) -> list[Outgoing]:
         """Forget a worker and requeue what it held; a worker that died counts as a failure of each request."""
         worker = self.workers.pop(peer, None)
         if worker is None:
             return []
-        log.info(
-            "broker: forgot worker %s of service %r: %s; %d requests it held go back to the queue",
-            worker.registration.worker, worker.registration.service, why, len(worker.in_flight),
-        )
-        self._remember_forgotten(self.forgotten_workers, peer, why)
+        log.info("broker: forgot worker %s of service %r: %s; %d requests it held go back to the queue", worker.name, worker.registration.service, why, len(worker.in_flight))
+        self.forgotten_workers.remember(peer, why)
         service = self.service(worker.registration.service)
         service.workers.pop(peer, None)
         pendings = list(worker.in_flight.values())
@@ -625,70 +386,13 @@ class BrokerState:
         if died:
             for pending in pendings:
                 pending.failures += 1
-                pending.last_error = f"worker {worker.registration.worker} died while it held the request"
+                pending.last_error = f"worker {worker.name} died while it held the request"
         # Ranks it served release their pair groups with it (docs/data-planes.md).
-        gone = WorkerGone(worker=worker.registration.worker)
+        gone = WorkerGone(worker=worker.name)
         out = [to_rank(rank, gone) for rank in worker.ranks_served if rank in self.ranks]
         if worker.key is not None:
             out.extend(self._announce_worker_keys(service))
         return out + self._requeue(pendings, service)
-
-    # ------------------------------------------------------------ scheduling
-    def _dispatch(self, service: ServiceRecord) -> list[Outgoing]:
-        if self.draining:
-            return []
-        out: list[Outgoing] = []
-        skipped: list[Pending] = []
-        while service.queue:
-            if not any(w.free_credits > 0 for w in service.workers.values()):
-                break
-            pending = service.queue.pop()  # the next rank's oldest request, round-robin across ranks
-            if pending.rank.gone:
-                continue
-            candidates = [w for w in service.workers.values() if w.free_credits > 0 and w.peer not in pending.excluded]
-            if not candidates:
-                skipped.append(pending)  # every free worker has handed this one back; wait for another
-                continue
-            # Most free credits first; among equals the one that waited longest since its last request.
-            worker = max(candidates, key=lambda w: (w.free_credits, -w.last_assigned))
-            out.extend(self._assign(worker, pending))
-        service.queue.push_front(skipped)
-        return out
-
-    def _assign(self, worker: WorkerRecord, pending: Pending) -> list[Outgoing]:
-        out: list[Outgoing] = []
-        rank = pending.rank
-        digest = pending.mapping
-        if digest is not None and digest not in worker.mappings_sent:
-            mapping = self.mappings[digest]  # held: a live request keeps its mapping
-            out.append(to_worker(worker.peer, VocabMapping(digest=digest, tensors=mapping.header.tensors), mapping.frames))
-            worker.mappings_sent.add(digest)
-        pending.ticket = self._next_ticket
-        self._next_ticket += 1
-        worker.in_flight[pending.ticket] = pending
-        worker.last_assigned = pending.ticket
-        worker.ranks_served.add(rank.peer)
-        out.append(Outgoing("backend", worker.peer, [SIGNATURE, self._dispatch_header(pending), *pending.frames]))
-        return out
-
-    @staticmethod
-    def _dispatch_header(pending: Pending) -> bytes:
-        """The ``dispatch`` header (messages.Dispatch) written directly: the hot path's one JSON document,
-        from the rank's fields (encoded once per rank) and the request (encoded once per request)."""
-        rank = pending.rank
-        if rank.dispatch_fields is None:
-            hello = rank.hello
-            fields = {"rank": hello.rank, "reply_to": hello.data_endpoint, "service": hello.service}
-            if hello.data_plane is not None:
-                fields["data_plane"] = hello.data_plane.model_dump(mode="json")
-            if rank.key is not None:
-                fields["reply_key"] = rank.key
-            if hello.max_result_bytes is not None:
-                fields["max_result_bytes"] = hello.max_result_bytes
-            rank.dispatch_fields = json.dumps(fields)[1:-1].encode()
-        if pending.request_json is None:
-            pending.request_json = pending.request.model_dump_json().encode()
-        return b'{"type":"dispatch","ticket":%d,%s,"request":%s}' % (pending.ticket, rank.dispatch_fields, pending.request_json)
 
     # ------------------------------------------------------------ time
     def on_tick(self) -> list[Outgoing]:
@@ -700,7 +404,7 @@ class BrokerState:
             self.counters["workers_expired"] += 1
             silent = f"silent for {now - self.workers[peer].last_seen:.1f} s (liveness window {window:.1f} s)"
             out.extend(self._remove_worker(peer, silent, died=True))
-        for peer in [p for p, c in self.ranks.items() if now - c.last_seen > window]:
+        for peer in [p for p, r in self.ranks.items() if now - r.last_seen > window]:
             self.counters["ranks_expired"] += 1
             out.extend(self._forget_rank(peer, f"silent for {now - self.ranks[peer].last_seen:.1f} s (liveness window {window:.1f} s)"))
         beat = Heartbeat(instance=self.instance)
@@ -713,7 +417,11 @@ class BrokerState:
 
     def start_draining(self) -> None:
         """Dispatch nothing more; what workers hold still completes."""
-        self.draining = True
+        self.scheduler.draining = True
+
+    @property
+    def draining(self) -> bool:
+        return self.scheduler.draining
 
     @property
     def in_flight(self) -> int:
@@ -723,61 +431,10 @@ class BrokerState:
         message = Goodbye(instance=self.instance)
         return [to_rank(peer, message) for peer in self.ranks] + [to_worker(peer, message) for peer in self.workers]
 
-    # ------------------------------------------------------------ observability
     def status(self) -> dict[str, Any]:
         now = self.clock()
-        return {
-            "broker": self.name,
-            "instance": self.instance,
-            "uptime_s": round(time.time() - self.started_at, 3),
-            "draining": self.draining,
-            "liveness_window_s": self.settings.window_s,
-            "counters": dict(self.counters),
-            "services": {
-                name: {
-                    "task": service.info.task if service.info else None,
-                    "target": service.info.model_dump() if service.info else None,
-                    "queued": len(service.queue),
-                    "requests_per_s": round(len(service.completions) / THROUGHPUT_WINDOW_S, 3),
-                    "workers": [self._worker_status(w, now) for w in service.workers.values()],
-                }
-                for name, service in sorted(self.services.items())
-            },
-            "ranks": [
-                {
-                    "rank": c.hello.rank,
-                    "service": c.hello.service,
-                    "host": c.hello.host,
-                    "pid": c.hello.pid,
-                    "window": c.hello.window,
-                    "queued": self.service(c.hello.service).queue.count(c.peer) + len(c.parked),
-                    "outstanding": c.outstanding,
-                    "parked": len(c.parked),
-                    "peak_outstanding": c.peak_outstanding,
-                    "submitted": c.submitted,
-                    "completed": c.completed,
-                    "last_heartbeat_s": round(now - c.last_seen, 3),
-                }
-                for c in self.ranks.values()
-            ],
+        broker = {
+            "broker": self.name, "instance": self.instance, "uptime_s": round(now - self.started_at, 3), "draining": self.draining,
+            "liveness_window_s": self.settings.window_s, "counters": dict(self.counters),
         }
-
-    @staticmethod
-    def _worker_status(w: WorkerRecord, now: float) -> dict[str, Any]:
-        state = "draining" if w.draining else ("busy" if w.in_flight else "idle")
-        return {
-            "worker": w.registration.worker,
-            "host": w.registration.host,
-            "pid": w.registration.pid,
-            "engine": w.registration.engine,
-            "state": state,
-            "capacity": w.registration.capacity,
-            "in_flight": len(w.in_flight),
-            "served": w.served,
-            "failed": w.failed,
-            "handed_back": w.handed_back,
-            "rank_links": w.rank_links,
-            "mappings": w.mappings_held,
-            "last_heartbeat_s": round(now - w.last_seen, 3),
-            "pairs": [pair.model_dump(mode="json") for pair in w.pairs],
-        }
+        return status_document(broker, now, self.services, self.ranks)

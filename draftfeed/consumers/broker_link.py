@@ -2,21 +2,25 @@
 
 It registers, passes the broker's messages to the compute loop through an inproc pipe and the compute
 loop's messages (``done``, ``draining``) to the broker, and keeps the registration alive: a broker that
-is silent for its liveness window, says it does not know this worker, restarts (a new instance id) or
-says goodbye gets a fresh registration, and the compute loop is told to drop what it had queued
-(``RESET``), since the broker has requeued it.
+is silent for its liveness window, says it does not know or has forgotten this worker, restarts (a new
+instance id) or says goodbye gets a fresh registration (broker_session.py decides when), and the compute
+loop is told to drop what it had queued (``RESET``), since the broker has requeued it.
+
+It also counts, per rank endpoint, the ``forget_rank`` messages it passes on, so that a delivery to a rank
+stuck on the compute loop learns at once that the rank is gone (``forgets``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import zmq
 
+from draftfeed.broker_session import BrokerSession
 from draftfeed.net import close_quietly
 from draftfeed.schemas.errors import MalformedMessage
 from draftfeed.schemas.frames import pack, unpack
@@ -24,6 +28,7 @@ from draftfeed.schemas.messages import (
     BACKEND_OUTBOUND,
     Bye,
     ErrorReply,
+    ForgetRank,
     Goodbye,
     Heartbeat,
     Register,
@@ -50,8 +55,6 @@ class BrokerLink(threading.Thread):
         registration: Register,
         pipe_endpoint: str,
         stats: Callable[[], WorkerHeartbeat],
-        heartbeat_interval_s: float = 1.0,
-        liveness: int = 5,
         keys: PeerKeys | None = None,
         max_frame_bytes: int | None = None,
     ) -> None:
@@ -59,16 +62,23 @@ class BrokerLink(threading.Thread):
         self._context = context
         self._broker = broker
         self._registration = registration
+        self._worker = registration.worker
         self._pipe_endpoint = pipe_endpoint
         self._stats = stats
         self._keys = keys
         self._max_frame_bytes = max_frame_bytes
-        self.interval_s, self.liveness = heartbeat_interval_s, liveness
+        self.session = BrokerSession()
         self.registered = threading.Event()
         self.refused: str | None = None
         self.failure: BaseException | None = None
-        self.instance: str | None = None
         self.registrations = 0
+        self._forgets: Counter[str] = Counter()
+        self._forgets_lock = threading.Lock()
+
+    def forgets(self, endpoint: str) -> int:
+        """How many ``forget_rank`` messages for the rank at ``endpoint`` the broker has sent so far (any thread)."""
+        with self._forgets_lock:
+            return self._forgets[endpoint]
 
     def run(self) -> None:
         dealer = self._context.socket(zmq.DEALER)
@@ -85,7 +95,7 @@ class BrokerLink(threading.Thread):
             pipe.connect(self._pipe_endpoint)
             self._serve(dealer, pipe)
         except _Refused:
-            log.error("worker %s: the broker refused registration: %s", self._registration.worker, self.refused)
+            log.error("worker %s: the broker refused registration: %s", self._worker, self.refused)
         except BaseException as exc:  # reported to the compute loop, which exits with it
             self.failure = exc
             log.exception("worker: broker link failed")
@@ -97,11 +107,11 @@ class BrokerLink(threading.Thread):
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)
         poller.register(pipe, zmq.POLLIN)
-        self._send_registration(dealer)
-        last_heard = time.monotonic()
-        next_beat = last_heard + self.interval_s
+        session = self.session
+        self._register(dealer)
+        next_beat = session.clock() + session.interval_s
         while True:
-            events = dict(poller.poll(max(0, int((next_beat - time.monotonic()) * 1000))))
+            events = dict(poller.poll(max(0, int((next_beat - session.clock()) * 1000))))
             if pipe in events:
                 frames = pipe.recv_multipart(copy=False)
                 if len(frames) == 1 and frames[0].bytes == STOP:
@@ -110,31 +120,27 @@ class BrokerLink(threading.Thread):
                 dealer.send_multipart(frames, copy=False)
             if dealer in events:
                 frames = dealer.recv_multipart(copy=False)
-                last_heard = time.monotonic()
+                session.heard()
                 if not self._handle(frames, dealer, pipe):
                     pipe.send_multipart(frames, copy=False)
-            now = time.monotonic()
-            if now >= next_beat:
-                window = self.interval_s * self.liveness
-                if self.registered.is_set() and now - last_heard > window and now - self._registration_sent_at > window:
-                    log.warning("worker %s: broker %s silent for %.1f s; registering again", self._registration.worker, self._broker, now - last_heard)
+            if session.clock() >= next_beat:
+                silence = session.silence()
+                if self.registered.is_set() and silence is not None and session.may_introduce():
+                    log.warning("worker %s: broker %s %s; registering again", self._worker, self._broker, silence)
                     self._register_again(dealer, pipe)
                 dealer.send_multipart(pack(self._stats()))
-                next_beat = now + self.interval_s
+                next_beat = session.clock() + session.interval_s
 
-    _registration_sent_at = 0.0
-    _awaiting_registration = False
-
-    def _send_registration(self, dealer: zmq.Socket) -> None:
-        self._awaiting_registration, self._registration_sent_at = True, time.monotonic()
+    def _register(self, dealer: zmq.Socket) -> None:
+        self.session.introducing()
         dealer.send_multipart(pack(self._registration))
 
     def _register_again(self, dealer: zmq.Socket, pipe: zmq.Socket) -> None:
         """Register afresh, unless a registration is already on its way (each one makes the broker requeue)."""
-        if self._awaiting_registration and time.monotonic() - self._registration_sent_at < self.interval_s * self.liveness:
+        if not self.session.may_introduce():
             return
         pipe.send(RESET)
-        self._send_registration(dealer)
+        self._register(dealer)
 
     def _handle(self, frames: list[Any], dealer: zmq.Socket, pipe: zmq.Socket) -> bool:
         """Handle what concerns the link itself; False passes the message on to the compute loop."""
@@ -144,32 +150,34 @@ class BrokerLink(threading.Thread):
             log.warning("worker: ignoring a malformed message from the broker: %s", exc)
             return True
         if isinstance(message, Registered):
-            self._awaiting_registration = False
-            self.instance = message.instance
-            self.interval_s, self.liveness = message.liveness.heartbeat_interval_s, message.liveness.liveness
+            self.session.welcomed(message.instance, message.liveness)
             self.registrations += 1
-            log.info("worker %s: registered with broker %s (instance %s)", self._registration.worker, message.broker, message.instance)
+            log.info("worker %s: registered with broker %s (instance %s)", self._worker, message.broker, message.instance)
             self.registered.set()
             return True
         if isinstance(message, ErrorReply):
-            if not self.registered.is_set() or (self._awaiting_registration and message.code == "refused"):
+            awaiting = self.session.introduced_at is not None
+            if not self.registered.is_set() or (awaiting and message.code == "refused"):
                 self.refused = message.message
                 self.registered.set()
                 raise _Refused(message.message)
-            elif message.code in ("unknown_peer", "forgotten"):
-                log.warning("worker %s: %s; registering again", self._registration.worker, message.message)
+            if message.code in ("unknown_peer", "forgotten"):
+                log.warning("worker %s: %s; registering again", self._worker, message.message)
                 self._register_again(dealer, pipe)
             else:
-                log.warning("worker %s: the broker reports: %s", self._registration.worker, message.message)
+                log.warning("worker %s: the broker reports: %s", self._worker, message.message)
             return True
         if isinstance(message, Heartbeat):
-            if self.instance is not None and message.instance != self.instance and not self._awaiting_registration:
-                log.warning("worker %s: the broker restarted (instance %s); registering again", self._registration.worker, message.instance)
+            if self.session.restarted(message.instance):
+                log.warning("worker %s: the broker restarted (instance %s); registering again", self._worker, message.instance)
                 self._register_again(dealer, pipe)
             return True
         if isinstance(message, Goodbye):
-            log.warning("worker %s: the broker is shutting down; registering with its successor", self._registration.worker)
-            self._awaiting_registration = False
+            log.warning("worker %s: the broker is shutting down; registering with its successor", self._worker)
+            self.session.introduced_at = None  # whatever registration went to the old instance is lost with it
             self._register_again(dealer, pipe)
             return True
+        if isinstance(message, ForgetRank):
+            with self._forgets_lock:
+                self._forgets[message.reply_to] += 1
         return False

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections import OrderedDict
-from typing import Any, Literal
+from typing import Any
 
 import zmq
 
@@ -13,6 +14,16 @@ from draftfeed.security.curve import PeerKeys, make_client
 
 _FORGOTTEN_KEPT = 4096
 log = logging.getLogger("draftfeed.worker")
+
+
+class Delivery(enum.Enum):
+    """What became of an answer for a rank."""
+
+    SENT = "sent"
+    BLOCKED = "blocked"  # its link is full or not connected yet: try again (never the end of a delivery)
+    FORGOTTEN = "forgotten"  # the broker reported the rank gone
+    UNREACHABLE = "unreachable"  # its data socket never answered within the connect timeout
+    STALLED = "stalled"  # it took nothing for the send timeout
 
 
 class RankLinks:
@@ -52,21 +63,21 @@ class RankLinks:
             self._sockets[endpoint] = sock
         return sock
 
-    def try_send(self, endpoint: str, frames: list[Any]) -> Literal["sent", "blocked", "forgotten"]:
-        """One non-blocking attempt: the rank is gone, its pipe is full (or not connected yet), or sent."""
+    def try_send(self, endpoint: str, frames: list[Any]) -> Delivery:
+        """One non-blocking attempt: SENT, BLOCKED (its pipe is full, or not connected yet) or FORGOTTEN."""
         if endpoint in self._forgotten:
-            return "forgotten"
+            return Delivery.FORGOTTEN
         try:
             sock = self.socket(endpoint)
         except ValueError as exc:
             log.error("%s; not sending to it", exc)
-            return "forgotten"
+            return Delivery.FORGOTTEN
         try:
             sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             self._reached.add(endpoint)
-            return "sent"
+            return Delivery.SENT
         except zmq.Again:
-            return "blocked"
+            return Delivery.BLOCKED
 
     def incoming(self) -> list[tuple[str, list[Any]]]:
         """Messages ranks sent back on these links (data-plane control), without blocking."""

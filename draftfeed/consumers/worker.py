@@ -1,7 +1,7 @@
 """The target worker: pulls requests from the broker, runs the frozen target, pushes supervision to the rank.
 
 Two threads: the broker link (broker_link.py: registration and heartbeats) and this compute loop, which
-owns the engine and the direct sockets to the ranks. The loop drains everything the link has passed on
+owns the engine and the direct sockets to the ranks. The loop files everything the link has passed on
 before it computes, so that a rank's departure or a re-registration takes effect on queued work at once.
 
 Supervision goes to each rank on the plane chosen for that pair (pair_planes.py): frames on the direct
@@ -9,9 +9,9 @@ socket, or a header on the socket and the tensors on the pair's own torch.distri
 group that fails is torn down and the answer goes again as frames.
 
 A request that cannot be served is answered with a failure that says why, and the worker serves on.
-An engine out of memory hands the request back to the broker, which gives it to another worker. On stop
-(SIGTERM) the worker tells the broker it is draining, finishes what it is computing, hands back what it
-had queued, and exits.
+An engine out of memory hands the request back to the broker, which gives it to another worker, and so
+does a request naming a vocab mapping this worker lacks. On stop (SIGTERM) the worker tells the broker it
+is draining, finishes what it is computing, hands back what it had queued, and exits.
 """
 
 from __future__ import annotations
@@ -29,20 +29,19 @@ import torch
 import zmq
 
 from draftfeed.consumers.broker_link import RESET, STOP, BrokerLink
+from draftfeed.consumers.config import WorkerConfig
 from draftfeed.consumers.engines.base import RETRYABLE_ERRORS
+from draftfeed.consumers.mappings import MissingMapping, WorkerMappings
 from draftfeed.consumers.pair_planes import PairPlanes
-from draftfeed.consumers.rank_links import RankLinks
-from draftfeed.consumers.tasks.dspark import DSparkTask
-from draftfeed.consumers.tasks.eagle3 import Eagle3Task
-from draftfeed.contract.vocab import VocabMap
+from draftfeed.consumers.rank_links import Delivery, RankLinks
+from draftfeed.consumers.tasks.base import Task
 from draftfeed.consumers.validation import validate_batch
-from draftfeed.contract.vocab import validate_vocab_mapping
 from draftfeed.dataplane.choice import local_offer
 from draftfeed.dataplane.pair_group import DataPlaneError, describe
+from draftfeed.dataplane.tensor_codec import decode_tensors, pack_tensors
 from draftfeed.net import close_quietly, host_identity
 from draftfeed.schemas.errors import BadRequest, MalformedMessage
 from draftfeed.schemas.frames import pack, unpack
-from draftfeed.dataplane.tensor_codec import pack_tensors
 from draftfeed.schemas.messages import (
     BACKEND_OUTBOUND,
     DATA_OUTBOUND,
@@ -51,46 +50,16 @@ from draftfeed.schemas.messages import (
     DrainAck,
     Draining,
     Failure,
-    ForgetRank,
     ForgetMapping,
+    ForgetRank,
     PairClose,
     Register,
     Result,
     VocabMapping,
     WorkerHeartbeat,
 )
-from draftfeed.schemas.protocol import DEFAULT_MAX_REQUEST_BYTES
-from draftfeed.dataplane.tensor_codec import decode_tensors
-from draftfeed.security.curve import PeerKeys
 
 log = logging.getLogger("draftfeed.worker")
-
-
-
-
-class MissingMapping(Exception):
-    """The request names a vocab mapping this worker does not hold: it goes back to the broker, which sends the
-    mapping first next time. Never computed with another mapping, nor with none."""
-
-    def __init__(self, digest: str) -> None:
-        super().__init__(f"no vocab mapping {digest} here")
-        self.digest = digest
-
-
-@dataclass
-class WorkerConfig:
-    broker: str
-    service: str
-    capacity: int = 2
-    name: str | None = None
-    send_timeout_s: float = 60.0
-    connect_timeout_s: float = 5.0
-    register_timeout_s: float = 60.0
-    drain_timeout_s: float = 10.0
-    data_plane: str = "auto"  # auto | frames | nccl | gloo (docs/data-planes.md)
-    pair_timeout_s: float = 30.0  # a pair group's rendezvous and each transfer on it
-    keys: PeerKeys | None = None  # CURVE to the broker and to ranks (docs/security.md)
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # the largest frame and request this worker takes from the broker
 
 
 @dataclass
@@ -102,15 +71,17 @@ class _Queued:
 class Worker:
     """Serves one task (EAGLE-3 or DSpark) of one target for one service."""
 
-    def __init__(self, task: Eagle3Task | DSparkTask, config: WorkerConfig) -> None:
+    def __init__(self, task: Task, config: WorkerConfig) -> None:
         self.task = task
         self.config = config
         self.name = config.name or f"{host_identity()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self._mappings: dict[str, VocabMap | BadRequest] = {}
+        self._mappings = WorkerMappings(task.shape.vocab_size, task.engine.device)
         self._queue: deque[_Queued] = deque()
         self._stop = threading.Event()
         self._ranks: RankLinks | None = None
         self._planes: PairPlanes | None = None
+        self._link: BrokerLink | None = None
+        self._drain_acked = False
         self.served = 0
 
     def registration(self) -> Register:
@@ -120,8 +91,8 @@ class Worker:
             task=self.task.name,
             engine=self.task.engine.name,
             info=self.task.info(),
-            supervision=getattr(self.task, "supervision", "probs"),
-            logit_transform=getattr(self.task, "logit_transform", self.task.engine.logit_transform),
+            supervision=self.task.supervision,
+            logit_transform=self.task.logit_transform,
             capacity=self.config.capacity,
             host=host_identity(),
             pid=os.getpid(),
@@ -144,13 +115,12 @@ class Worker:
         pipe = context.socket(zmq.PAIR)
         pipe.setsockopt(zmq.LINGER, 0)
         pipe.bind(pipe_endpoint)
-        self._ranks = RankLinks(context, hwm=self.config.capacity + 1, keys=self.config.keys)
-        ranks = self._ranks
+        self._ranks = ranks = RankLinks(context, hwm=self.config.capacity + 1, keys=self.config.keys)
         self._planes = PairPlanes(
             self.name, local_offer(self.config.data_plane, self.task.engine.device),
-            send=lambda endpoint, frames: ranks.try_send(endpoint, frames) == "sent", timeout_s=self.config.pair_timeout_s,
+            send=lambda endpoint, frames: ranks.try_send(endpoint, frames) is Delivery.SENT, timeout_s=self.config.pair_timeout_s,
         )
-        link = BrokerLink(
+        self._link = link = BrokerLink(
             context, self.config.broker, self.registration(), pipe_endpoint, self._stats, keys=self.config.keys,
             max_frame_bytes=self.config.max_request_bytes,
         )
@@ -189,7 +159,6 @@ class Worker:
 
     def _serve(self, pipe: zmq.Socket, link: BrokerLink) -> None:
         drain_deadline: float | None = None
-        self._drain_acked = False
         while link.is_alive():
             if self._stop.is_set() and drain_deadline is None:
                 log.info("worker %s: draining: %d queued requests go back to the broker", self.name, len(self._queue))
@@ -207,7 +176,7 @@ class Worker:
                     return
             elif self._queue:
                 queued = self._queue.popleft()
-                pipe.send_multipart(pack(self._serve_one(queued.dispatch, queued.frames, pipe)))
+                pipe.send_multipart(pack(self._serve_one(queued.dispatch, queued.frames)))
 
     # ------------------------------------------------------------ messages from the link
     def _take(self, frames: list[Any], pipe: zmq.Socket) -> None:
@@ -228,9 +197,9 @@ class Worker:
             self._ranks.remember(message.reply_to, message.reply_key)
             self._queue.append(_Queued(message, tensor_frames))
         elif isinstance(message, VocabMapping):
-            self._mappings[message.digest] = self._load_mapping(message, tensor_frames)
+            self._mappings.load(message, tensor_frames)
         elif isinstance(message, ForgetMapping):
-            self._mappings.pop(message.digest, None)
+            self._mappings.forget(message.digest)
         elif isinstance(message, ForgetRank):
             self._forget(message, pipe)
         elif isinstance(message, DrainAck):
@@ -263,54 +232,48 @@ class Worker:
             queued = self._queue.popleft()
             pipe.send_multipart(pack(Done(ticket=queued.dispatch.ticket, ok=False, retry=True, message=reason)))
 
-    def _load_mapping(self, message: VocabMapping, tensor_frames: list[Any]) -> VocabMap | BadRequest:
-        try:
-            tensors = decode_tensors(message.tensors, tensor_frames)
-            ids, mask = tensors["selected_token_ids"], tensors["selected_token_mask"]
-            validate_vocab_mapping(ids, mask, self.task.shape.vocab_size)
-        except (MalformedMessage, KeyError, BadRequest) as exc:
-            return BadRequest(f"the vocab mapping is invalid: {exc}")
-        device = self.task.engine.device
-        return VocabMap(ids.to(device), mask.to(device))
-
     # ------------------------------------------------------------ serving one request
-    def _serve_one(self, dispatch: Dispatch, tensor_frames: list[Any], pipe: zmq.Socket) -> Done:
+    def _serve_one(self, dispatch: Dispatch, tensor_frames: list[Any]) -> Done:
+        """Compute and deliver one request; the done for the broker says how it went."""
         request = dispatch.request
-        tensors: dict[str, torch.Tensor] | None = None
         try:
             tensors = self._compute(dispatch, tensor_frames)
-            ok = True
         except MissingMapping as exc:
-            log.info("worker %s: request %d of %s names vocab mapping %s, which this worker lacks: handed back for it", self.name, request.request_id, dispatch.rank, exc.digest)
+            log.info("worker %s: request %d of %s names a mapping it lacks (%s): handed back for it", self.name, request.request_id, dispatch.rank, exc)
             return Done(ticket=dispatch.ticket, ok=False, retry=True, missing_mapping=exc.digest, message=str(exc))
-        except (BadRequest, MalformedMessage) as exc:
-            reply, ok = self._failure(request.request_id, request.token, str(exc)), False
         except RETRYABLE_ERRORS as exc:
             log.warning("worker %s: request %d of %s handed back: %s", self.name, request.request_id, dispatch.rank, exc)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             return Done(ticket=dispatch.ticket, ok=False, retry=True, message=f"{type(exc).__name__}: {exc}")
+        except (BadRequest, MalformedMessage) as exc:
+            return self._fail(dispatch, str(exc))
         except Exception as exc:  # the engine failed on this batch; the worker serves on
             log.exception("worker %s: request %d of %s failed", self.name, request.request_id, dispatch.rank)
-            message = f"{type(exc).__name__} in the {self.task.engine.name} engine: {exc}"
-            reply, ok = self._failure(request.request_id, request.token, message), False
-        too_big = tensors is not None and _over_limit(tensors, dispatch.max_result_bytes)
-        if too_big:
-            reply, ok, tensors = self._failure(request.request_id, request.token, too_big), False, None
-        if tensors is not None:
-            outcome = self._deliver_result(dispatch, tensors, pipe)
-        else:
-            outcome = self._deliver(dispatch.reply_to, reply, pipe)
-        if ok and outcome == "sent":
+            return self._fail(dispatch, f"{type(exc).__name__} in the {self.task.engine.name} engine: {exc}")
+        too_big = _over_limit(tensors, dispatch.max_result_bytes)
+        if too_big is not None:
+            return self._fail(dispatch, too_big)
+        return self._done(dispatch, self._deliver_result(dispatch, tensors), ok=True)
+
+    def _fail(self, dispatch: Dispatch, message: str) -> Done:
+        """Tell the rank why its request could not be served."""
+        request = dispatch.request
+        failure = Failure(request_id=request.request_id, token=request.token, worker=self.name, message=message)
+        return self._done(dispatch, self._deliver(dispatch.reply_to, pack(failure)), ok=False)
+
+    def _done(self, dispatch: Dispatch, delivery: Delivery, *, ok: bool) -> Done:
+        sent = delivery is Delivery.SENT
+        if ok and sent:
             self.served += 1
         return Done(
             ticket=dispatch.ticket,
-            ok=ok and outcome == "sent",
-            message=None if outcome == "sent" else f"answer not delivered: rank {outcome}",
-            rank_unreachable=outcome == "unreachable",
+            ok=ok and sent,
+            message=None if sent else f"answer not delivered: rank {delivery.value}",
+            rank_unreachable=delivery is Delivery.UNREACHABLE,
         )
 
-    def _deliver_result(self, dispatch: Dispatch, tensors: dict[str, torch.Tensor], pipe: zmq.Socket) -> str:
+    def _deliver_result(self, dispatch: Dispatch, tensors: dict[str, torch.Tensor]) -> Delivery:
         """Send the answer on the pair's group when it has a ready one, else (or when that fails) as frames."""
         assert self._planes is not None
         request, endpoint = dispatch.request, dispatch.reply_to
@@ -319,56 +282,46 @@ class Worker:
         if pair is not None:
             group, generation = pair
             header = Result(tensors=describe(tensors), plane="pair", generation=generation, **fields)
-            outcome = self._deliver(endpoint, pack(header), pipe)
-            if outcome != "sent":
-                return outcome  # the rank is gone or unreachable: _deliver has released its pair
+            delivery = self._deliver(endpoint, pack(header))
+            if delivery is not Delivery.SENT:
+                return delivery  # the rank is gone or unreachable: _deliver has released its pair
             try:
                 group.send(tensors)
                 self._planes.sent(endpoint)
-                return "sent"
+                return Delivery.SENT
             except DataPlaneError as exc:
                 self._planes.failed(endpoint, str(exc))  # the rank drops what it got; frames follow
             except Exception as exc:  # e.g. a device error copying the tensors: the group is out of step too
                 log.exception("worker %s: sending on the pair group to %s failed", self.name, dispatch.rank)
                 group.close()
                 self._planes.failed(endpoint, f"{type(exc).__name__}: {exc}")
-        return self._deliver(endpoint, pack_tensors(Result, tensors, **fields), pipe)
+        return self._deliver(endpoint, pack_tensors(Result, tensors, **fields))
 
-    def _deliver(self, endpoint: str, frames: list[Any], pipe: zmq.Socket) -> str:
-        """Send to a rank: "sent", "forgotten" (the broker reported it gone), "unreachable" (never connected
-        within connect_timeout) or "stalled" (took nothing for send_timeout). Meanwhile it files what the
-        link passes on, so a rank that died (forget_rank, within the liveness window) ends the wait."""
-        assert self._ranks is not None
+    def _deliver(self, endpoint: str, frames: list[Any]) -> Delivery:
+        """Send to a rank, trying until it takes the message, the broker reports it gone (the link counts its
+        ``forget_rank``), it was never reached within connect_timeout, or it took nothing for send_timeout."""
+        assert self._ranks is not None and self._planes is not None and self._link is not None
         started = time.monotonic()
-        poller = zmq.Poller()
-        poller.register(pipe, zmq.POLLIN)
+        forgets = self._link.forgets(endpoint)
         while True:
-            outcome = self._ranks.try_send(endpoint, frames)
-            if outcome != "blocked":
-                return outcome
+            delivery = self._ranks.try_send(endpoint, frames)
+            if delivery is not Delivery.BLOCKED:
+                return delivery
+            if self._link.forgets(endpoint) != forgets:
+                return Delivery.FORGOTTEN  # the forget_rank itself is filed next, with the rest of the link's messages
             waited = time.monotonic() - started
             if not self._ranks.ever_sent(endpoint) and waited > self.config.connect_timeout_s:
                 # Never reached: a wrong or firewalled data endpoint. Fail fast for it from now on.
                 log.error("worker %s: cannot reach rank data endpoint %s within %.0f s; not trying it again", self.name, endpoint, waited)
-                assert self._planes is not None
                 self._planes.forget(endpoint)
                 self._ranks.forget(endpoint)
-                return "unreachable"
+                return Delivery.UNREACHABLE
             if waited > self.config.send_timeout_s:
                 log.error("worker %s: rank at %s took nothing for %.0f s; dropping its link", self.name, endpoint, waited)
-                assert self._planes is not None
                 self._planes.forget(endpoint)
                 self._ranks.drop(endpoint)
-                return "stalled"
-            sock = self._ranks.socket(endpoint)
-            poller.register(sock, zmq.POLLOUT)
-            events = dict(poller.poll(100))
-            poller.unregister(sock)
-            if pipe in events:
-                self._take(pipe.recv_multipart(copy=False), pipe)
-
-    def _failure(self, request_id: int, token: int, message: str) -> list[Any]:
-        return pack(Failure(request_id=request_id, token=token, worker=self.name, message=message))
+                return Delivery.STALLED
+            self._ranks.socket(endpoint).poll(100, zmq.POLLOUT)
 
     def _compute(self, dispatch: Dispatch, tensor_frames: list[Any]) -> dict[str, torch.Tensor]:
         request = dispatch.request
@@ -376,17 +329,17 @@ class Worker:
             raise BadRequest(f"worker {self.name} serves {self.config.service!r}, not {dispatch.service!r}")
         tensors = decode_tensors(request.tensors, tensor_frames, max_message_bytes=self.config.max_request_bytes)
         if request.kind == self.task.name:
-            out = self._supervise(dispatch, tensors)
-        elif request.kind == "input_embeddings":
-            out = {"weight": self.task.engine.input_embeddings()}
-        elif request.kind == "output_embeddings":
-            out = {"weight": self._output_embedding_rows(tensors.get("rows"))}
-        else:
-            raise BadRequest(
-                f"worker {self.name} serves {self.task.name} supervision, not {request.kind}: "
-                f"connect a Remote{'Eagle3' if request.kind == 'eagle3' else 'DSpark'}Target to a {request.kind} service"
-            )
-        return out
+            validate_batch(tensors, self.task.shape.vocab_size)
+            vocab = self._mappings.get(request.mapping_digest)
+            return self.task.compute(tensors["input_ids"], tensors["attention_mask"], tensors["loss_mask"], vocab)
+        if request.kind == "input_embeddings":
+            return {"weight": self.task.engine.input_embeddings()}
+        if request.kind == "output_embeddings":
+            return {"weight": self._output_embedding_rows(tensors.get("rows"))}
+        raise BadRequest(
+            f"worker {self.name} serves {self.task.name} supervision, not {request.kind}: "
+            f"connect a Remote{'Eagle3' if request.kind == 'eagle3' else 'DSpark'}Target to a {request.kind} service"
+        )
 
     def _output_embedding_rows(self, rows: torch.Tensor | None) -> torch.Tensor:
         """The lm_head weight, or only the given rows (the draft vocab's, for the compact EAGLE-3 form)."""
@@ -397,18 +350,6 @@ class Worker:
         if rows.dtype != torch.int64 or rows.dim() != 1 or (rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= vocab)):
             raise BadRequest(f"rows must be a 1-D int64 tensor of ids in [0, {vocab})")
         return weight.index_select(0, rows.to(weight.device))
-
-    def _supervise(self, dispatch: Dispatch, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        validate_batch(tensors, self.task.shape.vocab_size)
-        vocab = None
-        digest = dispatch.request.mapping_digest
-        if digest is not None:
-            vocab = self._mappings.get(digest)
-            if vocab is None:
-                raise MissingMapping(digest)
-            if isinstance(vocab, BadRequest):
-                raise vocab
-        return self.task.compute(tensors["input_ids"], tensors["attention_mask"], tensors["loss_mask"], vocab)
 
 
 def _over_limit(tensors: dict[str, torch.Tensor], limit: int | None) -> str | None:

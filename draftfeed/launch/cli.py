@@ -1,4 +1,10 @@
-"""The ``draftfeed`` command line: launch a broker or a worker, run the demo, read the broker's status."""
+"""The ``draftfeed`` command line: launch a broker or a worker, run the demo or the bench, read the broker's status.
+
+Defaults and choices are read from where they are kept (BrokerSettings, WorkerConfig, the protocol's constants,
+the message models' literals), never restated here; ``--help`` shows each. A usage error is one line on stderr
+and exit code 2 (``UsageError``), never a traceback. The CLI loads neither torch nor pyzmq's auth until a
+command needs them: ``draftfeed launch broker --help`` stays light.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +14,36 @@ import logging
 import re
 import signal
 import sys
+from collections.abc import Callable, Sequence
+from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, get_args
 
+from draftfeed.broker.settings import BrokerSettings
+from draftfeed.consumers.config import DEFAULT_DRAFT_LAYERS, DTYPES, ENGINES, WorkerConfig
 from draftfeed.launch.ready import announce_ready
+from draftfeed.schemas.errors import UsageError
+from draftfeed.schemas.messages import DataPlaneMode, SupervisionForm, Task
 from draftfeed.schemas.protocol import DEFAULT_BACKEND, DEFAULT_FRONTEND
 
 if TYPE_CHECKING:  # imported where used: the CLI starts without loading pyzmq's auth or torch
     from draftfeed.security.curve import BrokerKeys, PeerKeys
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+DEFAULT_STATUS_BROKER = "tcp://127.0.0.1:5555"
+BENCH_SCENARIOS = ("codec", "data-plane", "pair-plane", "encryption", "broker", "overlap", "scaling", "real-target")
+
+
+def _default(settings: type, name: str) -> Any:
+    """The default a settings dataclass states for ``name``."""
+    for item in fields(settings):
+        if item.name == name:
+            return item.default
+    raise KeyError(name)
+
+
+BROKER = BrokerSettings()
+
 
 def _layer_ids(text: str) -> list[int]:
     try:
@@ -49,39 +77,54 @@ def default_service_name(target: str, task: str) -> str:
     return re.sub(r"[^a-z0-9._-]+", "-", f"{base}-{task}".lower())
 
 
+class _Help(argparse.HelpFormatter):
+    """Every option's help ends with its default, where it has one worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "%(default)" in text or default in (None, False, [], argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _parser(parent: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    return parent.add_parser(name, formatter_class=_Help, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="draftfeed", description="Serve frozen-target supervision to draft-model training over ZeroMQ.")
-    parser.add_argument("--log-level", default="INFO", help="logging level: DEBUG, INFO, WARNING, ERROR (default INFO)")
+    parser = argparse.ArgumentParser(prog="draftfeed", description="Serve frozen-target supervision to draft-model training over ZeroMQ.", formatter_class=_Help)
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="logging level")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    launch = commands.add_parser("launch", help="start a broker or a worker process")
+    launch = _parser(commands, "launch", help="start a broker or a worker process")
     add_launch_commands(launch.add_subparsers(dest="role", required=True))
 
-    demo = commands.add_parser("demo", help="run the whole pipeline on a tiny local target and print what it did")
-    demo.add_argument("--steps", type=int, default=40, help="training steps to run (default 40)")
-    demo.add_argument("--workers", type=int, default=2, help="worker processes to start (default 2)")
-    demo.add_argument("--batch-size", type=int, default=4, help="rows per batch (default 4)")
-    demo.add_argument("--seq-len", type=int, default=256, help="tokens per row (default 256)")
-    demo.add_argument("--prefetch-depth", type=int, default=2, help="batches in flight per rank (default 2)")
+    demo = _parser(commands, "demo", help="run the whole pipeline on a tiny local target and print what it did")
+    demo.add_argument("--steps", type=int, default=40, help="training steps to run")
+    demo.add_argument("--workers", type=int, default=2, help="worker processes to start")
+    demo.add_argument("--batch-size", type=int, default=4, help="rows per batch")
+    demo.add_argument("--seq-len", type=int, default=256, help="tokens per row")
+    demo.add_argument("--prefetch-depth", type=int, default=2, help="batches in flight per rank")
     demo.add_argument("--workdir", default=None, help="folder for the tiny target (default: a temporary folder)")
 
-    bench = commands.add_parser("bench", help="measure every part of the pipeline against baselines from the same run")
+    bench = _parser(commands, "bench", help="measure every part of the pipeline against baselines from the same run")
     bench.add_argument("--quick", action="store_true", help="smaller payloads and fewer repetitions: under 2 minutes on 2 cores")
-    bench.add_argument("--scenario", action="append", choices=["codec", "data-plane", "pair-plane", "encryption", "broker", "overlap", "scaling", "real-target"], help="run only these (repeatable; default all)")
+    bench.add_argument("--scenario", action="append", choices=BENCH_SCENARIOS, help="run only these (repeatable; default all)")
     bench.add_argument("--json", dest="json_path", default=None, help="write the results as JSON to this path")
     bench.add_argument("--report", action="store_true", help="render docs/performance.md and its plot from this run")
-    bench.add_argument("--docs", default="docs", help="where --report writes (default docs)")
+    bench.add_argument("--docs", default="docs", help="where --report writes")
     bench.add_argument("--from-json", default=None, help="measure nothing: render --report from the JSON of an earlier run")
 
-    status = commands.add_parser("status", help="print the broker's services, workers, ranks and queues")
-    status.add_argument("--broker", default="tcp://127.0.0.1:5555", help="the broker's rank (frontend) endpoint")
+    status = _parser(commands, "status", help="print the broker's services, workers, ranks and queues")
+    status.add_argument("--broker", default=DEFAULT_STATUS_BROKER, help="the broker's rank (frontend) endpoint")
     status.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
-    status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the broker (default 10)")
+    status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the broker")
     _add_peer_key_flags(status, "rank")
 
-    keys = commands.add_parser("keys", help="create CURVE keys for a secure deployment (docs/security.md)")
+    keys = _parser(commands, "keys", help="create CURVE keys for a secure deployment (docs/security.md)")
     key_commands = keys.add_subparsers(dest="keys_command", required=True)
-    generate = key_commands.add_parser("generate", help="write key pairs in ZeroMQ's certificate format")
+    generate = _parser(key_commands, "generate", help="write key pairs in ZeroMQ's certificate format")
     generate.add_argument("--out", required=True, help="the folder to write to (created if missing; existing keys are never overwritten)")
     generate.add_argument("--name", default=None, help="write one more pair NAME.key / NAME.key_secret instead of the broker, rank and worker set")
     generate.add_argument("--role", choices=["rank", "worker"], default=None, help="with --name: also put NAME.key on OUT/ranks or OUT/workers, the broker's allow-lists")
@@ -103,83 +146,77 @@ def _peer_keys(args: argparse.Namespace, role: str, required: bool) -> PeerKeys 
     folder = args.keys or os.environ.get(KEYS_ENV)
     if args.key or args.broker_key:
         if not (args.key and args.broker_key) and not folder:
-            raise ValueError("--key and --broker-key go together (or pass --keys DIR for both)")
+            raise UsageError("--key and --broker-key go together (or pass --keys DIR for both)")
         return PeerKeys.from_files(args.key or Path(folder) / f"{role}.key_secret", args.broker_key or Path(folder) / "broker.key")
     if folder:
         return PeerKeys.from_folder(folder, role)
     if required:
-        raise ValueError(f"--secure needs keys: --keys DIR (from `draftfeed keys generate`), or --key {role}.key_secret and --broker-key broker.key")
+        raise UsageError(f"--secure needs keys: --keys DIR (from `draftfeed keys generate`), or --key {role}.key_secret and --broker-key broker.key")
     return None
 
 
 def add_launch_commands(roles: argparse._SubParsersAction) -> None:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--log-level", default=argparse.SUPPRESS, help="logging level: DEBUG, INFO, WARNING, ERROR (default INFO)")
-    broker = roles.add_parser("broker", parents=[common], help="route requests from training ranks to target workers")
-    broker.add_argument("--frontend", default=DEFAULT_FRONTEND, help=f"where training ranks connect (default {DEFAULT_FRONTEND}; tcp://HOST:* picks a free port)")
-    broker.add_argument("--backend", default=DEFAULT_BACKEND, help=f"where workers connect (default {DEFAULT_BACKEND})")
+    common.add_argument("--log-level", default=argparse.SUPPRESS, type=str.upper, choices=LOG_LEVELS, help="logging level (default INFO)")
+    broker = _parser(roles, "broker", parents=[common], help="route requests from training ranks to target workers")
+    broker.add_argument("--frontend", default=DEFAULT_FRONTEND, help="where training ranks connect (tcp://HOST:* picks a free port)")
+    broker.add_argument("--backend", default=DEFAULT_BACKEND, help="where workers connect")
     broker.add_argument("--name", default=None, help="the broker's name in logs and status (default HOST-PID)")
-    broker.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats to and from every peer (default 1); peers adopt it")
+    broker.add_argument("--heartbeat-interval", type=float, default=BROKER.heartbeat_interval_s, help="seconds between heartbeats to and from every peer; peers adopt it")
+    broker.add_argument("--liveness", type=int, default=BROKER.liveness, help="heartbeat intervals a peer may stay silent before it counts as dead")
+    broker.add_argument("--max-queued", type=int, default=BROKER.max_queued_per_service, help="requests one service may queue; past it ranks are told to send again later")
+    broker.add_argument("--max-queued-per-rank", type=int, default=BROKER.max_queued_per_rank, help="most requests one rank may have queued or at workers; a rank asking for a larger prefetch window is refused")
+    broker.add_argument("--max-frame-bytes", type=int, default=BROKER.max_frame_bytes, help="largest frame the broker takes from any peer; a peer sending more is disconnected before the frame is allocated")
+    broker.add_argument("--max-request-bytes", type=int, default=BROKER.max_request_bytes, help="tensor bytes one request may declare, for every service without its own limit")
+    broker.add_argument("--service-max-request-bytes", type=_service_limit, action="append", default=[], metavar="SERVICE=BYTES", help="the request limit of one service (repeatable)")
+    broker.add_argument("--max-attempts", type=int, default=BROKER.max_attempts, help="workers a request may be tried on before the rank gets an error")
+    broker.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds to wait for requests at workers before exiting")
     broker.add_argument("--secure", action="store_true", help="CURVE on both sockets: only rank keys at the frontend, only worker keys at the backend (docs/security.md)")
     broker.add_argument("--keys", default=None, help="with --secure: a folder from `draftfeed keys generate` (broker.key_secret, ranks/, workers/)")
     broker.add_argument("--key", default=None, help="with --secure: the broker's .key_secret file (overrides --keys)")
     broker.add_argument("--rank-keys", default=None, help="with --secure: the folder of rank public keys allowed at the frontend (overrides --keys)")
     broker.add_argument("--worker-keys", default=None, help="with --secure: the folder of worker public keys allowed at the backend (overrides --keys)")
-    broker.add_argument("--liveness", type=int, default=5, help="heartbeat intervals a peer may stay silent before it counts as dead (default 5)")
-    broker.add_argument("--max-queued", type=int, default=4096, help="requests one service may queue; past it ranks are told to send again later (default 4096)")
-    broker.add_argument("--max-queued-per-rank", type=int, default=256, help="most requests one rank may have queued or at workers; a rank asking for a larger prefetch window is refused (default 256)")
-    broker.add_argument("--max-frame-bytes", type=int, default=256 << 20, help="largest frame the broker takes from any peer; a peer sending more is disconnected before the frame is allocated (default 256 MiB)")
-    broker.add_argument("--max-request-bytes", type=int, default=256 << 20, help="tensor bytes one request may declare, for every service without its own limit (default 256 MiB)")
-    broker.add_argument("--service-max-request-bytes", type=_service_limit, action="append", default=[], metavar="SERVICE=BYTES", help="the request limit of one service (repeatable)")
-    broker.add_argument("--max-attempts", type=int, default=3, help="workers a request may be tried on before the rank gets an error (default 3)")
-    broker.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds to wait for requests at workers before exiting (default 30)")
 
-    worker = roles.add_parser("worker", parents=[common], help="run a frozen target and serve its supervision")
+    worker = _parser(roles, "worker", parents=[common], help="run a frozen target and serve its supervision")
     worker.add_argument("--broker", required=True, help="the broker's worker (backend) endpoint, e.g. tcp://HOST:5556")
     worker.add_argument("--target", required=True, help="the target model: a local folder or hub id that AutoModelForCausalLM loads")
-    worker.add_argument("--engine", default="hf", help="what runs the target: hf (transformers, the default), vllm, sglang, or package.module:Class for an engine of your own (docs/engines.md)")
+    worker.add_argument("--engine", default=ENGINES[0], help=f"what runs the target: {', '.join(ENGINES)}, or package.module:Class for an engine of your own (docs/engines.md)")
     worker.add_argument("--engine-option", type=_engine_option, action="append", default=[], metavar="KEY=VALUE", help="an engine setting, repeatable; for vllm any vllm.LLM argument (gpu_memory_utilization=0.8, max_model_len=8192), for sglang any ServerArgs field")
-    worker.add_argument("--task", default="eagle3", choices=["eagle3", "dspark"], help="which supervision to compute (default eagle3)")
+    worker.add_argument("--task", default="eagle3", choices=get_args(Task), help="which supervision to compute")
     worker.add_argument("--service", default=None, help="the service name ranks ask for (default: <target folder>-<task>)")
-    worker.add_argument("--device", default="cpu", help="torch device for the target, e.g. cuda:0 (default cpu)")
-    worker.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16 or float16")
+    worker.add_argument("--device", default="cpu", help="torch device for the target, e.g. cuda:0")
+    worker.add_argument("--dtype", default=DTYPES[0], choices=DTYPES, help="the target's dtype: auto is float32 on CPU, bfloat16 on GPU")
     worker.add_argument("--aux-layer-ids", type=_layer_ids, default=None, help="EAGLE-3: 3 distinct decoder layers, e.g. 1,15,28 (default [1, L//2-1, L-4])")
     worker.add_argument("--target-layer-ids", type=_layer_ids, default=None, help="DSpark: strictly increasing ids, -1 for the embeddings and L-1 for the final norm, e.g. -1,7,14,21,27 (default: --draft-layers ids spread over [1, L-1])")
-    worker.add_argument("--supervision", default="probs", choices=["probs", "probs-bf16", "hidden"], help="EAGLE-3: send target_probs as float32 probs (default, the contract's form), bfloat16 probs (lossy, half the bytes), or the final hidden state and argmax from which ranks rebuild them (compact)")
-    worker.add_argument("--draft-layers", type=int, default=5, help="DSpark: layers of the draft, for the default target layer ids (default 5)")
-    worker.add_argument("--capacity", type=int, default=2, help="requests the broker may hand this worker at once (default 2)")
+    worker.add_argument("--supervision", default="probs", choices=get_args(SupervisionForm), help="EAGLE-3: send target_probs as float32 probs (the contract's form), bfloat16 probs (lossy, half the bytes), or the final hidden state and argmax from which ranks rebuild them (hidden, compact)")
+    worker.add_argument("--draft-layers", type=int, default=DEFAULT_DRAFT_LAYERS, help="DSpark: layers of the draft, for the default target layer ids")
+    worker.add_argument("--capacity", type=int, default=_default(WorkerConfig, "capacity"), help="requests the broker may hand this worker at once")
     worker.add_argument("--name", default=None, help="the worker's name in logs and status (default HOST-PID-random)")
-    worker.add_argument("--send-timeout", type=float, default=60.0, help="seconds a rank may take to accept supervision before the worker gives up on it (default 60)")
-    worker.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to reach a rank's data socket the first time before giving up on that rank (default 5)")
-    worker.add_argument("--register-timeout", type=float, default=60.0, help="seconds to wait for the broker at start (default 60)")
-    worker.add_argument("--data-plane", default="auto", choices=["auto", "frames", "nccl", "gloo"], help="how supervision reaches ranks: auto (NCCL to CUDA ranks on this machine, frames otherwise; the default), frames, nccl or gloo (docs/data-planes.md)")
-    worker.add_argument("--pair-timeout", type=float, default=30.0, help="seconds a pair group may take to build, and each transfer on it, before it is torn down and frames are used (default 30)")
-    worker.add_argument("--drain-timeout", type=float, default=10.0, help="on SIGTERM, seconds to wait for the broker to confirm the drain (default 10)")
-    worker.add_argument("--max-request-bytes", type=int, default=256 << 20, help="largest request (and frame) this worker takes from the broker (default 256 MiB)")
+    worker.add_argument("--send-timeout", type=float, default=_default(WorkerConfig, "send_timeout_s"), help="seconds a rank may take to accept supervision before the worker gives up on it")
+    worker.add_argument("--connect-timeout", type=float, default=_default(WorkerConfig, "connect_timeout_s"), help="seconds to reach a rank's data socket the first time before giving up on that rank")
+    worker.add_argument("--register-timeout", type=float, default=_default(WorkerConfig, "register_timeout_s"), help="seconds to wait for the broker at start")
+    worker.add_argument("--data-plane", default=_default(WorkerConfig, "data_plane"), choices=get_args(DataPlaneMode), help="how supervision reaches ranks: auto (NCCL to CUDA ranks on this machine, frames otherwise), frames, nccl or gloo (docs/data-planes.md)")
+    worker.add_argument("--pair-timeout", type=float, default=_default(WorkerConfig, "pair_timeout_s"), help="seconds a pair group may take to build, and each transfer on it, before it is torn down and frames are used")
+    worker.add_argument("--drain-timeout", type=float, default=_default(WorkerConfig, "drain_timeout_s"), help="on SIGTERM, seconds to wait for the broker to confirm the drain")
+    worker.add_argument("--max-request-bytes", type=int, default=_default(WorkerConfig, "max_request_bytes"), help="largest request (and frame) this worker takes from the broker")
     worker.add_argument("--secure", action="store_true", help="CURVE to the broker and to ranks, with this worker's key (docs/security.md)")
     _add_peer_key_flags(worker, "worker")
 
 
-def _stop_on_signals(stop: callable) -> None:
+def _stop_on_signals(stop: Callable[[], None]) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop())
 
 
 def run_broker(args: argparse.Namespace) -> int:
     from draftfeed.broker.broker import Broker
-    from draftfeed.broker.state import BrokerSettings
 
     settings = BrokerSettings(
         heartbeat_interval_s=args.heartbeat_interval, liveness=args.liveness,
         max_queued_per_service=args.max_queued, max_queued_per_rank=args.max_queued_per_rank, max_attempts=args.max_attempts,
         max_frame_bytes=args.max_frame_bytes, max_request_bytes=args.max_request_bytes, service_max_request_bytes=dict(args.service_max_request_bytes),
     )
-    try:
-        keys = _broker_keys(args)
-    except ValueError as exc:
-        print(f"draftfeed broker: {exc}", file=sys.stderr)
-        return 2
-    broker = Broker(args.frontend, args.backend, name=args.name, settings=settings, drain_timeout_s=args.drain_timeout, keys=keys)
+    broker = Broker(args.frontend, args.backend, name=args.name, settings=settings, drain_timeout_s=args.drain_timeout, keys=_broker_keys(args))
     frontend, backend = broker.bind()
     _stop_on_signals(broker.stop)
     announce_ready(role="broker", frontend=frontend, backend=backend)
@@ -193,7 +230,7 @@ def _broker_keys(args: argparse.Namespace) -> BrokerKeys | None:
     given = [flag for flag, value in (("--keys", args.keys), ("--key", args.key), ("--rank-keys", args.rank_keys), ("--worker-keys", args.worker_keys)) if value]
     if not args.secure:
         if given:
-            raise ValueError(f"{', '.join(given)} given without --secure: add --secure to use them")
+            raise UsageError(f"{', '.join(given)} given without --secure: add --secure to use them")
         return None
     folder = Path(args.keys) if args.keys else None
     paths = {
@@ -203,33 +240,29 @@ def _broker_keys(args: argparse.Namespace) -> BrokerKeys | None:
     }
     missing = [flag for flag, path in paths.items() if path is None]
     if missing:
-        raise ValueError(f"--secure needs {', '.join(missing)} (or --keys DIR from `draftfeed keys generate`)")
+        raise UsageError(f"--secure needs {', '.join(missing)} (or --keys DIR from `draftfeed keys generate`)")
     return BrokerKeys.from_files(paths["--key"], paths["--rank-keys"], paths["--worker-keys"])
 
 
 def run_keys(args: argparse.Namespace) -> int:
-    from draftfeed.security.keys import KeyFileError, generate, generate_pair
+    from draftfeed.security.keys import generate, generate_pair
 
     out = Path(args.out)
-    try:
-        if args.name is None:
-            if args.role is not None:
-                raise KeyFileError("--role goes with --name")
-            pairs = generate(out)
-            print(f"wrote the broker, rank and worker key pairs to {out}:")
-            print(f"  broker:   draftfeed launch broker --secure --keys {out}   ({out}/broker.key_secret stays on the broker host)")
-            print(f"  workers:  draftfeed launch worker --secure --keys {out} ...   (needs worker.key_secret and broker.key)")
-            print(f"  ranks: RemoteEagle3Target(..., keys='{out}') or DRAFTFEED_KEYS={out}   (needs rank.key_secret and broker.key)")
-            for name, pair in pairs.items():
-                print(f"  {name} public key {pair.public.decode()}")
-        else:
-            allow_list = out / f"{args.role}s" if args.role else None
-            pair = generate_pair(out, args.name, allow_list)
-            where = f", and added its public key to {allow_list}" if allow_list else ""
-            print(f"wrote {out}/{args.name}.key and {out}/{args.name}.key_secret{where}; public key {pair.public.decode()}")
-    except KeyFileError as exc:
-        print(f"draftfeed keys: {exc}", file=sys.stderr)
-        return 2
+    if args.name is None:
+        if args.role is not None:
+            raise UsageError("--role goes with --name")
+        pairs = generate(out)
+        print(f"wrote the broker, rank and worker key pairs to {out}:")
+        print(f"  broker:   draftfeed launch broker --secure --keys {out}   ({out}/broker.key_secret stays on the broker host)")
+        print(f"  workers:  draftfeed launch worker --secure --keys {out} ...   (needs worker.key_secret and broker.key)")
+        print(f"  ranks:    RemoteEagle3Target(..., keys='{out}') or DRAFTFEED_KEYS={out}   (needs rank.key_secret and broker.key)")
+        for name, pair in pairs.items():
+            print(f"  {name} public key {pair.public.decode()}")
+    else:
+        allow_list = out / f"{args.role}s" if args.role else None
+        pair = generate_pair(out, args.name, allow_list)
+        where = f", and added its public key to {allow_list}" if allow_list else ""
+        print(f"wrote {out}/{args.name}.key and {out}/{args.name}.key_secret{where}; public key {pair.public.decode()}")
     return 0
 
 
@@ -238,33 +271,26 @@ def run_worker(args: argparse.Namespace) -> int:
 
     from draftfeed.consumers.engines import load_engine
     from draftfeed.consumers.tasks import load_task
-    from draftfeed.consumers.worker import Worker, WorkerConfig
+    from draftfeed.consumers.worker import Worker
 
     transformers.logging.disable_progress_bar()
     transformers.logging.set_verbosity_error()
     misplaced = "--target-layer-ids" if args.task == "eagle3" else "--aux-layer-ids"
     if (args.target_layer_ids if args.task == "eagle3" else args.aux_layer_ids) is not None:
-        print(f"draftfeed worker: {misplaced} does not apply to --task {args.task}", file=sys.stderr)
-        return 2
-    try:
-        if not args.secure and (args.keys or args.key or args.broker_key):
-            raise ValueError("--keys/--key/--broker-key given without --secure: add --secure to use them")
-        keys = _peer_keys(args, "worker", required=True) if args.secure else None
-    except ValueError as exc:
-        print(f"draftfeed worker: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(f"{misplaced} does not apply to --task {args.task}")
+    if not args.secure and (args.keys or args.key or args.broker_key):
+        raise UsageError("--keys/--key/--broker-key given without --secure: add --secure to use them")
+    keys = _peer_keys(args, "worker", required=True) if args.secure else None
     try:
         engine = load_engine(args.engine, args.target, args.device, args.dtype, dict(args.engine_option))
     except (ValueError, TypeError) as exc:
-        print(f"draftfeed worker: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(str(exc)) from None
     try:
         layer_ids = args.aux_layer_ids if args.task == "eagle3" else args.target_layer_ids
         task = load_task(args.task, engine, layer_ids, args.draft_layers, args.supervision)
     except (ValueError, TypeError) as exc:  # a bad layer id, or an engine option the engine's package rejects
         engine.close()
-        print(f"draftfeed worker: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(str(exc)) from None
     service = args.service or default_service_name(args.target, args.task)
     worker = Worker(task, WorkerConfig(
         broker=args.broker, service=service, capacity=args.capacity, name=args.name,
@@ -306,14 +332,15 @@ def run_bench(args: argparse.Namespace) -> int:
 def run_status(args: argparse.Namespace) -> int:
     from draftfeed.launch.status import fetch_status, format_status
 
-    try:
-        keys = _peer_keys(args, "rank", required=False)
-    except ValueError as exc:
-        print(f"draftfeed status: {exc}", file=sys.stderr)
-        return 2
-    status = fetch_status(args.broker, args.timeout, keys=keys)
+    status = fetch_status(args.broker, args.timeout, keys=_peer_keys(args, "rank", required=False))
     print(json.dumps(status, indent=2) if args.json else format_status(status))
     return 0
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from draftfeed.launch.demo import run_demo as demo
+
+    return demo(args)
 
 
 _LAYER_ID_FLAGS = ("--target-layer-ids", "--aux-layer-ids")
@@ -335,20 +362,21 @@ def _join_negative_layer_ids(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def _command(args: argparse.Namespace) -> tuple[str, Callable[[argparse.Namespace], int]]:
+    if args.command == "launch":
+        return (args.role, run_broker) if args.role == "broker" else (args.role, run_worker)
+    return args.command, {"keys": run_keys, "bench": run_bench, "demo": run_demo, "status": run_status}[args.command]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(_join_negative_layer_ids(sys.argv[1:] if argv is None else argv))
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    if args.command == "launch":
-        return run_broker(args) if args.role == "broker" else run_worker(args)
-    if args.command == "keys":
-        return run_keys(args)
-    if args.command == "bench":
-        return run_bench(args)
-    if args.command == "demo":
-        from draftfeed.launch.demo import run_demo
-
-        return run_demo(args)
-    return run_status(args)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    name, run = _command(args)
+    try:
+        return run(args)
+    except UsageError as exc:
+        print(f"draftfeed {name}: {exc}", file=sys.stderr)
+        return 2
 
 
 def launch_main(argv: Sequence[str] | None = None) -> int:

@@ -1,42 +1,44 @@
 """A training rank's connection: one IO thread owns its sockets, the caller's threads get futures.
 
 Sockets: a DEALER to the broker's frontend (requests, control, heartbeats) and a ROUTER bound on this
-host (supervision arrives straight from workers). The caller hands packed messages to the IO thread
-through an inproc pipe; the IO thread resolves one future per request. Errors from the pipeline, and
-the death of the IO thread itself, surface on those futures, where the caller waits.
+host (supervision arrives straight from workers). The caller hands requests to the IO thread through an
+inproc pipe; the IO thread packs and sends them and resolves one future per request (requests.py keeps
+them). Errors from the pipeline, and the death of the IO thread itself, surface on those futures, where
+the caller waits.
 
-The IO thread keeps every unanswered request (its frames are small: token ids and masks) and every vocab
-mapping a live request names. When the broker restarts (a new instance id), says it does not know or has
-forgotten this rank, says goodbye, or falls silent for its liveness window, the rank says hello again; a
-welcome that says the broker holds nothing of this rank (``resumed`` false) makes it send its mappings,
-then every unanswered request, in order. A request refused because the broker lacks its mapping
+Every unanswered request (its frames are small: token ids and masks) and every vocab mapping a live
+request names are kept. When the broker restarts, says it does not know or has forgotten this rank, says
+goodbye, or falls silent for its liveness window, the rank says hello again (broker_session.py decides
+when); a welcome that says the broker holds nothing of this rank (``resumed`` false) makes it send its
+mappings, then every unanswered request, in order. A request refused because the broker lacks its mapping
 (``unknown_mapping``) goes again behind that mapping. Each request is answered at most once: the first
 answer that echoes the request's random token resolves it; any later one is dropped and counted.
 
 Supervision a worker sends on a pair group (docs/data-planes.md) is received by pair_receivers.py. When
 such an answer is lost with its group, the rank asks for the request again under a new request id; the
-waiter answers to both ids, so whichever answer comes first (the worker's frames fallback, a requeue, or
+request answers to both ids, so whichever answer comes first (the worker's frames fallback, a requeue, or
 the new request) resolves it, and the rest are dropped as duplicates.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
-import random
 import threading
-import time
 import uuid
-from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
+from draftfeed.broker_session import BrokerSession
+from draftfeed.dataplane.tensor_codec import decode_tensors
 from draftfeed.logs import RateLimitedLog
 from draftfeed.net import bind, close_quietly, host_identity, is_loopback, local_address_towards
 from draftfeed.producers.pair_receivers import PairReceivers
+from draftfeed.producers.requests import RequestKind, RequestTable, Waiter
 from draftfeed.schemas.errors import MalformedMessage, RemoteTargetError, RemoteTargetTimeout, TargetClosed
 from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import (
@@ -60,33 +62,18 @@ from draftfeed.schemas.messages import (
     WorkerKeys,
 )
 from draftfeed.schemas.protocol import DEFAULT_MAX_MESSAGE_BYTES
-from draftfeed.dataplane.tensor_codec import decode_tensors
 from draftfeed.security.curve import DATA, PeerKeys, RoleGate, make_client, make_server, start_authenticator
 
 log = logging.getLogger("draftfeed.producer")
 
+# Commands to the IO thread, on the pipe: the first frame names the command.
 _STOP = b"stop"
-_PACK = b"pack"  # caller -> IO thread: pack and send the request with this id
-_ASK_AGAIN = b"again"  # a pair receiver -> IO thread: this request's answer was lost; ask under a new id
-_TO_WORKER = b"worker"  # a pair receiver -> IO thread: send these frames to this worker on the data socket
+_PACK = b"pack"  # caller: pack and send the request with this id
+_ASK_AGAIN = b"again"  # a pair receiver: this request's answer was lost; ask under a new id
+_TO_WORKER = b"worker"  # a pair receiver: send these frames to this worker on the data socket
+_TO_BROKER = b"broker"  # the caller: send these frames to the broker (a new hello)
 # Control messages (hello, heartbeats, model info, mapping, status) that may be queued beside the window.
 _CONTROL_SLACK = 16
-_BUSY_RETRY_S = (0.05, 1.0)
-
-
-@dataclass
-class _Waiter:
-    future: Future
-    finish: Callable[[Any, dict[str, Any]], Any]
-    holds_window_slot: bool
-    build: Callable[[int, int], list[Any]]
-    token: int
-    resend: bool  # sent again after a broker restart (requests and queries; not status)
-    mapping: str | None = None  # the vocab mapping the request names (its digest), sent before it when the broker lacks it
-    frames: list[Any] | None = None  # packed by the IO thread; kept for resending
-    retry_at: float | None = None
-    busy_retries: int = 0
-    ids: list[int] = field(default_factory=list)  # every request id it answers to (more after a lost answer)
 
 
 @dataclass
@@ -98,7 +85,6 @@ class ConnectionStats:
     busy_retries: int = 0
     received_over_pair: int = 0
     lost_over_pair: int = 0  # answers lost with a failed pair group, asked for again
-    broker_instances: list[str] = field(default_factory=list)
 
 
 class Connection:
@@ -117,28 +103,18 @@ class Connection:
         keys: PeerKeys | None = None,
         max_result_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
-        if window < 1:
-            raise ValueError(f"window must be at least 1, got {window}")
         self.broker, self.service, self.window, self.task = broker, service, window, task
+        self.requests = RequestTable(window)
         self.rank_id = f"{host_identity()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.stats = ConnectionStats()
+        self.session = BrokerSession()
         self._bad_input = RateLimitedLog(log)
         self._data_bind = data_endpoint or f"tcp://{local_address_towards(broker)}:*"
         self._context = zmq.Context()
-        self._ids = itertools.count()
-        self._random = random.SystemRandom()
-        self._waiters: dict[int, _Waiter] = {}
-        # The vocab mappings set (digest -> its set_vocab_mapping request), the current one last; resent to a broker
-        # that lacks one a request names.
-        self._mappings: dict[str, _Waiter] = {}
-        self._lock = threading.Lock()
-        self._window = threading.BoundedSemaphore(window)
+        self._lock = threading.Lock()  # guards the pipe, which every thread writes
         self._broken: BaseException | None = None
         self._welcome = threading.Event()
-        self.broker_instance: str | None = None
-        self.broker_last_heard = time.monotonic()
         self._hello: Hello  # built by the IO thread once its data socket is bound
-        self._liveness: tuple[float, int] | None = None  # the broker's heartbeat interval and liveness
         self.data_plane = data_plane
         self.keys = keys
         self.max_result_bytes = max_result_bytes
@@ -148,8 +124,6 @@ class Connection:
             data_plane.device if data_plane is not None else "cpu", self._on_pair_result, self._on_pair_lost, self._on_pair_closed,
             self._on_pair_refused, max_result_bytes,
         )
-        self.in_flight = 0
-        self.peak_in_flight = 0
         pipe_endpoint = f"inproc://draftfeed-rank-{uuid.uuid4().hex}"
         self._pipe = self._context.socket(zmq.PAIR)
         self._pipe.setsockopt(zmq.LINGER, 0)
@@ -168,66 +142,69 @@ class Connection:
         self,
         build: Callable[[int, int], list[Any]],
         finish: Callable[[Any, dict[str, Any]], Any],
+        kind: RequestKind,
         *,
-        uses_window: bool,
+        mapping: str | None = None,
         timeout_s: float | None = None,
-        resend: bool = True,
-        sets_mapping: str | None = None,
-        names_mapping: str | None = None,
     ) -> Future:
         """Send ``build(request_id, token)``; the future gets ``finish(reply_header, tensors)`` or the error.
 
-        ``sets_mapping``: this request sets the vocab mapping of that digest (kept, and resent to a broker that lacks
-        it); ``names_mapping``: the request is computed with the mapping of that digest, set earlier.
-        ``build`` runs on the IO thread: tensors it packs must not change until the future is done
-        (they are sent zero-copy from their own memory).
-        """
+        ``mapping``: the vocab mapping (digest) a BATCH names or a SET_MAPPING sets. ``build`` runs on the IO
+        thread: tensors it packs must not change until the future is done (they are sent zero-copy)."""
         if self._broken is not None:
             raise RemoteTargetError(f"the connection to {self.broker} is broken: {self._broken}")
-        if uses_window and not self._window.acquire(timeout=timeout_s):
+        added = self.requests.add(build, finish, kind, mapping=mapping, timeout_s=timeout_s)
+        if added is None:
             raise RemoteTargetTimeout(
                 f"all {self.window} prefetch slots of service {self.service!r} stayed busy for {timeout_s} s: "
                 "no worker answered; check `draftfeed status`"
             )
-        request_id = next(self._ids)
-        waiter = _Waiter(Future(), finish, uses_window, build, self._random.getrandbits(63), resend, names_mapping, ids=[request_id])
-        with self._lock:
-            self._waiters[request_id] = waiter
-            if sets_mapping is not None:
-                self._mappings.pop(sets_mapping, None)
-                self._mappings[sets_mapping] = waiter  # the current one, last
-                named = {w.mapping for w in self._waiters.values()}
-                for digest in [d for d in self._mappings if d != sets_mapping and d not in named]:
-                    del self._mappings[digest]
-            if uses_window:
-                self.in_flight += 1
-                self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
-            # The IO thread packs the message: the caller (a training loop) only hands it over.
-            self._pipe.send_multipart([_PACK, request_id.to_bytes(8, "little")])
+        request_id, waiter = added
+        # The IO thread packs the message: the caller (a training loop) only hands it over.
+        self._tell_io_thread([_PACK, request_id.to_bytes(8, "little")])
         return waiter.future
 
     def expect(self, info: Any) -> None:
         """Tell the broker which target this rank checked; it pins the service to it (also after a restart)."""
         with self._lock:
             self._hello = self._hello.model_copy(update={"expect": info})
-            self._pipe.send_multipart(pack(self._hello))
+            hello = self._hello
+        self._tell_io_thread([_TO_BROKER, *pack(hello)])
+
+    @property
+    def data_endpoint(self) -> str:
+        """Where this rank's data socket listens (workers connect there)."""
+        return self._hello.data_endpoint
+
+    @property
+    def in_flight(self) -> int:
+        return self.requests.in_flight
+
+    @property
+    def peak_in_flight(self) -> int:
+        return self.requests.peak_in_flight
 
     def broker_silent_s(self) -> float:
-        return time.monotonic() - self.broker_last_heard
+        return self.session.silent_s()
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Say goodbye to the broker, stop the IO thread, fail whatever is still outstanding."""
-        with self._lock:
-            if not self._pipe.closed and self._thread.is_alive():
-                self._pipe.send(_STOP)
+        if self._thread.is_alive():
+            self._tell_io_thread([_STOP])
         self._thread.join(timeout_s)
         self.pairs.close()
-        self._fail_all(TargetClosed("the remote target was closed while this request was outstanding"))
+        self.requests.fail_all(TargetClosed("the remote target was closed while this request was outstanding"))
         with self._lock:
             close_quietly(self._pipe)
         if self._authenticator is not None:
             self._authenticator.stop()
         self._context.term()
+
+    def _tell_io_thread(self, frames: list[Any]) -> None:
+        """Hand a command to the IO thread from any thread (the pipe is shared under the lock)."""
+        with self._lock:
+            if not self._pipe.closed:
+                self._pipe.send_multipart(frames)
 
     # ------------------------------------------------------------ IO thread
     def _io_main(self, pipe_endpoint: str) -> None:
@@ -248,11 +225,12 @@ class Connection:
                 make_client(control, self.keys.own, self.keys.broker)
                 self._authenticator = start_authenticator(self._context, {DATA: RoleGate("worker of this service", lambda: self._worker_keys)})
                 make_server(data, self.keys.own, DATA)
-            self._hello = Hello(
-                rank=self.rank_id, service=self.service, data_endpoint=bind(data, self._data_bind),
-                window=self.window, host=host_identity(), pid=os.getpid(), task=self.task, data_plane=self.data_plane,
-                max_result_bytes=self.max_result_bytes,
-            )
+            with self._lock:
+                self._hello = Hello(
+                    rank=self.rank_id, service=self.service, data_endpoint=bind(data, self._data_bind),
+                    window=self.window, host=host_identity(), pid=os.getpid(), task=self.task, data_plane=self.data_plane,
+                    max_result_bytes=self.max_result_bytes,
+                )
             if self.keys is None and not is_loopback(self._hello.data_endpoint):
                 log.warning(
                     "draftfeed rank %s: INSECURE: supervision arrives on %s without encryption, and anyone who reaches it "
@@ -261,7 +239,7 @@ class Connection:
                 )
             pipe.connect(pipe_endpoint)
             control.connect(self.broker)
-            control.send_multipart(pack(self._hello))
+            self._say_hello(control)
             self._serve(control, data, pipe)
             try:
                 control.send_multipart(pack(Bye()), flags=zmq.NOBLOCK)
@@ -271,7 +249,7 @@ class Connection:
         except BaseException as exc:
             log.exception("draftfeed rank %s: IO thread failed", self.rank_id)
             self._broken = exc
-            self._fail_all(RemoteTargetError(f"the connection's IO thread failed: {exc!r}"))
+            self.requests.fail_all(RemoteTargetError(f"the connection's IO thread failed: {exc!r}"))
             self._welcome.set()
         finally:
             close_quietly(control, data, pipe)
@@ -280,61 +258,57 @@ class Connection:
         poller = zmq.Poller()
         for sock in (control, data, pipe):
             poller.register(sock, zmq.POLLIN)
-        interval, liveness = 1.0, 5
-        next_beat = time.monotonic() + interval
+        clock = self.session.clock
+        next_beat = clock() + self.session.interval_s
         while True:
-            events = dict(poller.poll(max(0, int(min(next_beat - time.monotonic(), 0.05) * 1000))))
+            events = dict(poller.poll(max(0, int(min(next_beat - clock(), 0.05) * 1000))))
             if data in events:
                 self._drain(data, self._on_data)
             if control in events:
                 self._drain(control, lambda frames: self._on_control(frames, control))
-            if pipe in events:
-                while True:
-                    try:
-                        frames = pipe.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    if len(frames) == 1 and frames[0].bytes == _STOP:
-                        return
-                    if len(frames) == 2 and frames[0].bytes == _PACK:
-                        self._pack_and_send(int.from_bytes(frames[1].bytes, "little"), control)
-                        continue
-                    if len(frames) == 3 and frames[0].bytes == _ASK_AGAIN:
-                        self._ask_again(int.from_bytes(frames[1].bytes, "little"), frames[2].bytes.decode(), control)
-                        continue
-                    if len(frames) > 2 and frames[0].bytes == _TO_WORKER:
-                        try:
-                            data.send_multipart(frames[1:], flags=zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            pass  # the worker's link is full or gone: it learns from its own failed send
-                        continue
-                    control.send_multipart(frames, copy=False)
-            now = time.monotonic()
-            self._resend_busy(control, now)
-            if now >= next_beat:
-                if self._liveness is not None:
-                    interval, liveness = self._liveness
+            if pipe in events and not self._take_commands(pipe, control, data):
+                return
+            for waiter in self.requests.due_again():
+                control.send_multipart(waiter.frames, copy=False)
+            if clock() >= next_beat:
                 control.send_multipart(pack(Heartbeat()))
-                if now - self.broker_last_heard > interval * liveness:
-                    log.warning("draftfeed rank %s: broker %s silent for %.1f s; saying hello again", self.rank_id, self.broker, now - self.broker_last_heard)
-                    self._hello_again(control)
-                    self.broker_last_heard = now  # try again after another window
-                next_beat = now + interval
+                silence = self.session.silence()
+                if silence is not None and self.session.may_introduce():
+                    log.warning("draftfeed rank %s: broker %s %s; saying hello again", self.rank_id, self.broker, silence)
+                    self._say_hello(control)
+                next_beat = clock() + self.session.interval_s
 
-    def _pack_and_send(self, request_id: int, control: zmq.Socket) -> None:
-        with self._lock:
-            waiter = self._waiters.get(request_id)
-        if waiter is None:  # closed or failed meanwhile
-            return
-        self._send_as(waiter, request_id, control)
+    def _take_commands(self, pipe: zmq.Socket, control: zmq.Socket, data: zmq.Socket) -> bool:
+        """Carry out what the other threads asked for; False on stop."""
+        while True:
+            try:
+                frames = pipe.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return True
+            command = frames[0].bytes
+            if command == _STOP:
+                return False
+            if command == _PACK:
+                request_id = int.from_bytes(frames[1].bytes, "little")
+                waiter = self.requests.get(request_id)
+                if waiter is not None:  # else closed or failed meanwhile
+                    self._send_as(waiter, request_id, control)
+            elif command == _ASK_AGAIN:
+                self._ask_again(int.from_bytes(frames[1].bytes, "little"), frames[2].bytes.decode(), control)
+            elif command == _TO_WORKER:
+                try:
+                    data.send_multipart(frames[1:], flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    pass  # the worker's link is full or gone: it learns from its own failed send
+            elif command == _TO_BROKER:
+                control.send_multipart(frames[1:], copy=False)
 
-    def _send_as(self, waiter: _Waiter, request_id: int, control: zmq.Socket) -> None:
-        """Pack the waiter's request under ``request_id`` (kept for resending) and send it; a request that
-        cannot be packed fails its future."""
+    def _send_as(self, waiter: Waiter, request_id: int, control: zmq.Socket) -> None:
+        """Pack the request under ``request_id`` (kept for resending) and send it; one that cannot be packed fails."""
         try:
             waiter.frames = waiter.build(request_id, waiter.token)
         except Exception as exc:
-            self._resolve(request_id, error=RemoteTargetError(f"request {request_id} could not be packed: {exc}"))
+            self.requests.resolve(request_id, error=RemoteTargetError(f"request {request_id} could not be packed: {exc}"))
             return
         control.send_multipart(waiter.frames, copy=False)
 
@@ -350,19 +324,28 @@ class Connection:
                 self.stats.malformed_dropped += 1
                 self._bad_input.warning(str(exc)[:40], "draftfeed rank %s: ignoring a malformed message: %s", self.rank_id, exc)
 
+    # ------------------------------------------------------------ the broker
+    def _say_hello(self, control: zmq.Socket) -> None:
+        """Introduce this rank; a welcome that says the broker holds nothing of it makes it resend everything."""
+        with self._lock:
+            hello = self._hello
+        self.session.introducing()
+        control.send_multipart(pack(hello))
+
+    def _hello_again(self, control: zmq.Socket) -> None:
+        if self.session.may_introduce():
+            self._say_hello(control)
+
     def _on_control(self, frames: list[Any], control: zmq.Socket) -> None:
         message, _tensors = unpack(frames, FRONTEND_OUTBOUND)
-        self.broker_last_heard = time.monotonic()
+        self.session.heard()
         if isinstance(message, Heartbeat):
-            if message.instance != self.broker_instance:
+            if self.session.restarted(message.instance):
                 self._hello_again(control)  # a broker that has not welcomed this rank
         elif isinstance(message, Welcome):
-            self._liveness = (message.liveness.heartbeat_interval_s, message.liveness.liveness)
+            first = self.session.instance is None
+            self.session.welcomed(message.instance, message.liveness)
             self._worker_keys = frozenset(key.encode() for key in message.worker_keys)
-            first = self.broker_instance is None
-            if message.instance != self.broker_instance:
-                self.broker_instance = message.instance
-                self.stats.broker_instances.append(message.instance)
             if not message.resumed and not first:
                 self._resync(control, message.instance)
             self._welcome.set()
@@ -372,16 +355,14 @@ class Connection:
             self.pairs.close_worker(message.worker, "the broker reports the worker gone")
         elif isinstance(message, Goodbye):
             log.warning("draftfeed rank %s: broker %s is shutting down; waiting for its successor", self.rank_id, message.instance)
-            self._hello_again(control)
+            self._say_hello(control)  # whatever hello went to the old instance is lost with it
         elif isinstance(message, ErrorReply):
             self._on_error(message, control)
         elif isinstance(message, Ack):
-            with self._lock:
-                awaited = message.request_id in self._waiters
-            if awaited:  # else the acknowledgement of a mapping sent again
-                self._resolve(message.request_id, header=message, tensors={})
+            if message.request_id in self.requests:  # else the acknowledgement of a mapping sent again
+                self.requests.resolve(message.request_id, header=message)
         elif isinstance(message, (ModelInfoReply, StatusReply)):
-            self._resolve(message.request_id, header=message, tensors={})
+            self._resolve(message.request_id, header=message)
 
     def _on_error(self, message: ErrorReply, control: zmq.Socket) -> None:
         if message.code == "unknown_peer":
@@ -392,55 +373,38 @@ class Connection:
         elif message.code == "unknown_mapping" and message.request_id is not None:
             self._send_behind_its_mapping(message.request_id, control)
         elif message.code == "busy" and message.request_id is not None:
-            with self._lock:
-                waiter = self._waiters.get(message.request_id)
-                if waiter is not None:
-                    waiter.busy_retries += 1
-                    low, high = _BUSY_RETRY_S
-                    waiter.retry_at = time.monotonic() + min(high, low * 2 ** min(waiter.busy_retries, 10))
+            self.requests.busy(message.request_id)
             self.stats.busy_retries += 1
             log.info("draftfeed rank %s: %s", self.rank_id, message.message)
         elif message.code in ("unreachable", "mismatch", "over_limit"):
             log.error("draftfeed rank %s: %s", self.rank_id, message.message)
             self._broken = RemoteTargetError(message.message)
-            self._fail_all(RemoteTargetError(message.message))
+            self.requests.fail_all(RemoteTargetError(message.message))
             self._welcome.set()  # a rank still connecting raises this at once
         elif message.request_id is None:
             log.error("draftfeed rank %s: the broker reports: %s", self.rank_id, message.message)
         else:
             self._resolve(message.request_id, error=RemoteTargetError(f"the broker refused the request: {message.message}"))
 
-    def _hello_again(self, control: zmq.Socket) -> None:
-        """Say hello; a welcome that says the broker holds nothing of this rank makes it resend everything."""
-        control.send_multipart(pack(self._hello))
-
     def _resync(self, control: zmq.Socket, instance: str) -> None:
         """A broker instance that holds nothing of this rank: send it the vocab mappings (the current one and any an
         unanswered request names), then every unanswered request, in order."""
-        with self._lock:
-            # Requests not packed yet go out when their turn in the pipe comes.
-            waiters = sorted((w.ids[-1], w) for w in self._unique_waiters() if w.resend and w.frames is not None)
-            named = {w.mapping for _, w in waiters}
-            current = next(reversed(self._mappings), None)
-            mappings = [m for d, m in self._mappings.items() if (d == current or d in named) and m.frames is not None]
+        waiters = self.requests.unanswered()
+        mappings = self.requests.mappings_to_resend(waiters)
         self.stats.resyncs += 1
         log.warning(
             "draftfeed rank %s: broker instance %s holds nothing of this rank; resending %d vocab mappings and %d unanswered requests",
             self.rank_id, instance, len(mappings), len(waiters),
         )
-        for mapping in mappings:
-            if all(w is not mapping for _, w in waiters):
-                control.send_multipart(mapping.frames, copy=False)
-        for _request_id, waiter in waiters:
+        for waiter in [*mappings, *waiters]:
             control.send_multipart(waiter.frames, copy=False)
 
     def _send_behind_its_mapping(self, request_id: int, control: zmq.Socket) -> None:
         """The broker lacks the mapping this request names: send the mapping, then the request again."""
-        with self._lock:
-            waiter = self._waiters.get(request_id)
-            mapping = self._mappings.get(waiter.mapping) if waiter is not None and waiter.mapping is not None else None
+        waiter = self.requests.get(request_id)
         if waiter is None or waiter.frames is None:
             return  # answered meanwhile
+        mapping = self.requests.mapping(waiter.mapping) if waiter.mapping is not None else None
         if mapping is None or mapping.frames is None:
             self._resolve(request_id, error=RemoteTargetError(f"the broker lacks vocab mapping {waiter.mapping}, which this rank no longer holds"))
             return
@@ -448,18 +412,7 @@ class Connection:
         control.send_multipart(mapping.frames, copy=False)
         control.send_multipart(waiter.frames, copy=False)
 
-    def _unique_waiters(self) -> list[_Waiter]:
-        """Each waiter once (one asked for again answers to several ids); call with the lock held."""
-        return list({id(w): w for w in self._waiters.values()}.values())
-
-    def _resend_busy(self, control: zmq.Socket, now: float) -> None:
-        with self._lock:
-            due = [w for w in self._unique_waiters() if w.retry_at is not None and w.retry_at <= now and w.frames is not None]
-            for waiter in due:
-                waiter.retry_at = None
-        for waiter in due:
-            control.send_multipart(waiter.frames, copy=False)
-
+    # ------------------------------------------------------------ answers from workers
     def _on_data(self, frames: list[Any]) -> None:
         message, tensor_frames = unpack(frames[1:], DATA_INBOUND)
         if isinstance(message, PairOpen):
@@ -474,21 +427,24 @@ class Connection:
         self._on_answer(message, lambda: decode_tensors(message.tensors, tensor_frames, max_message_bytes=self.max_result_bytes))
 
     def _on_answer(self, message: Result | Failure, tensors: Callable[[], dict[str, Any]]) -> None:
-        with self._lock:
-            waiter = self._waiters.get(message.request_id)
-        if waiter is None:
+        verdict = self.requests.check(message.request_id, message.token)
+        if verdict == "answered":
             self.stats.duplicates_dropped += 1
             log.debug("draftfeed rank %s: dropping a second answer to request %d", self.rank_id, message.request_id)
             return
-        if waiter.token != message.token:
+        if verdict == "foreign":
             self.stats.foreign_dropped += 1
             self._bad_input.warning("token", "draftfeed rank %s: dropping an answer to request %d with the wrong token (from %s)", self.rank_id, message.request_id, message.worker)
             return
         if isinstance(message, Failure):
             error = RemoteTargetError(f"worker {message.worker} of service {self.service!r} could not serve the request: {message.message}")
             self._resolve(message.request_id, error=error)
-        elif isinstance(message, Result):
+        else:
             self._resolve(message.request_id, header=message, tensors=tensors())
+
+    def _resolve(self, request_id: int, *, header: Any = None, tensors: dict[str, Any] | None = None, error: BaseException | None = None) -> None:
+        if not self.requests.resolve(request_id, header=header, tensors=tensors, error=error):
+            self.stats.duplicates_dropped += 1
 
     # ------------------------------------------------------------ pair groups (receiver threads, IO thread)
     def _on_pair_result(self, header: Result, tensors: dict[str, Any]) -> None:
@@ -505,63 +461,12 @@ class Connection:
     def _on_pair_closed(self, identity: bytes, message: PairClose) -> None:
         self._tell_io_thread([_TO_WORKER, identity, *pack(message)])
 
-    def _tell_io_thread(self, frames: list[Any]) -> None:
-        """Hand a command to the IO thread from any thread (the pipe is shared under the lock)."""
-        with self._lock:
-            if not self._pipe.closed:
-                self._pipe.send_multipart(frames)
-
     def _ask_again(self, request_id: int, reason: str, control: zmq.Socket) -> None:
         """An answer was lost with its pair group: send the request again under a new id (IO thread)."""
-        with self._lock:
-            waiter = self._waiters.get(request_id)
-            if waiter is None:
-                return  # answered meanwhile (the worker's frames fallback came first)
-            new_id = next(self._ids)
-            self._waiters[new_id] = waiter
-            waiter.ids.append(new_id)
+        aliased = self.requests.alias(request_id)
+        if aliased is None:
+            return  # answered meanwhile (the worker's frames fallback came first)
+        new_id, waiter = aliased
         self.stats.lost_over_pair += 1
         log.warning("draftfeed rank %s: the answer to request %d was lost on a pair group (%s); asking again as request %d", self.rank_id, request_id, reason, new_id)
         self._send_as(waiter, new_id, control)
-
-    def _resolve(self, request_id: int, *, header: Any = None, tensors: dict[str, Any] | None = None, error: BaseException | None = None) -> None:
-        with self._lock:
-            waiter = self._waiters.pop(request_id, None)
-            if waiter is not None:
-                for other in waiter.ids:
-                    self._waiters.pop(other, None)
-            if waiter is not None and waiter.holds_window_slot:
-                self.in_flight -= 1
-        if waiter is None:
-            self.stats.duplicates_dropped += 1
-            return
-        if waiter.holds_window_slot:
-            self._window.release()
-        value = None
-        if error is None:
-            try:
-                value = waiter.finish(header, tensors or {})
-            except Exception as exc:
-                error = RemoteTargetError(f"reply to request {request_id} is unusable: {exc}")
-        _settle(waiter.future, value, error)
-
-    def _fail_all(self, error: BaseException) -> None:
-        with self._lock:
-            waiters = self._unique_waiters()
-            self._waiters.clear()
-            self.in_flight -= sum(w.holds_window_slot for w in waiters)
-        for waiter in waiters:
-            if waiter.holds_window_slot:
-                self._window.release()
-            _settle(waiter.future, None, error)
-
-
-def _settle(future: Future, value: Any, error: BaseException | None) -> None:
-    """Complete a future unless its owner has cancelled it (an abandoned iterator does)."""
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(value)
-    except InvalidStateError:
-        pass

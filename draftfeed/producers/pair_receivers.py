@@ -141,6 +141,11 @@ class PairReceivers:
         if receiver is not None:
             receiver.close(reason, tell_worker=False)
 
+    def opened(self, worker: str) -> PairOpen | None:
+        """The ``pair_open`` of the group with ``worker``, while it is open."""
+        receiver = self._receivers.get(worker)
+        return None if receiver is None or receiver.closed else receiver.opened
+
     def planes(self) -> dict[str, str]:
         """worker -> "backend generation" of each open group (for tests and logs)."""
         return {w: f"{r.opened.backend} {r.opened.generation}" for w, r in self._receivers.items() if not r.closed}

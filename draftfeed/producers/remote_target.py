@@ -22,6 +22,7 @@ from draftfeed.dataplane.choice import local_offer
 from draftfeed.security.curve import PeerKeys
 from draftfeed.contract.compact import CompactEagle3
 from draftfeed.producers.connection import Connection, ConnectionStats
+from draftfeed.producers.requests import RequestKind
 from draftfeed.producers.prefetch import prefetch
 from draftfeed.schemas.errors import BadRequest, RemoteTargetTimeout
 from draftfeed.schemas.protocol import DEFAULT_MAX_MESSAGE_BYTES
@@ -32,6 +33,7 @@ from draftfeed.schemas.messages import (
     Eagle3TargetInfo,
     LogitTransform,
     ModelInfoQuery,
+    PairOpen,
     SetVocabMapping,
     StatusQuery,
     Submit,
@@ -106,7 +108,7 @@ class RemoteTarget(Generic[Sup, Info]):
         """num_hidden_layers, hidden_size, vocab_size and the layer ids of the service's target (asked once)."""
         if self._info is None:
             reply = self._wait(
-                self._connection.request(lambda rid, _token: pack(ModelInfoQuery(request_id=rid)), lambda r, _: r, uses_window=False),
+                self._connection.request(lambda rid, _token: pack(ModelInfoQuery(request_id=rid)), lambda r, _: r, RequestKind.QUERY),
                 "the model info (is a worker for this service running?)",
             )
             if not isinstance(reply.info, self.INFO):
@@ -201,9 +203,9 @@ class RemoteTarget(Generic[Sup, Info]):
         return self._connection.request(
             lambda rid, token: pack_tensors(Submit, tensors, request_id=rid, kind=kind, token=token, mapping_digest=digest),
             finish,
-            uses_window=True,
+            RequestKind.BATCH,
+            mapping=digest,
             timeout_s=self.request_timeout,
-            names_mapping=digest,
         )
 
     def _wait(self, future: Future, what: str) -> Any:
@@ -228,9 +230,7 @@ class RemoteTarget(Generic[Sup, Info]):
 
     def status(self) -> dict[str, Any]:
         """The broker's status document (services, workers, ranks, queues)."""
-        future = self._connection.request(
-            lambda rid, _token: pack(StatusQuery(request_id=rid)), lambda reply, _: reply.status, uses_window=False, resend=False
-        )
+        future = self._connection.request(lambda rid, _token: pack(StatusQuery(request_id=rid)), lambda reply, _: reply.status, RequestKind.STATUS)
         return self._wait(future, "the broker status")
 
     @property
@@ -243,6 +243,11 @@ class RemoteTarget(Generic[Sup, Info]):
         return self._connection.peak_in_flight
 
     @property
+    def data_endpoint(self) -> str:
+        """Where this rank's data socket listens: workers send supervision there."""
+        return self._connection.data_endpoint
+
+    @property
     def rank_id(self) -> str:
         """This rank's name at the broker (as ``draftfeed status`` lists it)."""
         return self._connection.rank_id
@@ -250,6 +255,10 @@ class RemoteTarget(Generic[Sup, Info]):
     def data_planes(self) -> dict[str, str]:
         """The open pair groups of this rank: worker name -> "backend generation"."""
         return self._connection.pairs.planes()
+
+    def pair_group(self, worker: str) -> PairOpen | None:
+        """How the pair group with ``worker`` was opened (backend, generation, its rendezvous store), or None."""
+        return self._connection.pairs.opened(worker)
 
     @property
     def connection_stats(self) -> ConnectionStats:
@@ -287,8 +296,8 @@ class RemoteEagle3Target(RemoteTarget[Eagle3Supervision, Eagle3TargetInfo]):
         future = self._connection.request(
             lambda rid, _token: pack_tensors(SetVocabMapping, tensors, request_id=rid, digest=digest),
             lambda _reply, _tensors: None,
-            uses_window=False,
-            sets_mapping=digest,
+            RequestKind.SET_MAPPING,
+            mapping=digest,
         )
         self._wait(future, "the broker's acknowledgement of the vocab mapping")
         self._mapping, self._mapping_digest, self._compact = (ids, mask), digest, None

@@ -29,3 +29,8 @@ class TargetClosed(DraftfeedError):
 
 class BadRequest(DraftfeedError, ValueError):
     """A request cannot be served as sent (its tensors, its vocab mapping); the text tells the rank what to fix."""
+
+
+class UsageError(DraftfeedError, ValueError):
+    """An ordinary mistake in how draftfeed is called or set up (a flag, a key file, an address): the command line
+    prints its text as one line and exits with code 2."""

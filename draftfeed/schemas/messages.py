@@ -6,6 +6,7 @@ so a peer that sends a worker message to the rank port gets a validation error, 
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Annotated, ClassVar, Literal, Union
 
@@ -370,6 +371,24 @@ class Dispatch(Strict):
     reply_key: PublicKey | None = None  # on a secure broker: the rank's public key, which its data socket proves
     max_result_bytes: Annotated[int, Field(gt=0)] | None = None  # the rank's, from its hello
     request: Submit
+
+
+def dispatch_rank_fields(hello: Hello, reply_key: str | None) -> bytes:
+    """The part of every ``dispatch`` header that comes from its rank (encoded once per rank): the broker's hot
+    path writes dispatch headers directly, without building a Dispatch (tests hold it to the model)."""
+    fields: dict = {"rank": hello.rank, "reply_to": hello.data_endpoint, "service": hello.service}
+    if hello.data_plane is not None:
+        fields["data_plane"] = hello.data_plane.model_dump(mode="json")
+    if reply_key is not None:
+        fields["reply_key"] = reply_key
+    if hello.max_result_bytes is not None:
+        fields["max_result_bytes"] = hello.max_result_bytes
+    return json.dumps(fields, separators=(",", ":"))[1:-1].encode()
+
+
+def dispatch_header(ticket: int, rank_fields: bytes, request_json: bytes) -> bytes:
+    """A ``dispatch`` header (the Dispatch model's JSON) from its ticket, its rank's fields and its request's JSON."""
+    return b'{"type":"dispatch","ticket":%d,%s,"request":%s}' % (ticket, rank_fields, request_json)
 
 
 class VocabMapping(Strict):

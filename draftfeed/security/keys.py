@@ -22,10 +22,12 @@ from pathlib import Path
 
 import zmq.auth
 
+from draftfeed.schemas.errors import UsageError
+
 ROLES = ("rank", "worker")
 
 
-class KeyFileError(ValueError):
+class KeyFileError(UsageError):
     """A key file or allow-list that cannot be used, with what to do about it."""
 
 

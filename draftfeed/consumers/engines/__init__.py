@@ -5,9 +5,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from draftfeed.consumers.config import ENGINES
 from draftfeed.consumers.engines.base import Engine
-
-ENGINES = ("hf", "vllm", "sglang")
 
 
 def load_engine(name: str, target: str, device: str, dtype: str, options: dict[str, Any] | None = None) -> Engine:

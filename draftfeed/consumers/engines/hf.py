@@ -8,6 +8,7 @@ from contextlib import ExitStack
 import torch
 from torch import nn
 
+from draftfeed.consumers.config import DTYPES
 from draftfeed.consumers.engines.base import Capture, ForwardOutput, TargetShape
 from draftfeed.schemas.messages import LogitTransform
 
@@ -18,7 +19,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     choices = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in choices:
-        raise ValueError(f"--dtype {dtype!r} is not supported; choose auto, {', '.join(choices)}")
+        raise ValueError(f"--dtype {dtype!r} is not supported; choose {', '.join(DTYPES)}")
     return choices[dtype]
 
 

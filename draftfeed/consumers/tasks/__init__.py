@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
-from draftfeed.consumers.engines.base import Engine
-from draftfeed.consumers.tasks.dspark import DEFAULT_DRAFT_LAYERS, DSparkTask
-from draftfeed.consumers.tasks.eagle3 import Eagle3Task
+from typing import get_args
 
-TASKS = ("eagle3", "dspark")
+from draftfeed.consumers.engines.base import Engine
+from draftfeed.consumers.tasks.base import Task
+from draftfeed.consumers.config import DEFAULT_DRAFT_LAYERS
+from draftfeed.consumers.tasks.dspark import DSparkTask
+from draftfeed.consumers.tasks.eagle3 import Eagle3Task
+from draftfeed.schemas.messages import Task as TaskName
+
+TASKS = get_args(TaskName)
 
 
 def load_task(
     name: str, engine: Engine, layer_ids: list[int] | None = None, draft_layers: int = DEFAULT_DRAFT_LAYERS, supervision: str = "probs"
-) -> Eagle3Task | DSparkTask:
+) -> Task:
     """``eagle3`` (layer_ids: the 3 aux layers; supervision: its form) or ``dspark`` (layer_ids: the target layers)."""
     if name == "eagle3":
         return Eagle3Task(engine, layer_ids, supervision)  # type: ignore[arg-type]

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import torch
 
+from draftfeed.consumers.config import DEFAULT_DRAFT_LAYERS
 from draftfeed.consumers.engines.base import Capture, Engine, TargetShape, fill_padding
+from draftfeed.contract.vocab import VocabMap
 from draftfeed.schemas.messages import DSparkTargetInfo
 
-DEFAULT_DRAFT_LAYERS = 5
 
 
 def default_target_layer_ids(num_hidden_layers: int, draft_layers: int = DEFAULT_DRAFT_LAYERS) -> list[int]:
@@ -40,9 +41,11 @@ class DSparkTask:
     """DSpark supervision on top of any engine."""
 
     name = "dspark"
+    supervision = "probs"  # DSpark has one form
 
     def __init__(self, engine: Engine, target_layer_ids: list[int] | None = None, draft_layers: int = DEFAULT_DRAFT_LAYERS) -> None:
         self.engine = engine
+        self.logit_transform = engine.logit_transform
         layers = engine.shape.num_hidden_layers
         if target_layer_ids is None:
             self.target_layer_ids = check_target_layer_ids(default_target_layer_ids(layers, draft_layers), layers, default=True)
@@ -70,7 +73,7 @@ class DSparkTask:
 
     @torch.inference_mode()
     def compute(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, vocab: object = None
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, vocab: VocabMap | None = None
     ) -> dict[str, torch.Tensor]:
         """target_hidden_states [B, S, len(ids) * H] and target_last_hidden_states [B, S, H].
 

@@ -1,0 +1,135 @@
+"""What the broker holds about each rank, worker, service, request and vocab mapping, and the messages it sends.
+
+Plain records: the policy that changes them is in state.py (handlers), mappings.py and scheduler.py.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from draftfeed.broker.fair_queue import FairQueue
+from draftfeed.schemas.frames import pack
+from draftfeed.schemas.messages import DSparkTargetInfo, Eagle3TargetInfo, Hello, PairStatus, Register, SetVocabMapping, Submit
+
+Side = Literal["frontend", "backend"]
+
+
+@dataclass
+class Outgoing:
+    """One message to send: on the ranks' socket (frontend) or the workers' (backend), to one peer."""
+
+    side: Side
+    peer: bytes
+    frames: list[Any]
+
+
+def to_rank(peer: bytes, message: Any, frames: Iterable[Any] = ()) -> Outgoing:
+    return Outgoing("frontend", peer, pack(message, list(frames)))
+
+
+def to_worker(peer: bytes, message: Any, frames: Iterable[Any] = ()) -> Outgoing:
+    return Outgoing("backend", peer, pack(message, list(frames)))
+
+
+@dataclass
+class Pending:
+    """A rank's request from its arrival until a worker reports it done."""
+
+    rank: "RankRecord"
+    request: Submit
+    frames: list[Any]
+    enqueued_at: float
+    ticket: int = -1  # of its current dispatch; -1 while queued
+    request_json: bytes | None = None  # the request, encoded once for every dispatch of it
+    failures: int = 0  # dispatches that failed through the request's own doing (a poison batch must not kill every worker)
+    excluded: set[bytes] = field(default_factory=set)  # workers it failed on
+    last_error: str | None = None
+    finished: bool = False  # completed, or its rank forgotten: it holds no mapping and is never dispatched again
+    mapping_refused_by: set[bytes] = field(default_factory=set)  # workers that said they lack its mapping
+
+    @property
+    def mapping(self) -> str | None:
+        """The vocab mapping it is computed with (its digest), None for the identity."""
+        return self.request.mapping_digest
+
+    @property
+    def rank_key(self) -> bytes:
+        """Its rank, for the service's fair queue."""
+        return self.rank.peer
+
+
+@dataclass
+class RankRecord:
+    peer: bytes
+    hello: Hello
+    last_seen: float
+    requests: dict[int, Pending] = field(default_factory=dict)  # every live request, by request id
+    parked: deque[Pending] = field(default_factory=deque)  # beyond the window, waiting for a done
+    peak_outstanding: int = 0
+    submitted: int = 0
+    completed: int = 0
+    mapping_digest: str | None = None  # the mapping it set last (it may still have requests naming earlier ones)
+    dispatch_fields: bytes | None = None  # this rank's part of every dispatch header, encoded once
+    key: str | None = None  # its authenticated CURVE public key, on a secure broker
+    gone: bool = False  # forgotten: a later hello of the same rank makes a new record
+
+    @property
+    def outstanding(self) -> int:
+        """Its requests queued or at a worker (those parked beyond its window not counted)."""
+        return len(self.requests) - len(self.parked)
+
+
+@dataclass
+class WorkerRecord:
+    peer: bytes
+    registration: Register
+    last_seen: float
+    in_flight: dict[int, Pending] = field(default_factory=dict)  # by ticket
+    mappings_sent: set[str] = field(default_factory=set)  # what the broker believes it holds
+    ranks_served: set[bytes] = field(default_factory=set)
+    served: int = 0
+    failed: int = 0
+    handed_back: int = 0
+    last_assigned: int = -1
+    draining: bool = False
+    rank_links: int = 0
+    mappings_held: int = 0
+    pairs: list[PairStatus] = field(default_factory=list)  # its data plane to each rank, from its heartbeats
+    key: str | None = None  # its authenticated CURVE public key, on a secure broker
+
+    @property
+    def free_credits(self) -> int:
+        return 0 if self.draining else self.registration.capacity - len(self.in_flight)
+
+    @property
+    def name(self) -> str:
+        return self.registration.worker
+
+
+@dataclass
+class ServiceRecord:
+    name: str
+    workers: dict[bytes, WorkerRecord] = field(default_factory=dict)
+    queue: FairQueue[Pending] = field(default_factory=FairQueue)  # round-robin across ranks (fair_queue.py)
+    info_waiters: list[tuple[bytes, int]] = field(default_factory=list)
+    completions: deque[float] = field(default_factory=deque)
+    # The service's target, fixed by its first worker or by a rank's checked expectation: every worker
+    # that registers later must match it, so a mis-launched worker can never feed a run.
+    info: Eagle3TargetInfo | DSparkTargetInfo | None = None
+
+
+@dataclass
+class MappingRecord:
+    """A vocab mapping, kept while a rank uses it (``users``) or a live request names it (``requests``)."""
+
+    header: SetVocabMapping
+    frames: list[Any]
+    users: set[bytes] = field(default_factory=set)
+    requests: int = 0
+
+    @property
+    def needed(self) -> bool:
+        return bool(self.users) or self.requests > 0

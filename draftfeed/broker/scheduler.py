@@ -1,0 +1,64 @@
+"""Which worker gets a service's next request, and the dispatch that hands it over.
+
+Policy: requests leave a service's queue round-robin across ranks (fair_queue.py); each goes to the worker
+with the most free credits, ties to the one that waited longest since its last request, skipping workers
+the request already failed on. A request that every free worker has failed on waits at the front of its
+rank's queue for another worker. Nothing is dispatched while the broker drains. The vocab mapping a request
+names goes to the worker before the request, if the worker does not hold it.
+"""
+
+from __future__ import annotations
+
+from draftfeed.broker.mappings import MappingTable
+from draftfeed.broker.records import Outgoing, Pending, ServiceRecord, WorkerRecord
+from draftfeed.schemas.messages import dispatch_header, dispatch_rank_fields
+from draftfeed.schemas.protocol import SIGNATURE
+
+
+def pick_worker(service: ServiceRecord, pending: Pending) -> WorkerRecord | None:
+    """The worker for ``pending``, or None while no free worker may take it."""
+    candidates = [w for w in service.workers.values() if w.free_credits > 0 and w.peer not in pending.excluded]
+    if not candidates:
+        return None
+    return max(candidates, key=lambda w: (w.free_credits, -w.last_assigned))
+
+
+class Scheduler:
+    def __init__(self, mappings: MappingTable) -> None:
+        self.mappings = mappings
+        self.draining = False
+        self._next_ticket = 0
+
+    def dispatch(self, service: ServiceRecord) -> list[Outgoing]:
+        """Hand out as much of the service's queue as its workers' free credits take."""
+        if self.draining:
+            return []
+        out: list[Outgoing] = []
+        waiting: list[Pending] = []
+        while service.queue and any(w.free_credits > 0 for w in service.workers.values()):
+            pending = service.queue.pop()  # the next rank's oldest request, round-robin across ranks
+            if pending.rank.gone:
+                continue
+            worker = pick_worker(service, pending)
+            if worker is None:
+                waiting.append(pending)  # every free worker has failed on this one; wait for another
+                continue
+            out.extend(self._assign(worker, pending))
+        service.queue.push_front(waiting)
+        return out
+
+    def _assign(self, worker: WorkerRecord, pending: Pending) -> list[Outgoing]:
+        out = self.mappings.send_before(worker, pending)
+        pending.ticket = self._next_ticket
+        self._next_ticket += 1
+        worker.in_flight[pending.ticket] = pending
+        worker.last_assigned = pending.ticket
+        rank = pending.rank
+        worker.ranks_served.add(rank.peer)
+        if rank.dispatch_fields is None:
+            rank.dispatch_fields = dispatch_rank_fields(rank.hello, rank.key)
+        if pending.request_json is None:
+            pending.request_json = pending.request.model_dump_json().encode()
+        header = dispatch_header(pending.ticket, rank.dispatch_fields, pending.request_json)
+        out.append(Outgoing("backend", worker.peer, [SIGNATURE, header, *pending.frames]))
+        return out

@@ -1,0 +1,213 @@
+"""A rank's table of unanswered requests: ids and tokens, the credit window, first-answer-wins resolution.
+
+Thread-safe: callers add requests from their threads, the IO thread packs, resends and resolves them.
+
+- Each request has a random 63-bit token; an answer that does not echo it is not for this request.
+- A request of kind BATCH holds one slot of the window (``prefetch_depth``) until it is resolved; adding one
+  while all slots are held blocks, up to a timeout.
+- A request whose answer was lost can be asked again under a new id (``alias``); it answers to every id it
+  had, and the first answer resolves it, once. Later answers find nothing and count as duplicates.
+- The vocab mappings set through the table are kept by digest while they are the current one or an
+  unanswered request names them, so that they can be sent again to a broker that lacks them.
+- A request the broker called busy is due again after a backoff that doubles per busy answer.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import random
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from draftfeed.schemas.errors import RemoteTargetError
+
+BUSY_RETRY_S = (0.05, 1.0)  # a busy request is sent again after the first, doubling per busy answer up to the second
+
+
+class RequestKind(enum.Enum):
+    BATCH = "batch"  # a submit for workers: holds a window slot, sent again to a broker that lacks it, may name a mapping
+    QUERY = "query"  # a question the broker answers (model info): sent again to a broker that lacks it
+    SET_MAPPING = "set_mapping"  # a vocab mapping: sent again, and kept by digest for requests that name it
+    STATUS = "status"  # asked once: never sent again
+
+    @property
+    def holds_window_slot(self) -> bool:
+        return self is RequestKind.BATCH
+
+    @property
+    def sent_again(self) -> bool:
+        return self is not RequestKind.STATUS
+
+
+@dataclass
+class Waiter:
+    """One unanswered request."""
+
+    future: Future
+    finish: Callable[[Any, dict[str, Any]], Any]  # (reply header, tensors) -> the future's value, on the IO thread
+    kind: RequestKind
+    build: Callable[[int, int], list[Any]]  # (request id, token) -> frames, on the IO thread
+    token: int
+    mapping: str | None = None  # the vocab mapping it names (BATCH) or sets (SET_MAPPING)
+    frames: list[Any] | None = None  # packed by the IO thread under its latest id; kept for resending
+    retry_at: float | None = None
+    busy_retries: int = 0
+    ids: list[int] = field(default_factory=list)  # every request id it answers to, the latest last
+
+
+class RequestTable:
+    def __init__(self, window: int, clock: Callable[[], float] = time.monotonic) -> None:
+        if window < 1:
+            raise ValueError(f"window must be at least 1, got {window}")
+        self.window = window
+        self.clock = clock
+        self._ids = itertools.count()
+        self._random = random.SystemRandom()
+        self._waiters: dict[int, Waiter] = {}
+        self._mappings: dict[str, Waiter] = {}  # digest -> its set_mapping request, the current one last
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(window)
+        self.in_flight = 0  # BATCH requests unanswered
+        self.peak_in_flight = 0
+
+    # ------------------------------------------------------------ adding
+    def add(
+        self, build: Callable[[int, int], list[Any]], finish: Callable[[Any, dict[str, Any]], Any], kind: RequestKind,
+        *, mapping: str | None = None, timeout_s: float | None = None,
+    ) -> tuple[int, Waiter] | None:
+        """A new request and its id; None if it needs a window slot and none came free within ``timeout_s``."""
+        if kind.holds_window_slot and not self._slots.acquire(timeout=timeout_s):
+            return None
+        waiter = Waiter(Future(), finish, kind, build, self._random.getrandbits(63), mapping)
+        with self._lock:
+            request_id = next(self._ids)
+            waiter.ids.append(request_id)
+            self._waiters[request_id] = waiter
+            if kind is RequestKind.SET_MAPPING and mapping is not None:
+                self._mappings.pop(mapping, None)
+                self._mappings[mapping] = waiter
+                named = {w.mapping for w in self._waiters.values()}
+                for digest in [d for d in self._mappings if d != mapping and d not in named]:
+                    del self._mappings[digest]
+            if kind.holds_window_slot:
+                self.in_flight += 1
+                self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        return request_id, waiter
+
+    def alias(self, request_id: int) -> tuple[int, Waiter] | None:
+        """Ask for an unanswered request again under a new id (it keeps answering to the old ones); None if answered."""
+        with self._lock:
+            waiter = self._waiters.get(request_id)
+            if waiter is None:
+                return None
+            new_id = next(self._ids)
+            self._waiters[new_id] = waiter
+            waiter.ids.append(new_id)
+            return new_id, waiter
+
+    # ------------------------------------------------------------ looking up
+    def get(self, request_id: int) -> Waiter | None:
+        with self._lock:
+            return self._waiters.get(request_id)
+
+    def __contains__(self, request_id: int) -> bool:
+        with self._lock:
+            return request_id in self._waiters
+
+    def check(self, request_id: int, token: int) -> Literal["ok", "answered", "foreign"]:
+        """Whether an answer for ``request_id`` echoing ``token`` is for an unanswered request of this table."""
+        waiter = self.get(request_id)
+        if waiter is None:
+            return "answered"
+        return "ok" if waiter.token == token else "foreign"
+
+    def unanswered(self) -> list[Waiter]:
+        """Every unanswered request that is sent again after a resync and has been packed, in the order sent."""
+        with self._lock:
+            waiters = self._unique()
+        return [w for w in sorted(waiters, key=lambda w: w.ids[-1]) if w.kind.sent_again and w.frames is not None]
+
+    def mappings_to_resend(self, waiters: list[Waiter]) -> list[Waiter]:
+        """The current vocab mapping and any other one of ``waiters`` names, packed, not among ``waiters``."""
+        named = {w.mapping for w in waiters if w.kind is RequestKind.BATCH}
+        with self._lock:
+            current = next(reversed(self._mappings), None)
+            chosen = [m for d, m in self._mappings.items() if d == current or d in named]
+        return [m for m in chosen if m.frames is not None and all(m is not w for w in waiters)]
+
+    def mapping(self, digest: str) -> Waiter | None:
+        with self._lock:
+            return self._mappings.get(digest)
+
+    # ------------------------------------------------------------ busy backoff
+    def busy(self, request_id: int) -> None:
+        """The broker's queue was full: send this request again after a backoff."""
+        with self._lock:
+            waiter = self._waiters.get(request_id)
+            if waiter is not None:
+                waiter.busy_retries += 1
+                low, high = BUSY_RETRY_S
+                waiter.retry_at = self.clock() + min(high, low * 2 ** min(waiter.busy_retries, 10))
+
+    def due_again(self) -> list[Waiter]:
+        """The busy requests whose backoff is over (each returned once per busy answer)."""
+        now = self.clock()
+        with self._lock:
+            due = [w for w in self._unique() if w.retry_at is not None and w.retry_at <= now and w.frames is not None]
+            for waiter in due:
+                waiter.retry_at = None
+        return due
+
+    # ------------------------------------------------------------ resolving
+    def resolve(self, request_id: int, *, header: Any = None, tensors: dict[str, Any] | None = None, error: BaseException | None = None) -> bool:
+        """Settle the request that answers to ``request_id`` with ``finish(header, tensors)`` or ``error``, once.
+        False if it was already resolved."""
+        with self._lock:
+            waiter = self._waiters.pop(request_id, None)
+            if waiter is None:
+                return False
+            for other in waiter.ids:
+                self._waiters.pop(other, None)
+            if waiter.kind.holds_window_slot:
+                self.in_flight -= 1
+        if waiter.kind.holds_window_slot:
+            self._slots.release()
+        value = None
+        if error is None:
+            try:
+                value = waiter.finish(header, tensors or {})
+            except Exception as exc:
+                error = RemoteTargetError(f"reply to request {request_id} is unusable: {exc}")
+        settle(waiter.future, value, error)
+        return True
+
+    def fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            waiters = self._unique()
+            self._waiters.clear()
+            held = sum(w.kind.holds_window_slot for w in waiters)
+            self.in_flight -= held
+        for _ in range(held):
+            self._slots.release()
+        for waiter in waiters:
+            settle(waiter.future, None, error)
+
+    def _unique(self) -> list[Waiter]:
+        """Each waiter once (one asked again answers to several ids); call with the lock held."""
+        return list({id(w): w for w in self._waiters.values()}.values())
+
+
+def settle(future: Future, value: Any, error: BaseException | None) -> None:
+    """Complete a future unless its owner has cancelled it (an abandoned iterator does)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+    except InvalidStateError:
+        pass
