@@ -23,9 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from draftfeed.consumers.engines import load_engine  # noqa: E402
-from draftfeed.consumers.tasks import load_task  # noqa: E402
-from draftfeed.tiny import build_tiny_target  # noqa: E402
+from draftfeed.consumers.engines import load_engine
+from draftfeed.consumers.tasks import load_task
+from draftfeed.tiny import build_tiny_target
 
 
 def timed_compute(task, batches, repeat: int) -> float:
@@ -52,7 +52,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=10)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="draftfeed-engines-") as workdir:
-        target = args.target or str(build_tiny_target(Path(workdir) / "target", num_hidden_layers=args.layers, hidden_size=args.hidden, vocab_size=args.vocab))
+        target = args.target or str(
+            build_tiny_target(Path(workdir) / "target", num_hidden_layers=args.layers, hidden_size=args.hidden, vocab_size=args.vocab)
+        )
         generator = torch.Generator().manual_seed(0)
         batches = []
         for _ in range(4):

@@ -26,9 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from draftfeed.consumers.engines.hf import HFEngine  # noqa: E402
-from draftfeed.consumers.tasks.eagle3 import Eagle3Task  # noqa: E402
-from draftfeed.contract.compact import CompactEagle3  # noqa: E402
+from draftfeed.consumers.engines.hf import HFEngine
+from draftfeed.consumers.tasks.eagle3 import Eagle3Task
+from draftfeed.contract.compact import CompactEagle3
 
 SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
@@ -103,7 +103,7 @@ def main() -> None:
         for form in ("probs", "hidden"):
             task = Eagle3Task(engine, None, form)
 
-            def supervise() -> dict:
+            def supervise(task: Eagle3Task = task) -> dict:
                 out = task.compute(input_ids, mask, mask, vocab_map)
                 return {name: t.cpu() for name, t in out.items()}
 
@@ -136,7 +136,9 @@ def main() -> None:
         weight = engine.output_embeddings().index_select(0, draft.to(device))
         compact = CompactEagle3(weight, draft_mask.to(device), engine.logit_transform)
         hidden_out = Eagle3Task(engine, None, "hidden").compute(input_ids, mask, mask, vocab_map)
-        rebuild_s = timed(lambda: compact.rebuild(hidden_out["final_hidden_states"], hidden_out["target_argmax"], hidden_out["loss_mask"]), device, repeat)
+        rebuild_s = timed(
+            lambda: compact.rebuild(hidden_out["final_hidden_states"], hidden_out["target_argmax"], hidden_out["loss_mask"]), device, repeat
+        )
         probs_out = Eagle3Task(engine, None, "probs").compute(input_ids, mask, mask, vocab_map)
         rebuilt = compact.rebuild(hidden_out["final_hidden_states"], hidden_out["target_argmax"], hidden_out["loss_mask"])
         results["compact"] = {
@@ -145,7 +147,7 @@ def main() -> None:
             "max_abs_diff_target_probs": float((rebuilt["target_probs"] - probs_out["target_probs"]).abs().max()),
             "position_mask_equal": bool(torch.equal(rebuilt["position_mask"], probs_out["position_mask"])),
         }
-        del engine, probs_out, hidden_out, rebuilt
+        engine = probs_out = hidden_out = rebuilt = None  # frees the device memory before the pipeline runs
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -179,9 +181,27 @@ def pipeline_rate(target: Path, device: torch.device, seq: int, form: str, count
     env = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
     broker = processes.start_broker(extra=["--log-level", "WARNING"])
     try:
-        worker = processes.start_worker(broker.ready["backend"], str(target), "--service", "gpu", "--device", str(device), "--supervision", form, "--log-level", "WARNING", ready_timeout_s=300)
+        worker = processes.start_worker(
+            broker.ready["backend"],
+            str(target),
+            "--service",
+            "gpu",
+            "--device",
+            str(device),
+            "--supervision",
+            form,
+            "--log-level",
+            "WARNING",
+            ready_timeout_s=300,
+        )
         try:
-            rank = subprocess.run([sys.executable, "-c", RANK, broker.ready["frontend"], str(seq), str(count)], capture_output=True, text=True, timeout=400, env={**os.environ, **env})
+            rank = subprocess.run(
+                [sys.executable, "-c", RANK, broker.ready["frontend"], str(seq), str(count)],
+                capture_output=True,
+                text=True,
+                timeout=400,
+                env={**os.environ, **env},
+            )
             if rank.returncode != 0:
                 return {"error": rank.stderr[-2000:]}
             batch_s = json.loads(rank.stdout.strip().splitlines()[-1])["batch_s"]

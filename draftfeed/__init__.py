@@ -27,7 +27,21 @@ _PUBLIC = {
     "TargetClosed": "draftfeed.schemas.errors",
     "reexec_with_hugepage_malloc": "draftfeed.producers.fast_receive",
 }
-__all__ = sorted(_PUBLIC)
+__all__ = [
+    "DSparkSupervision",
+    "DSparkTargetInfo",
+    "DraftfeedError",
+    "Eagle3Supervision",
+    "Eagle3TargetInfo",
+    "MalformedMessage",
+    "RemoteDSparkTarget",
+    "RemoteEagle3Target",
+    "RemoteTarget",
+    "RemoteTargetError",
+    "RemoteTargetTimeout",
+    "TargetClosed",
+    "reexec_with_hugepage_malloc",
+]
 
 if TYPE_CHECKING:
     from draftfeed.contract.supervision import DSparkSupervision, Eagle3Supervision

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
+from reference import assert_supervision_equal, make_batch, reference_dspark, reference_eagle3, zero_padding  # noqa: F401 (shared with the tests)
 
 from draftfeed.launch import processes
-from reference import assert_supervision_equal, make_batch, reference_dspark, reference_eagle3, zero_padding  # noqa: F401 (shared with the tests)
 
 TESTS_DIR = str(Path(__file__).parent)
 # One thread per worker (two cores here); tests/ on the path for the fake engines.

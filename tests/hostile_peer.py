@@ -36,7 +36,20 @@ def broker_junk(rng: random.Random, victim: str, my_id: str) -> list[bytes]:
     if kind == 5:
         return [SIG, json.dumps({"type": rng.choice(["launch", "admin", "eval", "__class__"])}).encode()]
     if kind == 6:  # hello for a service nobody serves, under its own name: accepted, then its submits
-        return [SIG, json.dumps({"type": "hello", "rank": my_id, "service": f"nope-{rng.randrange(5)}", "data_endpoint": "tcp://127.0.0.1:9", "window": 2, "host": "x", "pid": 1}).encode()]
+        return [
+            SIG,
+            json.dumps(
+                {
+                    "type": "hello",
+                    "rank": my_id,
+                    "service": f"nope-{rng.randrange(5)}",
+                    "data_endpoint": "tcp://127.0.0.1:9",
+                    "window": 2,
+                    "host": "x",
+                    "pid": 1,
+                }
+            ).encode(),
+        ]
     if kind == 7:  # shapes that do not match the buffers
         header = {"type": "submit", "request_id": rng.randrange(1 << 30), "kind": "eagle3", "tensors": [spec("input_ids", "int64", [2, 3])]}
         return [SIG, json.dumps(header).encode(), b"\0" * rng.randrange(0, 40)]
@@ -47,7 +60,12 @@ def broker_junk(rng: random.Random, victim: str, my_id: str) -> list[bytes]:
         header = {"type": "submit", "request_id": 4, "kind": "eagle3", "tensors": [spec("input_ids", "complex256", [1, 1])]}
         return [SIG, json.dumps(header).encode(), b"\0" * 32]
     if kind == 10:  # a hello that claims to be the victim rank
-        return [SIG, json.dumps({"type": "hello", "rank": victim, "service": "svc", "data_endpoint": "tcp://127.0.0.1:9", "window": 64, "host": "x", "pid": 1}).encode()]
+        return [
+            SIG,
+            json.dumps(
+                {"type": "hello", "rank": victim, "service": "svc", "data_endpoint": "tcp://127.0.0.1:9", "window": 64, "host": "x", "pid": 1}
+            ).encode(),
+        ]
     if kind == 11:  # a worker message on the rank port, or a done for a ticket it never had
         return [SIG, json.dumps({"type": "done", "ticket": rng.randrange(1000), "ok": True}).encode()]
     if kind == 12:  # negative and huge numbers, wrong types
@@ -59,7 +77,14 @@ def data_junk(rng: random.Random) -> list[bytes]:
     """A forged or broken answer for the rank's data socket."""
     kind = rng.randrange(4)
     if kind == 0:  # a result for a plausible request id with a guessed token
-        header = {"type": "result", "request_id": rng.randrange(64), "token": rng.randrange(1 << 63), "kind": "eagle3", "worker": "evil", "tensors": []}
+        header = {
+            "type": "result",
+            "request_id": rng.randrange(64),
+            "token": rng.randrange(1 << 63),
+            "kind": "eagle3",
+            "worker": "evil",
+            "tensors": [],
+        }
         return [SIG, json.dumps(header).encode()]
     if kind == 1:
         header = {"type": "failure", "request_id": rng.randrange(64), "token": rng.randrange(1 << 63), "worker": "evil", "message": "fake"}

@@ -103,7 +103,7 @@ class Hosts:
             _ip("netns", "del", ns, check=False)
         self._made.clear()
 
-    def __enter__(self) -> "Hosts":
+    def __enter__(self) -> Hosts:
         return self
 
     def __exit__(self, *exc: object) -> None:

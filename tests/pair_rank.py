@@ -9,6 +9,7 @@ import itertools
 import sys
 
 from conftest import make_batch
+
 from draftfeed import RemoteEagle3Target
 
 

@@ -31,7 +31,9 @@ def zero_padding(tensor: torch.Tensor, attention_mask: torch.Tensor) -> torch.Te
 
 
 @torch.no_grad()
-def reference_eagle3(model, batch: dict[str, torch.Tensor], aux_layer_ids: list[int], selected_token_ids=None, selected_token_mask=None) -> dict[str, torch.Tensor]:
+def reference_eagle3(
+    model, batch: dict[str, torch.Tensor], aux_layer_ids: list[int], selected_token_ids=None, selected_token_mask=None
+) -> dict[str, torch.Tensor]:
     """The supervision contract computed in-process, written from the contract text (not the worker's code).
 
     "Output of layer i" is what decoder layer i returns: ``output_hidden_states[i + 1]``, except for the

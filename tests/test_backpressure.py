@@ -7,11 +7,11 @@ import threading
 import pytest
 import torch
 import zmq
-
 from conftest import FAST_LIVENESS, Cluster, assert_supervision_equal, make_batch, reference_eagle3, wait_until
+
 from draftfeed import RemoteEagle3Target
-from draftfeed.schemas.frames import pack, unpack
 from draftfeed.dataplane.tensor_codec import pack_tensors
+from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import FRONTEND_OUTBOUND, ErrorReply, Heartbeat, Hello, Submit, Welcome
 
 pytestmark = pytest.mark.timeout(300)
@@ -41,19 +41,21 @@ def test_slow_training_loop_keeps_memory_and_queues_flat(tiny_target):
         with RemoteEagle3Target(cluster.frontend, SERVICE, prefetch_depth=depth) as target:
             for step, (_batch, supervision) in enumerate(target.iterate(batches())):
                 torch.linalg.qr(torch.randn(160, 160))  # the training step: slower than the workers
+                per_batch_mb = supervision.nbytes / 2**20
                 if step % 25 == 0:
                     status = target.status()
                     me = next(c for c in status["ranks"] if c["rank"] == target.rank_id)
-                    samples.append({
-                        "step": step,
-                        "rss": {name: rss_mb(pid) for name, pid in pids.items()},
-                        "queued": status["services"][SERVICE]["queued"],
-                        "worker_in_flight": [w["in_flight"] for w in status["services"][SERVICE]["workers"]],
-                        "outstanding": me["outstanding"],
-                        "parked": me["parked"],
-                        "rank_in_flight": target.in_flight,
-                    })
-        per_batch_mb = supervision.nbytes / 2**20
+                    samples.append(
+                        {
+                            "step": step,
+                            "rss": {name: rss_mb(pid) for name, pid in pids.items()},
+                            "queued": status["services"][SERVICE]["queued"],
+                            "worker_in_flight": [w["in_flight"] for w in status["services"][SERVICE]["workers"]],
+                            "outstanding": me["outstanding"],
+                            "parked": me["parked"],
+                            "rank_in_flight": target.in_flight,
+                        }
+                    )
     finally:
         cluster.stop()
     for sample in samples:
@@ -74,7 +76,9 @@ def test_slow_training_loop_keeps_memory_and_queues_flat(tiny_target):
 def test_a_full_service_queue_pushes_back_on_ranks(tiny_target, tiny_model):
     cluster = Cluster(*FAST_LIVENESS, "--max-queued", "2")
     try:
-        cluster.add_worker(tiny_target, "--engine", "fake_engines:FakeSlowEngine", "--service", SERVICE, "--capacity", "1", env={"FAKE_FORWARD_S": "0.05"})
+        cluster.add_worker(
+            tiny_target, "--engine", "fake_engines:FakeSlowEngine", "--service", SERVICE, "--capacity", "1", env={"FAKE_FORWARD_S": "0.05"}
+        )
         results: dict[int, list] = {}
         errors: list[BaseException] = []
         peak_queue = [0]
@@ -115,7 +119,8 @@ def test_a_full_service_queue_pushes_back_on_ranks(tiny_target, tiny_model):
 
 
 def test_an_unreachable_rank_is_told_so_and_others_are_served(tiny_target, tiny_model):
-    cluster = Cluster(*FAST_LIVENESS)
+    # A liveness window (20 s) longer than the rest of the test: the hand-spoken rank heartbeats only while it waits.
+    cluster = Cluster("--heartbeat-interval", "0.2", "--liveness", "100")
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

@@ -14,9 +14,25 @@ pytestmark = pytest.mark.timeout(240)
 def test_bench_quick_scenarios_write_json_and_report(tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run(
-        [sys.executable, "-m", "draftfeed", "bench", "--quick", "--scenario", "codec", "--scenario", "overlap",
-         "--json", str(out), "--report", "--docs", str(tmp_path / "docs")],
-        capture_output=True, text=True, timeout=220,
+        [
+            sys.executable,
+            "-m",
+            "draftfeed",
+            "bench",
+            "--quick",
+            "--scenario",
+            "codec",
+            "--scenario",
+            "overlap",
+            "--json",
+            str(out),
+            "--report",
+            "--docs",
+            str(tmp_path / "docs"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=220,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     data = json.loads(out.read_text())

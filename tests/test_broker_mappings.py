@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+from test_broker_state import Clock, register
 
 from draftfeed.broker.settings import BrokerSettings
 from draftfeed.broker.state import BrokerState
@@ -19,8 +20,8 @@ from draftfeed.schemas.messages import (
     Dispatch,
     Done,
     ErrorReply,
-    ForgetRank,
     ForgetMapping,
+    ForgetRank,
     Hello,
     SetVocabMapping,
     Submit,
@@ -29,7 +30,6 @@ from draftfeed.schemas.messages import (
     Welcome,
     WorkerHeartbeat,
 )
-from test_broker_state import Clock, register
 
 DIGEST_A = "a" * 32
 DIGEST_B = "b" * 32
@@ -46,7 +46,9 @@ def state(clock) -> BrokerState:
 
 
 def hello(state: BrokerState, name: str = "r", window: int = 4) -> Welcome:
-    (reply,) = frontend(state.on_hello(name.encode(), Hello(rank=name, service="svc", data_endpoint="tcp://127.0.0.1:1", window=window, host="h", pid=1)))
+    (reply,) = frontend(
+        state.on_hello(name.encode(), Hello(rank=name, service="svc", data_endpoint="tcp://127.0.0.1:1", window=window, host="h", pid=1))
+    )
     assert isinstance(reply, Welcome)
     return reply
 
@@ -117,7 +119,9 @@ def test_an_old_request_of_a_forgotten_rank_is_never_dispatched_for_its_new_reco
     register(state, "w1")
     hello(state)
     set_mapping(state, DIGEST_A)
-    ((_, old),) = [(i.peer, m) for i, m in ((i, unpack(i.frames, BACKEND_OUTBOUND)[0]) for i in submit(state, 0, DIGEST_A)) if isinstance(m, Dispatch)]
+    ((_, old),) = [
+        (i.peer, m) for i, m in ((i, unpack(i.frames, BACKEND_OUTBOUND)[0]) for i in submit(state, 0, DIGEST_A)) if isinstance(m, Dispatch)
+    ]
     clock.now = 3.5
     state.on_worker_heartbeat(b"w1", WorkerHeartbeat())
     state.on_tick()  # forgets the rank

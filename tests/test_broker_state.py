@@ -17,9 +17,9 @@ from draftfeed.schemas.messages import (
     Eagle3TargetInfo,
     ErrorReply,
     Hello,
+    PairStatus,
     Register,
     Submit,
-    PairStatus,
     TensorSpec,
     WorkerGone,
     WorkerHeartbeat,
@@ -49,7 +49,9 @@ def state(clock) -> BrokerState:
 
 
 def register(state: BrokerState, name: str, capacity: int = 1, info=INFO):
-    return state.on_register(name.encode(), Register(worker=name, service="svc", task=info.task, engine="hf", info=info, capacity=capacity, host="h", pid=1))
+    return state.on_register(
+        name.encode(), Register(worker=name, service="svc", task=info.task, engine="hf", info=info, capacity=capacity, host="h", pid=1)
+    )
 
 
 def hello(state: BrokerState, name: str, window: int = 2):
@@ -77,7 +79,9 @@ def errors(out) -> list[ErrorReply]:
 def test_dispatch_header_is_the_dispatch_model():
     hello = Hello(rank='c"x', service="s\\1", data_endpoint="tcp://1.2.3.4:5", window=2, host="h", pid=1)
     for digest in (None, "abcdef0123456789"):
-        request = Submit(request_id=3, kind="eagle3", token=9, mapping_digest=digest, tensors=[TensorSpec(name="input_ids", dtype="int64", shape=[1, 2])])
+        request = Submit(
+            request_id=3, kind="eagle3", token=9, mapping_digest=digest, tensors=[TensorSpec(name="input_ids", dtype="int64", shape=[1, 2])]
+        )
         parsed = Dispatch.model_validate_json(dispatch_header(17, dispatch_rank_fields(hello, None), request.model_dump_json().encode()))
         assert parsed == Dispatch(ticket=17, rank='c"x', reply_to="tcp://1.2.3.4:5", service="s\\1", request=request)
 
@@ -86,7 +90,9 @@ def test_dispatch_header_carries_the_ranks_data_plane_offer_key_and_limit():
     offer = DataPlaneOffer(mode="gloo", host_id="boot-1", hostname="n1", device="cuda:1", gpu_uuid="GPU-1", nccl=True)
     hello = Hello(rank="c", service="s", data_endpoint="tcp://1.2.3.4:5", window=2, host="h", pid=1, data_plane=offer, max_result_bytes=77)
     key = "k" * 40
-    parsed = Dispatch.model_validate_json(dispatch_header(1, dispatch_rank_fields(hello, key), Submit(request_id=3, kind="eagle3").model_dump_json().encode()))
+    parsed = Dispatch.model_validate_json(
+        dispatch_header(1, dispatch_rank_fields(hello, key), Submit(request_id=3, kind="eagle3").model_dump_json().encode())
+    )
     assert parsed.data_plane == offer and parsed.reply_key == key and parsed.max_result_bytes == 77
 
 
@@ -111,20 +117,20 @@ def test_requests_go_to_the_worker_with_free_credits_and_wait_for_one(state):
     assert sorted(peer for peer, _ in first) == [b"w1", b"w2"]
     assert dispatches(submit(state, "r", 2)) == []  # both workers full: it queues
     ticket = next(d.ticket for peer, d in first if peer == b"w1")
-    (peer, dispatch), = dispatches(state.on_done(b"w1", Done(ticket=ticket, ok=True)))
+    ((peer, dispatch),) = dispatches(state.on_done(b"w1", Done(ticket=ticket, ok=True)))
     assert peer == b"w1" and dispatch.request.request_id == 2
 
 
 def test_a_dead_worker_requeues_under_a_new_ticket_and_its_late_done_is_ignored(state, clock):
     register(state, "w1")
     hello(state, "r")
-    (_, old), = dispatches(submit(state, "r", 0))
+    ((_, old),) = dispatches(submit(state, "r", 0))
     clock.now = 2.0
     register(state, "w2")
     state.on_rank_heartbeat(b"r")
     state.on_worker_heartbeat(b"w2", WorkerHeartbeat())
     clock.now = 3.5  # w1 silent for 3.5 s > 3 s window; w2 and r heard at 2.0
-    (peer, new), = dispatches(state.on_tick())
+    ((peer, new),) = dispatches(state.on_tick())
     assert peer == b"w2" and new.request.request_id == 0 and new.ticket != old.ticket
     assert state.on_done(b"w2", Done(ticket=old.ticket, ok=True)) == []  # an old ticket matches nothing
     assert state.ranks[b"r"].outstanding == 1
@@ -155,7 +161,11 @@ def test_a_worker_of_another_target_is_refused(state):
     register(state, "w1")
     out = register(state, "w2", info=INFO.model_copy(update={"aux_layer_ids": [0, 3, 4]}))
     (refusal,) = [unpack(i.frames, BACKEND_OUTBOUND)[0] for i in out]
-    assert isinstance(refusal, ErrorReply) and refusal.code == "refused" and "aux_layer_ids: worker has [0, 3, 4], service has [1, 3, 4]" in refusal.message
+    assert (
+        isinstance(refusal, ErrorReply)
+        and refusal.code == "refused"
+        and "aux_layer_ids: worker has [0, 3, 4], service has [1, 3, 4]" in refusal.message
+    )
     out = register(state, "w3", info=DSparkTargetInfo(num_hidden_layers=8, hidden_size=64, vocab_size=1000, target_layer_ids=[1, 2]))
     assert "task: worker has 'dspark', service has 'eagle3'" in unpack(out[0].frames, BACKEND_OUTBOUND)[0].message
     assert list(state.services["svc"].workers) == [b"w1"] and state.counters["workers_refused"] == 2
@@ -180,6 +190,8 @@ def test_requests_whose_frames_do_not_match_their_header_are_refused_before_queu
     spec = TensorSpec(name="input_ids", dtype="int64", shape=[2, 3])
     (short,) = errors(state.on_submit(b"r", Submit(request_id=1, kind="eagle3", tensors=[spec]), [b"\0" * 40]))
     assert short.request_id == 1 and "needs 48 bytes but its frame holds 40" in short.message
-    (huge,) = errors(state.on_submit(b"r", Submit(request_id=2, kind="eagle3", tensors=[spec.model_copy(update={"shape": [1 << 30, 1 << 30]})]), [b""]))
+    (huge,) = errors(
+        state.on_submit(b"r", Submit(request_id=2, kind="eagle3", tensors=[spec.model_copy(update={"shape": [1 << 30, 1 << 30]})]), [b""])
+    )
     assert "over the limit" in huge.message
     assert state.ranks[b"r"].outstanding == 0 and not state.services["svc"].queue

@@ -22,7 +22,10 @@ def run(*args: str) -> subprocess.CompletedProcess:
         (["-m", "draftfeed", "--help"], ["launch", "demo", "status"]),
         (["-m", "draftfeed", "launch", "broker", "--help"], ["--frontend", "--backend", "tcp://*:5555"]),
         (["-m", "draftfeed.launch", "broker", "--help"], ["--frontend", "--backend"]),
-        (["-m", "draftfeed.launch", "worker", "--help"], ["--engine", "--task", "--target", "--service", "--device", "--dtype", "--aux-layer-ids", "--capacity"]),
+        (
+            ["-m", "draftfeed.launch", "worker", "--help"],
+            ["--engine", "--task", "--target", "--service", "--device", "--dtype", "--aux-layer-ids", "--capacity"],
+        ),
         (["-m", "draftfeed", "demo", "--help"], ["--steps", "--workers", "--prefetch-depth"]),
         (["-m", "draftfeed", "status", "--help"], ["--broker", "--json"]),
     ],

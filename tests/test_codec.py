@@ -8,12 +8,11 @@ import pytest
 import torch
 import zmq
 
+from draftfeed.dataplane.tensor_codec import DTYPES, decode_tensors, encode_tensors, pack_tensors
 from draftfeed.schemas.errors import MalformedMessage, ProtocolVersionMismatch
 from draftfeed.schemas.frames import pack, unpack
-from draftfeed.dataplane.tensor_codec import pack_tensors
 from draftfeed.schemas.messages import DATA_INBOUND, FRONTEND_INBOUND, Result, TensorSpec
 from draftfeed.schemas.protocol import MAX_HEADER_BYTES, SIGNATURE
-from draftfeed.dataplane.tensor_codec import DTYPES, decode_tensors, encode_tensors
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import assert_supervision_equal, make_batch, reference_eagle3, zero_padding
+
 from draftfeed import RemoteEagle3Target
 
 pytestmark = pytest.mark.timeout(240)

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import WORKER_ENV, Cluster, assert_supervision_equal, make_batch, reference_eagle3, run_concurrently, wait_until
+from fake_pair_faults import EXIT_CODE
+
 from draftfeed import RemoteEagle3Target
 from draftfeed.dataplane.choice import choose_plane, host_id, local_offer
 from draftfeed.launch import processes
 from draftfeed.schemas.messages import DataPlaneOffer
-from fake_pair_faults import EXIT_CODE
 
 pytestmark = pytest.mark.timeout(240)
 SERVICE = "planes"
@@ -29,7 +29,8 @@ def add_faulty_worker(cluster: Cluster, target: Path, fault: str, *args: str) ->
     """A real worker whose N-th pair send fails (tests/fake_pair_faults.py)."""
     worker = processes.start(
         ["worker", "--broker", cluster.backend, "--target", str(target), *args],
-        env={**WORKER_ENV, "FAKE_PAIR_FAULT": fault}, module="fake_pair_faults",
+        env={**WORKER_ENV, "FAKE_PAIR_FAULT": fault},
+        module="fake_pair_faults",
     )
     cluster.workers.append(worker)
     return worker
@@ -102,7 +103,10 @@ def test_gloo_pair_equals_frames_and_the_in_process_computation(tiny_target, tin
         worker = cluster.add_worker(tiny_target, "--service", SERVICE, "--data-plane", "gloo")
         name = worker.ready["worker"]
         seeds = list(range(6))
-        with RemoteEagle3Target(cluster.frontend, SERVICE, data_plane="auto") as over_pair, RemoteEagle3Target(cluster.frontend, SERVICE, data_plane="frames") as over_frames:
+        with (
+            RemoteEagle3Target(cluster.frontend, SERVICE, data_plane="auto") as over_pair,
+            RemoteEagle3Target(cluster.frontend, SERVICE, data_plane="frames") as over_frames,
+        ):
             aux = over_pair.model_info().aux_layer_ids
             batches = [make_batch(3, 32, VOCAB, seed=seed) for seed in seeds]
             # Answers go as frames while the group is built (the worker opens it and checks on it as it answers);
@@ -146,18 +150,36 @@ def test_two_ranks_two_workers_mixed_planes(tiny_target, tiny_model):
     try:
         gloo_worker = cluster.add_worker(tiny_target, "--service", SERVICE, "--data-plane", "gloo", "--name", "w-gloo")
         cluster.add_worker(tiny_target, "--service", SERVICE, "--data-plane", "auto", "--name", "w-auto")
-        ranks = {"auto": RemoteEagle3Target(cluster.frontend, SERVICE, data_plane="auto"), "frames": RemoteEagle3Target(cluster.frontend, SERVICE, data_plane="frames")}
+        ranks = {
+            "auto": RemoteEagle3Target(cluster.frontend, SERVICE, data_plane="auto"),
+            "frames": RemoteEagle3Target(cluster.frontend, SERVICE, data_plane="frames"),
+        }
         run_concurrently(
-            *(lambda remote=remote, first=100 * i: check_batches(remote, tiny_model, list(range(first, first + 10))) for i, remote in enumerate(ranks.values()))
+            *(
+                lambda remote=remote, first=100 * i: check_batches(remote, tiny_model, list(range(first, first + 10)))
+                for i, remote in enumerate(ranks.values())
+            )
         )
         # Which worker serves which batch is the broker's choice: go on until the gloo worker has used its group.
         seed = iter(range(1000, 1100))
         wait_until(
             lambda: check_batches(ranks["auto"], tiny_model, [next(seed)]) and ranks["auto"].connection_stats.received_over_pair > 0,
-            timeout_s=60, what="an answer on the gloo group", poll_s=0,
+            timeout_s=60,
+            what="an answer on the gloo group",
+            poll_s=0,
         )
         assert ranks["frames"].connection_stats.received_over_pair == 0
-        planes = wait_until(lambda: (g := pairs_of(cluster, "w-gloo")) and (a := pairs_of(cluster, "w-auto")) and len(g) == 2 and len(a) == 2 and (g, a), what="four pairs in status")
+
+        def four_pairs():
+            """Each worker's pairs with both ranks; more batches until each worker has served each rank."""
+            gloo, auto = pairs_of(cluster, "w-gloo"), pairs_of(cluster, "w-auto")
+            if len(gloo) == 2 and len(auto) == 2:
+                return gloo, auto
+            for remote in ranks.values():
+                check_batches(remote, tiny_model, [next(seed)])
+            return None
+
+        planes = wait_until(four_pairs, timeout_s=60, what="four pairs in status")
         by_gloo, by_auto = planes
         assert by_gloo[ranks["auto"].rank_id]["plane"] == "gloo"
         assert by_gloo[ranks["frames"].rank_id]["plane"] == "frames"
@@ -179,7 +201,12 @@ def test_a_forced_send_failure_falls_back_to_frames_and_the_group_is_rebuilt(fas
         assert pair == 1
         # After the backoff the worker opens generation 1; every answer meanwhile is still right.
         seed = iter(range(100, 200))
-        wait_until(lambda: check_batches(remote, tiny_model, [next(seed)]) and remote.data_planes().get("w-flaky") == "gloo 1", timeout_s=60, what="a new group", poll_s=0.2)
+        wait_until(
+            lambda: check_batches(remote, tiny_model, [next(seed)]) and remote.data_planes().get("w-flaky") == "gloo 1",
+            timeout_s=60,
+            what="a new group",
+            poll_s=0.2,
+        )
         before = remote.connection_stats.received_over_pair
         check_batches(remote, tiny_model, list(range(200, 204)))
         assert remote.connection_stats.received_over_pair == before + 4, "the rebuilt group carries the answers"

@@ -14,7 +14,9 @@ pytestmark = pytest.mark.timeout(240)
 def test_demo_runs_and_reports(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "draftfeed", "demo", "--steps", "8", "--seq-len", "64", "--workdir", str(tmp_path)],
-        capture_output=True, text=True, timeout=220,
+        capture_output=True,
+        text=True,
+        timeout=220,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout

@@ -6,13 +6,13 @@ import threading
 
 import pytest
 import torch
+from conftest import assert_supervision_equal, make_batch, raw_peer, reference_dspark, reference_eagle3
 
-from conftest import assert_supervision_equal, make_batch, raw_peer, reference_dspark, reference_eagle3, zero_padding
 from draftfeed import DSparkTargetInfo, Eagle3TargetInfo, RemoteDSparkTarget, RemoteEagle3Target
 from draftfeed.consumers.tasks.dspark import check_target_layer_ids, default_target_layer_ids
+from draftfeed.dataplane.tensor_codec import pack_tensors
 from draftfeed.launch import processes
 from draftfeed.schemas.frames import pack, unpack
-from draftfeed.dataplane.tensor_codec import pack_tensors
 from draftfeed.schemas.messages import FRONTEND_OUTBOUND, ErrorReply, Hello, Submit
 
 pytestmark = pytest.mark.timeout(240)
@@ -26,7 +26,9 @@ EDGE_IDS = [-1, 0, 3, 7]
 @pytest.fixture(scope="module")
 def services(cluster, tiny_target):
     cluster.add_worker(tiny_target, "--task", "dspark", "--service", DEFAULT, "--name", "ds-0")
-    cluster.add_worker(tiny_target, "--task", "dspark", "--service", EDGES, "--target-layer-ids", ",".join(map(str, EDGE_IDS)), "--name", "ds-edges-0")
+    cluster.add_worker(
+        tiny_target, "--task", "dspark", "--service", EDGES, "--target-layer-ids", ",".join(map(str, EDGE_IDS)), "--name", "ds-edges-0"
+    )
     cluster.add_worker(tiny_target, "--task", "eagle3", "--service", EAGLE, "--name", "eagle-0")
     return cluster
 
@@ -180,7 +182,9 @@ def test_a_later_worker_of_another_target_is_refused(services, tmp_path, tiny_ta
     with RemoteDSparkTarget(services.frontend, DEFAULT) as target:
         target.check_target_info(DSparkTargetInfo(num_hidden_layers=8, hidden_size=64, vocab_size=1000, target_layer_ids=[1, 3, 4, 6, 7]))
         other = build_tiny_target(tmp_path / "other", **arch_args) if arch_args else tiny_target
-        with pytest.raises(RuntimeError, match=rf"refused registration: worker \S+ on \S+ serves another target than service '{DEFAULT}': {field}: worker has"):
+        with pytest.raises(
+            RuntimeError, match=rf"refused registration: worker \S+ on \S+ serves another target than service '{DEFAULT}': {field}: worker has"
+        ):
             processes.start_worker(services.backend, str(other), "--task", "dspark", "--service", DEFAULT, *worker_args)
         status = target.status()
     assert [w["worker"] for w in status["services"][DEFAULT]["workers"]] == ["ds-0"]

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import Cluster, make_batch
+
 from draftfeed.consumers.engines import load_engine
 from draftfeed.consumers.engines.base import Capture
 from draftfeed.consumers.tasks import load_task
@@ -42,7 +42,9 @@ os.environ.update(VLLM_ENV)
 def vllm_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from draftfeed.tiny import build_tiny_target
 
-    return build_tiny_target(tmp_path_factory.mktemp("targets") / "tiny-llama-h128", num_hidden_layers=LAYERS, hidden_size=HIDDEN, vocab_size=VOCAB, seed=3)
+    return build_tiny_target(
+        tmp_path_factory.mktemp("targets") / "tiny-llama-h128", num_hidden_layers=LAYERS, hidden_size=HIDDEN, vocab_size=VOCAB, seed=3
+    )
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +113,9 @@ def test_eagle3_probs_agree_with_hf(name, engines, hf_engine, vllm_target):
     assert not (differs & ~ties).any(), "position_mask differs away from tied logits"
     for key in ("input_ids", "loss_mask"):
         assert torch.equal(got[key], expected[key]), key
-    print(f"\n{name}: aux rel {worst:.1e}, probs abs {probs_error:.1e}, position_mask differs at {int(differs.sum())} tied of {int(ties.sum())} near-tie positions")
+    print(
+        f"\n{name}: aux rel {worst:.1e}, probs abs {probs_error:.1e}, position_mask differs at {int(differs.sum())} tied of {int(ties.sum())} near-tie positions"
+    )
 
 
 @pytest.mark.parametrize("name", ENGINES)
@@ -137,7 +141,9 @@ def test_dspark_agrees_with_hf_at_every_layer_id(name, engines, hf_engine, vllm_
     width = HIDDEN
     for index, layer_id in enumerate(DSPARK_IDS):
         part = slice(index * width, (index + 1) * width)
-        assert_hidden_close(got["target_hidden_states"][..., part], expected["target_hidden_states"][..., part], batch["attention_mask"], f"layer id {layer_id}")
+        assert_hidden_close(
+            got["target_hidden_states"][..., part], expected["target_hidden_states"][..., part], batch["attention_mask"], f"layer id {layer_id}"
+        )
     assert_hidden_close(got["target_last_hidden_states"], expected["target_last_hidden_states"], batch["attention_mask"], "target_last_hidden_states")
 
 

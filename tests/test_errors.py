@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import assert_supervision_equal, make_batch, raw_peer, reference_eagle3
+
 from draftfeed import RemoteEagle3Target, RemoteTargetError, RemoteTargetTimeout
 from draftfeed.launch import processes
 from draftfeed.schemas.frames import pack, unpack
@@ -61,14 +61,18 @@ def test_invalid_vocab_mapping_is_refused_at_the_rank(served, ids, mask, match):
     if mask is None:
         mask = torch.zeros(1000, dtype=torch.bool)
         mask[ids.clamp(max=999)] = True
-    with RemoteEagle3Target(served.frontend, SERVICE) as target:
-        with pytest.raises(ValueError, match=match):
-            target.set_vocab_mapping(ids, mask)
+    with RemoteEagle3Target(served.frontend, SERVICE) as target, pytest.raises(ValueError, match=match):
+        target.set_vocab_mapping(ids, mask)
 
 
 def test_broker_answers_junk_with_an_error_and_serves_on(served, tiny_model):
     with raw_peer(served.frontend) as sock:
-        for junk in ([b"GET / HTTP/1.1"], [b"draftfeed/2", b"{oops"], [b"draftfeed/9", b"{}"], [b"draftfeed/2", b'{"type": "done", "ticket": 1, "ok": true}']):
+        for junk in (
+            [b"GET / HTTP/1.1"],
+            [b"draftfeed/2", b"{oops"],
+            [b"draftfeed/9", b"{}"],
+            [b"draftfeed/2", b'{"type": "done", "ticket": 1, "ok": true}'],
+        ):
             sock.send_multipart(junk)
             assert sock.poll(10_000), f"no answer to {junk!r}"
             reply, _ = unpack(sock.recv_multipart(), FRONTEND_OUTBOUND)

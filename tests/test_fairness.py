@@ -6,14 +6,14 @@ import threading
 from dataclasses import dataclass
 
 import pytest
-
 from conftest import Cluster, make_batch, wait_until
+from test_broker_state import INFO, dispatches, errors
+
 from draftfeed import RemoteEagle3Target, RemoteTargetError
 from draftfeed.broker.fair_queue import FairQueue
 from draftfeed.broker.settings import BrokerSettings
 from draftfeed.broker.state import BrokerState
 from draftfeed.schemas.messages import Done, Hello, Register, Submit
-from test_broker_state import INFO, dispatches, errors
 
 pytestmark = pytest.mark.timeout(240)
 SERVICE = "svc"
@@ -87,7 +87,9 @@ def test_a_light_rank_keeps_its_share_beside_a_flooding_one(tiny_target):
     the flooder's 32; round-robin lets at most one flooder batch go ahead of it, plus the one being computed."""
     cluster = Cluster()
     try:
-        cluster.add_worker(tiny_target, "--engine", "fake_engines:FakeSlowEngine", "--service", SERVICE, "--capacity", "1", env={"FAKE_FORWARD_S": "0.05"})
+        cluster.add_worker(
+            tiny_target, "--engine", "fake_engines:FakeSlowEngine", "--service", SERVICE, "--capacity", "1", env={"FAKE_FORWARD_S": "0.05"}
+        )
         flooder = RemoteEagle3Target(cluster.frontend, SERVICE, prefetch_depth=32)
         light = RemoteEagle3Target(cluster.frontend, SERVICE, prefetch_depth=1)
         vocab = flooder.model_info().vocab_size

@@ -15,7 +15,9 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
 
 def test_gpu_script_small_on_cpu(tmp_path):
     out = tmp_path / "gpu.json"
-    result = subprocess.run([sys.executable, str(SCRIPT), "--small", "--device", "cpu", "--json", str(out)], capture_output=True, text=True, timeout=220)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--small", "--device", "cpu", "--json", str(out)], capture_output=True, text=True, timeout=220
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     data = json.loads(out.read_text())
     assert data["shape"] == "small" and data["forward_ms"] > 0

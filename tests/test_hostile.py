@@ -9,8 +9,8 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from conftest import Cluster, assert_supervision_equal, make_batch, reference_eagle3
+
 from draftfeed import RemoteEagle3Target
 
 pytestmark = pytest.mark.timeout(300)
@@ -35,9 +35,18 @@ def test_hostile_peer_changes_nothing_for_a_running_rank(tiny_target, tiny_model
             training = threading.Thread(target=train, daemon=True)
             training.start()
             hostile = subprocess.Popen(
-                [sys.executable, str(Path(__file__).with_name("hostile_peer.py")), cluster.frontend, cluster.backend,
-                 target.data_endpoint, target.rank_id, str(MESSAGES), "7"],
-                stdout=subprocess.PIPE, text=True,
+                [
+                    sys.executable,
+                    str(Path(__file__).with_name("hostile_peer.py")),
+                    cluster.frontend,
+                    cluster.backend,
+                    target.data_endpoint,
+                    target.rank_id,
+                    str(MESSAGES),
+                    "7",
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
             )
             hostile_started.set()
             try:

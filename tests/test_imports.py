@@ -29,7 +29,10 @@ def modules_after(code: str) -> set[str]:
     "what, code",
     [
         ("the broker", "import draftfeed.broker.broker"),
-        ("`draftfeed launch broker --help`", "from draftfeed.launch.cli import main\ntry:\n    main(['launch', 'broker', '--help'])\nexcept SystemExit:\n    pass"),
+        (
+            "`draftfeed launch broker --help`",
+            "from draftfeed.launch.cli import main\ntry:\n    main(['launch', 'broker', '--help'])\nexcept SystemExit:\n    pass",
+        ),
         ("`import draftfeed`", "import draftfeed"),
         ("the wire layer", "import draftfeed.schemas.frames, draftfeed.schemas.messages, draftfeed.schemas.tensor_specs, draftfeed.schemas.protocol"),
         ("`draftfeed status`'s module", "import draftfeed.launch.status"),
@@ -119,7 +122,7 @@ def test_no_import_circles():
         stack.append(node)
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == 1:
-                circles.append([*stack[stack.index(nxt):], nxt])
+                circles.append([*stack[stack.index(nxt) :], nxt])
             elif nxt not in state:
                 visit(nxt)
         stack.pop()

@@ -4,14 +4,14 @@ and each rank's limit on the answers it takes."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import Cluster, make_batch, raw_peer
+from test_broker_state import errors
+
 from draftfeed import RemoteEagle3Target, RemoteTargetError
 from draftfeed.broker.settings import BrokerSettings
 from draftfeed.broker.state import BrokerState
 from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import FRONTEND_OUTBOUND, Hello, StatusQuery, StatusReply, Submit, TensorSpec
-from test_broker_state import errors
 
 pytestmark = pytest.mark.timeout(240)
 

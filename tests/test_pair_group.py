@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import WORKER_ENV
-from draftfeed.dataplane.pair_group import RECEIVER, DataPlaneError, PairGroup, describe, host_store
 from pair_sender import sample_tensors
+
+from draftfeed.dataplane.pair_group import RECEIVER, DataPlaneError, PairGroup, describe, host_store
 
 SENDER_SCRIPT = str(Path(__file__).parent / "pair_sender.py")
 pytestmark = pytest.mark.timeout(120)

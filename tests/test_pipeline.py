@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-
 from conftest import assert_supervision_equal, make_batch, reference_eagle3, run_concurrently
+
 from draftfeed import RemoteEagle3Target
 
 pytestmark = pytest.mark.timeout(180)

@@ -7,13 +7,14 @@ from concurrent.futures import Future
 
 import pytest
 import torch
-
 from conftest import make_batch, raw_peer, wait_until
+
 from draftfeed import RemoteEagle3Target, RemoteTargetTimeout
+from draftfeed.dataplane.tensor_codec import pack_tensors
 from draftfeed.producers.connection import Connection
 from draftfeed.producers.prefetch import prefetch
+from draftfeed.producers.requests import RequestKind
 from draftfeed.schemas.frames import pack, unpack
-from draftfeed.dataplane.tensor_codec import pack_tensors
 from draftfeed.schemas.messages import FRONTEND_OUTBOUND, ErrorReply, Hello, StatusQuery, Submit, Welcome
 
 pytestmark = pytest.mark.timeout(180)
@@ -32,7 +33,7 @@ def test_in_flight_never_exceeds_the_depth_with_a_slow_training_loop(served, dep
     batches = [make_batch(2, 64, 1000, seed=i) for i in range(24)]
     with RemoteEagle3Target(served.frontend, SERVICE, prefetch_depth=depth) as target:
         seen_in_flight = []
-        for _batch, supervision in target.iterate(batches):
+        for _batch, _supervision in target.iterate(batches):
             seen_in_flight.append(target.in_flight)
             torch.linalg.qr(torch.randn(256, 256))  # a training step: slower than handing over a batch
 
@@ -52,10 +53,13 @@ def test_window_is_exact_when_nothing_is_served(served):
     batch = make_batch(1, 4, 1000, seed=0)
     connection = Connection(served.frontend, "nobody-serves-this", window=3)
     try:
+
         def submit(timeout_s: float):
             return connection.request(
                 lambda rid, token: pack_tensors(Submit, batch, request_id=rid, kind="eagle3", token=token),
-                lambda _reply, received: received, uses_window=True, timeout_s=timeout_s,
+                lambda _reply, received: received,
+                RequestKind.BATCH,
+                timeout_s=timeout_s,
             )
 
         futures = [submit(1.0) for _ in range(3)]
@@ -63,7 +67,7 @@ def test_window_is_exact_when_nothing_is_served(served):
         with pytest.raises(RemoteTargetTimeout, match="all 3 prefetch slots"):
             submit(0.5)
         assert not any(f.done() for f in futures)
-        status = connection.request(lambda rid, _t: pack(StatusQuery(request_id=rid)), lambda r, _: r.status, uses_window=False).result(10)
+        status = connection.request(lambda rid, _t: pack(StatusQuery(request_id=rid)), lambda r, _: r.status, RequestKind.STATUS).result(10)
     finally:
         connection.close()
     assert status["services"]["nobody-serves-this"]["queued"] == 3
@@ -71,7 +75,9 @@ def test_window_is_exact_when_nothing_is_served(served):
 
 def test_broker_refuses_a_rank_that_ignores_its_window(served):
     with raw_peer(served.frontend, b"greedy") as sock:
-        sock.send_multipart(pack(Hello(rank="greedy", service="nobody-serves-this-either", data_endpoint="tcp://127.0.0.1:1", window=1, host="h", pid=1)))
+        sock.send_multipart(
+            pack(Hello(rank="greedy", service="nobody-serves-this-either", data_endpoint="tcp://127.0.0.1:1", window=1, host="h", pid=1))
+        )
         assert sock.poll(10_000)
         assert isinstance(unpack(sock.recv_multipart(), FRONTEND_OUTBOUND)[0], Welcome)
         tensors = make_batch(1, 4, 1000, seed=0)

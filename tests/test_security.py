@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import zmq
-
 from conftest import WORKER_ENV, assert_supervision_equal, make_batch, reference_eagle3, wait_until
+
 from draftfeed import RemoteEagle3Target, RemoteTargetError
 from draftfeed.launch import processes
 from draftfeed.launch.status import fetch_status
@@ -94,9 +94,23 @@ def test_keys_generate_writes_certificates_and_allow_lists(keys, tmp_path):
     for name in ("rank.key", "worker.key"):
         (tmp_path / "mixed" / name).write_bytes((keys / name).read_bytes())
     mixed = subprocess.run(
-        [sys.executable, "-m", "draftfeed", "launch", "broker", "--secure", "--key", str(keys / "broker.key_secret"),
-         "--rank-keys", str(tmp_path / "mixed"), "--worker-keys", str(keys / "workers")],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "draftfeed",
+            "launch",
+            "broker",
+            "--secure",
+            "--key",
+            str(keys / "broker.key_secret"),
+            "--rank-keys",
+            str(tmp_path / "mixed"),
+            "--worker-keys",
+            str(keys / "workers"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert mixed.returncode == 2 and "on both the rank and the worker allow-list" in mixed.stderr
 
@@ -110,7 +124,18 @@ def test_encrypted_supervision_equals_the_in_process_computation(secure, keys, t
         for batch, supervision in remote.iterate(batches):
             assert_supervision_equal(supervision, reference_eagle3(tiny_model, batch, aux))
         # A worker with another key joins mid-run: the broker vouches for it to the rank, whose data socket admits it.
-        add_worker(str(tiny_target), "--service", SERVICE, "--secure", "--key", str(keys / "worker2.key_secret"), "--broker-key", str(keys / "broker.key"), "--name", "w2")
+        add_worker(
+            str(tiny_target),
+            "--service",
+            SERVICE,
+            "--secure",
+            "--key",
+            str(keys / "worker2.key_secret"),
+            "--broker-key",
+            str(keys / "broker.key"),
+            "--name",
+            "w2",
+        )
         seeds = iter(range(100, 200))
 
         def one_more() -> bool:
@@ -147,19 +172,36 @@ def test_intruders_get_nothing_and_do_not_disturb_a_run(secure, keys, tiny_targe
         training.start()
         data_endpoint = remote.data_endpoint
         hello = pack(Hello(rank="intruder", service=SERVICE, data_endpoint="tcp://127.0.0.1:9", window=1, host="h", pid=1))
-        register = pack(Register(worker="intruder", service=SERVICE, task="eagle3", engine="hf", info=remote.model_info(), capacity=1, host="h", pid=1))
+        register = pack(
+            Register(worker="intruder", service=SERVICE, task="eagle3", engine="hf", info=remote.model_info(), capacity=1, host="h", pid=1)
+        )
         forged = pack(Result(request_id=0, token=0, kind="eagle3", worker="intruder", tensors=[]))
         context = zmq.Context()
         try:
             attempts = {
-                "plaintext at the frontend": (intruder(context, broker.ready["frontend"], None, None, b"intruder"), [*pack(StatusQuery(request_id=1))]),
-                "unknown key at the frontend": (intruder(context, broker.ready["frontend"], (stranger.public, stranger.secret), broker_key, b"intruder"), hello),
-                "rank key, wrong broker key": (intruder(context, broker.ready["frontend"], (rank.public, rank.secret), wrong_broker_key, b"intruder"), hello),
+                "plaintext at the frontend": (
+                    intruder(context, broker.ready["frontend"], None, None, b"intruder"),
+                    [*pack(StatusQuery(request_id=1))],
+                ),
+                "unknown key at the frontend": (
+                    intruder(context, broker.ready["frontend"], (stranger.public, stranger.secret), broker_key, b"intruder"),
+                    hello,
+                ),
+                "rank key, wrong broker key": (
+                    intruder(context, broker.ready["frontend"], (rank.public, rank.secret), wrong_broker_key, b"intruder"),
+                    hello,
+                ),
                 "plaintext at the backend": (intruder(context, broker.ready["backend"], None, None, b"intruder"), register),
-                "unknown key at the backend": (intruder(context, broker.ready["backend"], (stranger.public, stranger.secret), broker_key, b"intruder"), register),
+                "unknown key at the backend": (
+                    intruder(context, broker.ready["backend"], (stranger.public, stranger.secret), broker_key, b"intruder"),
+                    register,
+                ),
                 "plaintext at the rank's data socket": (intruder(context, data_endpoint, None, None, b"intruder"), forged),
                 # On the worker allow-list, but not a registered worker of this service: the rank admits only those.
-                "unregistered worker key at the rank": (intruder(context, data_endpoint, (worker2.public, worker2.secret), rank.public, b"intruder"), forged),
+                "unregistered worker key at the rank": (
+                    intruder(context, data_endpoint, (worker2.public, worker2.secret), rank.public, b"intruder"),
+                    forged,
+                ),
             }
             heard = {name: heard_anything(sock, message) for name, (sock, message) in attempts.items()}
         finally:
@@ -198,10 +240,21 @@ def test_role_confusion_is_refused_with_a_logged_reason(secure, keys, tiny_targe
     broker, add_worker = secure
     with pytest.raises(RuntimeError, match="--worker-keys"):
         add_worker(
-            str(tiny_target), "--service", SERVICE, "--secure", "--key", str(keys / "rank.key_secret"), "--broker-key", str(keys / "broker.key"),
-            "--register-timeout", "3", ready_timeout_s=60,
+            str(tiny_target),
+            "--service",
+            SERVICE,
+            "--secure",
+            "--key",
+            str(keys / "rank.key_secret"),
+            "--broker-key",
+            str(keys / "broker.key"),
+            "--register-timeout",
+            "3",
+            ready_timeout_s=60,
         )
     with pytest.raises(RemoteTargetError, match="--rank-keys"):
-        RemoteEagle3Target(broker.ready["frontend"], SERVICE, keys=PeerKeys.from_files(keys / "worker.key_secret", keys / "broker.key"), connect_timeout=3)
+        RemoteEagle3Target(
+            broker.ready["frontend"], SERVICE, keys=PeerKeys.from_files(keys / "worker.key_secret", keys / "broker.key"), connect_timeout=3
+        )
     wait_until(lambda: any("a rank key tried to connect as a worker" in line for line in broker.log_tail), what="the broker's log of the rank key")
     wait_until(lambda: any("a worker key tried to connect as a rank" in line for line in broker.log_tail), what="the broker's log of the worker key")

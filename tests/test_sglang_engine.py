@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import make_batch
+
 from draftfeed.consumers.engines import load_engine
 from draftfeed.consumers.engines.base import Capture
 from draftfeed.consumers.tasks import load_task
@@ -95,7 +95,10 @@ def test_refuses_hidden_supervision(engine):
         load_task("eagle3", engine, AUX_IDS, supervision="hidden")
 
 
-@pytest.mark.parametrize(("ids", "match"), [([-1, 1, 2], r"embeddings.*-1.*use --engine hf or vllm"), ([1, 2, LAYERS - 1], rf"final hidden state.*{LAYERS - 1}.*use --engine hf or vllm")])
+@pytest.mark.parametrize(
+    ("ids", "match"),
+    [([-1, 1, 2], r"embeddings.*-1.*use --engine hf or vllm"), ([1, 2, LAYERS - 1], rf"final hidden state.*{LAYERS - 1}.*use --engine hf or vllm")],
+)
 def test_refuses_dspark_edges(engine, ids, match):
     with pytest.raises(ValueError, match=match):
         load_task("dspark", engine, ids)

@@ -9,14 +9,26 @@ import sys
 import pytest
 import torch
 import zmq
-
 from conftest import WORKER_ENV, make_batch, reference_eagle3
-from draftfeed.contract.vocab import mapping_digest
 from reference import difference, draft_vocab
+
+from draftfeed.contract.vocab import mapping_digest
+from draftfeed.dataplane.tensor_codec import decode_tensors, encode_tensors, pack_tensors
 from draftfeed.schemas.frames import pack, unpack
-from draftfeed.dataplane.tensor_codec import pack_tensors
-from draftfeed.schemas.messages import BACKEND_INBOUND, DATA_INBOUND, Dispatch, Done, Failure, Liveness, Register, Registered, Result, Submit, VocabMapping, WorkerHeartbeat
-from draftfeed.dataplane.tensor_codec import decode_tensors, encode_tensors
+from draftfeed.schemas.messages import (
+    BACKEND_INBOUND,
+    DATA_INBOUND,
+    Dispatch,
+    Done,
+    Failure,
+    Liveness,
+    Register,
+    Registered,
+    Result,
+    Submit,
+    VocabMapping,
+    WorkerHeartbeat,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,9 +46,23 @@ def harness(tiny_target):
     try:
         # Started by hand: its ready line comes only after the registration this harness answers.
         worker = subprocess.Popen(
-            [sys.executable, "-m", "draftfeed.launch", "worker", "--broker", f"tcp://127.0.0.1:{backend_port}",
-             "--target", str(tiny_target), "--service", "svc", "--name", "w0"],
-            env={**os.environ, **WORKER_ENV}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                sys.executable,
+                "-m",
+                "draftfeed.launch",
+                "worker",
+                "--broker",
+                f"tcp://127.0.0.1:{backend_port}",
+                "--target",
+                str(tiny_target),
+                "--service",
+                "svc",
+                "--name",
+                "w0",
+            ],
+            env={**os.environ, **WORKER_ENV},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         assert backend.poll(60_000), "the worker did not register"
         peer, *frames = backend.recv_multipart()
@@ -104,7 +130,9 @@ def test_a_request_naming_a_mapping_the_worker_lacks_goes_back_never_computed_wi
     ids, mask = draft_vocab(50)
     digest = mapping_digest(ids, mask)
     specs, buffers = encode_tensors(batch)
-    message = Dispatch(ticket=7, rank="c", reply_to=reply_to, service="svc", request=Submit(request_id=7, kind="eagle3", mapping_digest=digest, tensors=specs))
+    message = Dispatch(
+        ticket=7, rank="c", reply_to=reply_to, service="svc", request=Submit(request_id=7, kind="eagle3", mapping_digest=digest, tensors=specs)
+    )
     backend.send_multipart([peer, *pack(message, buffers)], copy=False)
     done = next_done(backend)
     assert done.ticket == 7 and not done.ok and done.retry and done.missing_mapping == digest

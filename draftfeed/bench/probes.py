@@ -67,7 +67,11 @@ def rank(frontend: str, service: str, tokens: int, count: int, depth: int, data_
 
     from draftfeed import RemoteEagle3Target
 
-    batch = {"input_ids": torch.zeros(1, tokens, dtype=torch.int64), "attention_mask": torch.ones(1, tokens, dtype=torch.int64), "loss_mask": torch.ones(1, tokens, dtype=torch.int64)}
+    batch = {
+        "input_ids": torch.zeros(1, tokens, dtype=torch.int64),
+        "attention_mask": torch.ones(1, tokens, dtype=torch.int64),
+        "loss_mask": torch.ones(1, tokens, dtype=torch.int64),
+    }
     with RemoteEagle3Target(frontend, service, prefetch_depth=depth, data_plane=data_plane) as target:
         target.model_info()
         for _ in range(3):  # warm-up; a pair group is built meanwhile
@@ -78,7 +82,18 @@ def rank(frontend: str, service: str, tokens: int, count: int, depth: int, data_
             del supervision
         elapsed = time.perf_counter() - started
         over_pair = target.connection_stats.received_over_pair
-    print(json.dumps({"bytes_per_s": nbytes * count / elapsed, "seconds": elapsed, "faults_per_msg": (_faults() - faults) / count, "bytes": nbytes, "received_over_pair": over_pair}), flush=True)
+    print(
+        json.dumps(
+            {
+                "bytes_per_s": nbytes * count / elapsed,
+                "seconds": elapsed,
+                "faults_per_msg": (_faults() - faults) / count,
+                "bytes": nbytes,
+                "received_over_pair": over_pair,
+            }
+        ),
+        flush=True,
+    )
 
 
 def raw_gloo_recv(nbytes: int, count: int) -> None:
@@ -138,7 +153,21 @@ def raw_worker(backend: str, count: int) -> None:
             ranks[endpoint].setsockopt(zmq.LINGER, 0)
             ranks[endpoint].connect(endpoint)
         request = header["request"]
-        ranks[endpoint].send_multipart([SIGNATURE, json.dumps({"type": "result", "request_id": request["request_id"], "token": request["token"], "kind": "eagle3", "worker": "raw-worker", "tensors": []}).encode()])
+        ranks[endpoint].send_multipart(
+            [
+                SIGNATURE,
+                json.dumps(
+                    {
+                        "type": "result",
+                        "request_id": request["request_id"],
+                        "token": request["token"],
+                        "kind": "eagle3",
+                        "worker": "raw-worker",
+                        "tensors": [],
+                    }
+                ).encode(),
+            ]
+        )
         sock.send_multipart([SIGNATURE, json.dumps({"type": "done", "ticket": header["ticket"], "ok": True}).encode()])
         served += 1
     for rank_sock in ranks.values():

@@ -48,18 +48,19 @@ def render(rows: list[Row], quick: bool, command: str, docs: Path, note: str | N
     has_plot = plot(rows, image)
     probs = FORMS["probs (float32, default)"]
     forms = "\n".join(
-        f"| {name} | {per_token / 1024:.1f} KiB | {per_token * 2048 / 1e6:.1f} MB | {probs / per_token:.2f}x fewer |" for name, per_token in FORMS.items()
+        f"| {name} | {per_token / 1024:.1f} KiB | {per_token * 2048 / 1e6:.1f} MB | {probs / per_token:.2f}x fewer |"
+        for name, per_token in FORMS.items()
     )
     text = f"""# Performance
 
-Numbers from `{command}`{' (quick mode: smaller payloads and fewer repetitions)' if quick else ''}, on this project's
+Numbers from `{command}`{" (quick mode: smaller payloads and fewer repetitions)" if quick else ""}, on this project's
 2-core build machine. Every value is measured beside its baseline in the same run; read the ratios, not the
 absolute figures (shared hosts are noisy). Regenerate with `draftfeed bench --report`.{chr(10) + chr(10) + "Note: " + note + "." if note else ""}
 
 ```
 {format_table(rows)}
 ```
-{'![data plane](performance-data-plane.png)' if has_plot else ''}
+{"![data plane](performance-data-plane.png)" if has_plot else ""}
 
 ## What each scenario measures
 

@@ -17,10 +17,9 @@ import torch
 import zmq
 
 from draftfeed.bench.synthetic import BYTES_PER_TOKEN, DRAFT_VOCAB, HIDDEN, tokens_for
+from draftfeed.dataplane.tensor_codec import DTYPES, decode_tensors, encode_tensors, pack_tensors
 from draftfeed.launch import processes
-from draftfeed.dataplane.tensor_codec import pack_tensors
 from draftfeed.schemas.messages import Result
-from draftfeed.dataplane.tensor_codec import DTYPES, decode_tensors, encode_tensors
 
 HUGETLB = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 MB = 1e6
@@ -121,7 +120,9 @@ def bench_codec(quick: bool) -> list[Row]:
 # ---------------------------------------------------------------- helpers for process scenarios
 def _probe(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "draftfeed.bench.probes", *args], stdout=subprocess.PIPE, text=True,
+        [sys.executable, "-m", "draftfeed.bench.probes", *args],
+        stdout=subprocess.PIPE,
+        text=True,
         env={**os.environ, **(env or {})},
     )
 
@@ -142,18 +143,34 @@ class Pipeline:
         self.broker = processes.start_broker(extra=["--log-level", "WARNING", *secure])
         self.started.append(self.broker)
         for index in range(workers):
-            self.started.append(processes.start(
-                ["--broker", self.broker.ready["backend"], "--service", "bench", "--tokens", str(tokens),
-                 "--compute-ms", str(compute_ms), "--capacity", str(capacity), "--name", f"synthetic-{index}", "--data-plane", data_plane,
-                 *(["--keys", str(keys)] if keys is not None else [])],
-                module="draftfeed.bench.synthetic",
-            ))
+            self.started.append(
+                processes.start(
+                    [
+                        "--broker",
+                        self.broker.ready["backend"],
+                        "--service",
+                        "bench",
+                        "--tokens",
+                        str(tokens),
+                        "--compute-ms",
+                        str(compute_ms),
+                        "--capacity",
+                        str(capacity),
+                        "--name",
+                        f"synthetic-{index}",
+                        "--data-plane",
+                        data_plane,
+                        *(["--keys", str(keys)] if keys is not None else []),
+                    ],
+                    module="draftfeed.bench.synthetic",
+                )
+            )
 
     @property
     def frontend(self) -> str:
         return self.broker.ready["frontend"]
 
-    def __enter__(self) -> "Pipeline":
+    def __enter__(self) -> Pipeline:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -183,10 +200,17 @@ def bench_data_plane(quick: bool) -> list[Row]:
             for label, env in (("", None), (" + hugetlb", HUGETLB)):
                 raw = raw_rate(nbytes, count, env)
                 ours = _last_json(_probe(["rank", pipeline.frontend, "bench", str(tokens), str(count), "2"], env))
-                rows.append(Row(
-                    "data plane", f"{size_mb:g} MB worker -> rank{label} ({ours['faults_per_msg']:.0f} page faults/msg)",
-                    ours["bytes_per_s"] / 1e9, raw["bytes_per_s"] / 1e9, "GB/s", f"raw pyzmq DEALER->ROUTER{label}", ">= 0.8",
-                ))
+                rows.append(
+                    Row(
+                        "data plane",
+                        f"{size_mb:g} MB worker -> rank{label} ({ours['faults_per_msg']:.0f} page faults/msg)",
+                        ours["bytes_per_s"] / 1e9,
+                        raw["bytes_per_s"] / 1e9,
+                        "GB/s",
+                        f"raw pyzmq DEALER->ROUTER{label}",
+                        ">= 0.8",
+                    )
+                )
     return rows
 
 
@@ -215,8 +239,27 @@ def bench_pair_plane(quick: bool) -> list[Row]:
             raise RuntimeError(f"only {over_pair['received_over_pair']} of {count} answers came on the gloo group")
         raw = raw_gloo_rate(nbytes, count)
         case = f"{size_mb:g} MB worker -> rank on a gloo pair group"
-        rows.append(Row("pair plane", f"{case}, against frames", over_pair["bytes_per_s"] / 1e9, over_frames["bytes_per_s"] / 1e9, "GB/s", "frames plane, same pipeline"))
-        rows.append(Row("pair plane", f"{case}, against raw gloo", over_pair["bytes_per_s"] / 1e9, raw["bytes_per_s"] / 1e9, "GB/s", "raw gloo send/recv of one tensor", ">= 0.8"))
+        rows.append(
+            Row(
+                "pair plane",
+                f"{case}, against frames",
+                over_pair["bytes_per_s"] / 1e9,
+                over_frames["bytes_per_s"] / 1e9,
+                "GB/s",
+                "frames plane, same pipeline",
+            )
+        )
+        rows.append(
+            Row(
+                "pair plane",
+                f"{case}, against raw gloo",
+                over_pair["bytes_per_s"] / 1e9,
+                raw["bytes_per_s"] / 1e9,
+                "GB/s",
+                "raw gloo send/recv of one tensor",
+                ">= 0.8",
+            )
+        )
     return rows
 
 
@@ -229,7 +272,7 @@ def bench_encryption(quick: bool, workdir: Path) -> list[Row]:
     if not (keys / "broker.key_secret").exists():
         generate(keys)
     rows = []
-    for size_mb in ([16] if quick else [16, 64]):
+    for size_mb in [16] if quick else [16, 64]:
         tokens = tokens_for(int(size_mb * MB))
         count = max(4, int((300 if quick else 1500) / size_mb))
         rates = {}
@@ -237,14 +280,32 @@ def bench_encryption(quick: bool, workdir: Path) -> list[Row]:
             with Pipeline(workers=1, tokens=tokens, compute_ms=0, keys=folder) as pipeline:
                 env = {"DRAFTFEED_KEYS": str(folder)} if folder else None
                 rates[label] = _last_json(_probe(["rank", pipeline.frontend, "bench", str(tokens), str(count), "2", "frames"], env))["bytes_per_s"]
-        rows.append(Row("encryption", f"{size_mb:g} MB supervision, CURVE", rates["curve"] / 1e9, rates["plaintext"] / 1e9, "GB/s", "the same pipeline in plaintext"))
+        rows.append(
+            Row(
+                "encryption",
+                f"{size_mb:g} MB supervision, CURVE",
+                rates["curve"] / 1e9,
+                rates["plaintext"] / 1e9,
+                "GB/s",
+                "the same pipeline in plaintext",
+            )
+        )
     count = 1000 if quick else 5000
     rates = {}
     for label, folder in (("plaintext", None), ("curve", keys)):
         with Pipeline(workers=2, tokens=1, compute_ms=0, capacity=32, keys=folder) as pipeline:
             env = {"DRAFTFEED_KEYS": str(folder)} if folder else None
             rates[label] = _last_json(_probe(["rank", pipeline.frontend, "bench", "1", str(count), "32", "frames"], env))["seconds"]
-    rows.append(Row("encryption", "1-token requests, CURVE", count / rates["curve"], count / rates["plaintext"], "requests/s", "the same pipeline in plaintext"))
+    rows.append(
+        Row(
+            "encryption",
+            "1-token requests, CURVE",
+            count / rates["curve"],
+            count / rates["plaintext"],
+            "requests/s",
+            "the same pipeline in plaintext",
+        )
+    )
     return rows
 
 
@@ -277,7 +338,15 @@ def bench_broker(quick: bool) -> list[Row]:
     p50, p99 = statistics.median(latencies), sorted(latencies)[int(0.99 * len(latencies))]
     e50, e99 = statistics.median(echo_latencies), sorted(echo_latencies)[int(0.99 * len(echo_latencies))]
     return [
-        Row("broker", "requests routed per second by the broker alone (raw-pyzmq rank and worker)", routed, echo_rate, "req/s", "direct DEALER->ROUTER echo", ">= 20,000"),
+        Row(
+            "broker",
+            "requests routed per second by the broker alone (raw-pyzmq rank and worker)",
+            routed,
+            echo_rate,
+            "req/s",
+            "direct DEALER->ROUTER echo",
+            ">= 20,000",
+        ),
         Row("broker", "requests per second end to end (draftfeed rank, 2 synthetic workers)", rate, echo_rate, "req/s", "direct DEALER->ROUTER echo"),
         Row("broker", "request latency p50", p50 * 1e6, e50 * 1e6, "us", "direct echo p50"),
         Row("broker", "request latency p99", p99 * 1e6, e99 * 1e6, "us", "direct echo p99"),
@@ -348,7 +417,17 @@ def bench_overlap(quick: bool) -> list[Row]:
                     time.sleep(step_s)  # the training step
                     mark = time.perf_counter()
                 total = time.perf_counter() - started
-            rows.append(Row("overlap", f"depth {depth}: the training loop waits, steady state (step {step_s * 1000:.0f} ms, worker {compute_ms} ms)", 100 * waited / total, 100.0, "% of time", "waiting the whole time", "< 2% at depth >= 2"))
+            rows.append(
+                Row(
+                    "overlap",
+                    f"depth {depth}: the training loop waits, steady state (step {step_s * 1000:.0f} ms, worker {compute_ms} ms)",
+                    100 * waited / total,
+                    100.0,
+                    "% of time",
+                    "waiting the whole time",
+                    "< 2% at depth >= 2",
+                )
+            )
     return rows
 
 
@@ -394,7 +473,9 @@ def bench_real_target(quick: bool, workdir: Path) -> list[Row]:
     in_process = (time.perf_counter() - started) / count
     broker = processes.start_broker(extra=["--log-level", "WARNING"])
     try:
-        worker = processes.start_worker(broker.ready["backend"], str(target_dir), "--service", "tiny", "--log-level", "WARNING", env={"OMP_NUM_THREADS": "1"})
+        worker = processes.start_worker(
+            broker.ready["backend"], str(target_dir), "--service", "tiny", "--log-level", "WARNING", env={"OMP_NUM_THREADS": "1"}
+        )
         try:
             with RemoteEagle3Target(broker.ready["frontend"], "tiny", prefetch_depth=0) as target:
                 target.generate_batch(**batch)
@@ -406,7 +487,16 @@ def bench_real_target(quick: bool, workdir: Path) -> list[Row]:
             worker.stop()
     finally:
         broker.stop()
-    return [Row("real target", "tiny Llama B=4 S=256, one batch at a time: in-process / end to end", in_process * 1000, remote * 1000, "ms", "end to end through the pipeline")]
+    return [
+        Row(
+            "real target",
+            "tiny Llama B=4 S=256, one batch at a time: in-process / end to end",
+            in_process * 1000,
+            remote * 1000,
+            "ms",
+            "end to end through the pipeline",
+        )
+    ]
 
 
 SCENARIOS = {
@@ -424,7 +514,9 @@ SCENARIOS = {
 def format_table(rows: list[Row]) -> str:
     lines = [f"{'scenario':<12} {'case':<72} {'value':>12} {'baseline':>12} {'ratio':>7}  unit / baseline", "-" * 150]
     for row in rows:
-        lines.append(f"{row.scenario:<12} {row.case:<72} {row.value:>12,.3f} {row.baseline:>12,.3f} {row.ratio:>7.2f}  {row.unit} / {row.baseline_name}{'  goal ' + row.goal if row.goal else ''}")
+        lines.append(
+            f"{row.scenario:<12} {row.case:<72} {row.value:>12,.3f} {row.baseline:>12,.3f} {row.ratio:>7.2f}  {row.unit} / {row.baseline_name}{'  goal ' + row.goal if row.goal else ''}"
+        )
     return "\n".join(lines)
 
 

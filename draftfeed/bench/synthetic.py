@@ -16,9 +16,9 @@ import torch
 
 from draftfeed.consumers.engines.base import TargetShape
 from draftfeed.consumers.worker import Worker, WorkerConfig
-from draftfeed.security.curve import PeerKeys
 from draftfeed.launch.ready import announce_ready
 from draftfeed.schemas.messages import Eagle3TargetInfo, LogitTransform
+from draftfeed.security.curve import PeerKeys
 
 # An 8B target's shape (Llama-3.1-8B: H = 4096, 32 layers) with a 32k draft vocabulary:
 # per token, aux bf16 [3H] = 24 KiB and fp32 probs [32000] = 125 KB, 312.5 MB for 2048 tokens.
@@ -85,10 +85,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keys", default=None, help="a folder from `draftfeed keys generate`: CURVE with its worker key")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    worker = Worker(SyntheticEagle3Task(args.tokens, args.compute_ms / 1000), WorkerConfig(
-        args.broker, args.service, capacity=args.capacity, name=args.name, data_plane=args.data_plane,
-        keys=PeerKeys.from_folder(args.keys, "worker") if args.keys else None,
-    ))
+    worker = Worker(
+        SyntheticEagle3Task(args.tokens, args.compute_ms / 1000),
+        WorkerConfig(
+            args.broker,
+            args.service,
+            capacity=args.capacity,
+            name=args.name,
+            data_plane=args.data_plane,
+            keys=PeerKeys.from_folder(args.keys, "worker") if args.keys else None,
+        ),
+    )
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.stop())
     worker.run(on_ready=lambda: announce_ready(role="worker", worker=worker.name, service=args.service))

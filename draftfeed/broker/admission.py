@@ -36,7 +36,13 @@ def refuse_hello(peer: bytes, hello: Hello, settings: BrokerSettings, service: S
 
 
 def refuse_submit(
-    broker: str, rank: RankRecord, submit: Submit, frames: list[Any], settings: BrokerSettings, service: ServiceRecord, mappings: MappingTable,
+    broker: str,
+    rank: RankRecord,
+    submit: Submit,
+    frames: list[Any],
+    settings: BrokerSettings,
+    service: ServiceRecord,
+    mappings: MappingTable,
 ) -> Refusal | None:
     limit = settings.request_limit(service.name)
     declared = declared_bytes(submit.tensors)

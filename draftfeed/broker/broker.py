@@ -78,10 +78,13 @@ class Broker:
         self._backend = self._router()
         if self.keys is not None:
             keys = self.keys
-            self._authenticator = start_authenticator(self._context, {
-                RANKS: RoleGate("rank", lambda: keys.ranks, {"worker": keys.workers}),
-                WORKERS: RoleGate("worker", lambda: keys.workers, {"rank": keys.ranks}),
-            })
+            self._authenticator = start_authenticator(
+                self._context,
+                {
+                    RANKS: RoleGate("rank", lambda: keys.ranks, {"worker": keys.workers}),
+                    WORKERS: RoleGate("worker", lambda: keys.workers, {"rank": keys.ranks}),
+                },
+            )
             make_server(self._frontend, keys.own, RANKS)
             make_server(self._backend, keys.own, WORKERS)
         self.frontend_endpoint = bind(self._frontend, self.frontend_endpoint)
@@ -90,7 +93,9 @@ class Broker:
             log.warning(
                 "broker: INSECURE: listening on %s and %s without --secure: anyone who reaches these ports can register "
                 "as a worker, submit batches and read supervision. Start it with --secure (docs/security.md) unless the "
-                "network is closed to everyone else.", self.frontend_endpoint, self.backend_endpoint,
+                "network is closed to everyone else.",
+                self.frontend_endpoint,
+                self.backend_endpoint,
             )
         return self.frontend_endpoint, self.backend_endpoint
 
@@ -115,7 +120,9 @@ class Broker:
         poller.register(self._frontend, zmq.POLLIN)
         poller.register(self._backend, zmq.POLLIN)
         interval = self.state.settings.heartbeat_interval_s
-        log.info("broker %s (instance %s): ranks on %s, workers on %s", self.state.name, self.state.instance, self.frontend_endpoint, self.backend_endpoint)
+        log.info(
+            "broker %s (instance %s): ranks on %s, workers on %s", self.state.name, self.state.instance, self.frontend_endpoint, self.backend_endpoint
+        )
         next_tick = time.monotonic() + interval
         drain_deadline: float | None = None
         try:

@@ -10,8 +10,8 @@ to the front of its own rank's FIFO and keeps that rank's place in the rotation.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator
-from typing import Generic, Hashable, Protocol, TypeVar
+from collections.abc import Hashable, Iterable, Iterator
+from typing import Generic, Protocol, TypeVar
 
 
 class _HasRank(Protocol):

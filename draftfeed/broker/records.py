@@ -38,7 +38,7 @@ def to_worker(peer: bytes, message: Any, frames: Iterable[Any] = ()) -> Outgoing
 class Pending:
     """A rank's request from its arrival until a worker reports it done."""
 
-    rank: "RankRecord"
+    rank: RankRecord
     request: Submit
     frames: list[Any]
     enqueued_at: float

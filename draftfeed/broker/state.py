@@ -82,7 +82,11 @@ class BrokerState:
         self.forgotten_ranks = ForgottenPeers()
         self.forgotten_workers = ForgottenPeers()
         self.counters = {
-            "rejected_messages": 0, "workers_expired": 0, "ranks_expired": 0, "requeued": 0, "workers_refused": 0,
+            "rejected_messages": 0,
+            "workers_expired": 0,
+            "ranks_expired": 0,
+            "requeued": 0,
+            "workers_refused": 0,
             "mappings_resent": 0,
         }
 
@@ -126,8 +130,12 @@ class BrokerState:
             rank.hello, rank.last_seen, rank.dispatch_fields = hello, self.clock(), None
         rank.key = key
         welcome = Welcome(
-            broker=self.name, instance=self.instance, resumed=resumed, services=sorted(self.services),
-            liveness=self.settings.liveness_message, worker_keys=self._worker_keys(service) if key is not None else [],
+            broker=self.name,
+            instance=self.instance,
+            resumed=resumed,
+            services=sorted(self.services),
+            liveness=self.settings.liveness_message,
+            worker_keys=self._worker_keys(service) if key is not None else [],
         )
         return [to_rank(peer, welcome)]
 
@@ -213,7 +221,14 @@ class BrokerState:
             return []
         rank.gone = True
         at_workers = sum(1 for p in rank.requests.values() if p.ticket >= 0)
-        log.info("broker: forgot rank %s of service %r: %s; dropped %d of its requests (%d at workers)", rank.hello.rank, rank.hello.service, why, len(rank.requests), at_workers)
+        log.info(
+            "broker: forgot rank %s of service %r: %s; dropped %d of its requests (%d at workers)",
+            rank.hello.rank,
+            rank.hello.service,
+            why,
+            len(rank.requests),
+            at_workers,
+        )
         self.forgotten_ranks.remember(peer, why)
         service = self.service(rank.hello.service)
         service.queue.drop_rank(rank.peer)
@@ -270,7 +285,12 @@ class BrokerState:
         self.forgotten_workers.take(peer)
         log.info(
             "broker: worker %s (host %s, pid %d, engine %s, capacity %d) registered for service %r",
-            register.worker, register.host, register.pid, register.engine, register.capacity, register.service,
+            register.worker,
+            register.host,
+            register.pid,
+            register.engine,
+            register.capacity,
+            register.service,
         )
         if key is not None:
             out.extend(self._announce_worker_keys(service))  # before its first dispatch reaches a rank
@@ -318,7 +338,9 @@ class BrokerState:
             service.completions.append(self.clock())
         else:
             worker.failed += 1
-        log.debug("broker: request %d of rank %s done by worker %s (ok %s)", pending.request.request_id, pending.rank.hello.rank, worker.name, done.ok)
+        log.debug(
+            "broker: request %d of rank %s done by worker %s (ok %s)", pending.request.request_id, pending.rank.hello.rank, worker.name, done.ok
+        )
         out = self._complete(pending, service)
         if done.rank_unreachable and not pending.rank.gone:
             hello = pending.rank.hello
@@ -336,7 +358,9 @@ class BrokerState:
         self.mappings.worker_lacks(worker, digest)
         worker.handed_back += 1
         self.counters["mappings_resent"] += 1
-        log.info("broker: worker %s lacks vocab mapping %s; it gets the mapping again before request %d", worker.name, digest, pending.request.request_id)
+        log.info(
+            "broker: worker %s lacks vocab mapping %s; it gets the mapping again before request %d", worker.name, digest, pending.request.request_id
+        )
         if worker.peer in pending.mapping_refused_by:
             pending.excluded.add(worker.peer)
             pending.failures += 1
@@ -377,7 +401,13 @@ class BrokerState:
         worker = self.workers.pop(peer, None)
         if worker is None:
             return []
-        log.info("broker: forgot worker %s of service %r: %s; %d requests it held go back to the queue", worker.name, worker.registration.service, why, len(worker.in_flight))
+        log.info(
+            "broker: forgot worker %s of service %r: %s; %d requests it held go back to the queue",
+            worker.name,
+            worker.registration.service,
+            why,
+            len(worker.in_flight),
+        )
         self.forgotten_workers.remember(peer, why)
         service = self.service(worker.registration.service)
         service.workers.pop(peer, None)
@@ -434,7 +464,11 @@ class BrokerState:
     def status(self) -> dict[str, Any]:
         now = self.clock()
         broker = {
-            "broker": self.name, "instance": self.instance, "uptime_s": round(now - self.started_at, 3), "draining": self.draining,
-            "liveness_window_s": self.settings.window_s, "counters": dict(self.counters),
+            "broker": self.name,
+            "instance": self.instance,
+            "uptime_s": round(now - self.started_at, 3),
+            "draining": self.draining,
+            "liveness_window_s": self.settings.window_s,
+            "counters": dict(self.counters),
         }
         return status_document(broker, now, self.services, self.ranks)

@@ -10,7 +10,10 @@ THROUGHPUT_WINDOW_S = 10.0  # requests per second are counted over this many sec
 
 
 def status_document(
-    broker: dict[str, Any], now: float, services: dict[str, ServiceRecord], ranks: dict[bytes, RankRecord],
+    broker: dict[str, Any],
+    now: float,
+    services: dict[str, ServiceRecord],
+    ranks: dict[bytes, RankRecord],
 ) -> dict[str, Any]:
     """``broker``: the broker's own fields (name, instance, uptime_s, draining, liveness_window_s, counters)."""
     return {

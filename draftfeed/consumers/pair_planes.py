@@ -51,8 +51,13 @@ class _Pair:
 
     def status(self) -> PairStatus:
         return PairStatus(
-            rank=self.rank, plane=self.choice.plane, state=self.state, reason=self.choice.reason[:512],
-            generation=self.generation, sent_over_pair=self.sent_over_pair, fallbacks=self.fallbacks,
+            rank=self.rank,
+            plane=self.choice.plane,
+            state=self.state,
+            reason=self.choice.reason[:512],
+            generation=self.generation,
+            sent_over_pair=self.sent_over_pair,
+            fallbacks=self.fallbacks,
         )
 
 
@@ -93,7 +98,14 @@ class PairPlanes:
         if pair is None:
             return
         pair.fallbacks += 1
-        log.warning("worker %s: %s pair group %s with rank %s failed (%s); this answer goes as frames", self.worker, pair.choice.plane, pair.generation, pair.rank, reason)
+        log.warning(
+            "worker %s: %s pair group %s with rank %s failed (%s); this answer goes as frames",
+            self.worker,
+            pair.choice.plane,
+            pair.generation,
+            pair.rank,
+            reason,
+        )
         self._tear_down(pair, reason, tell_rank=True)
 
     def rank_closed(self, endpoint: str, message: PairClose) -> None:
@@ -138,16 +150,24 @@ class PairPlanes:
         backend = pair.choice.plane
         nonce = secrets.token_hex(16)
         message = PairOpen(
-            worker=self.worker, generation=generation, backend=backend, store_host=host,
-            store_port=store.port, nonce=nonce, timeout_s=self.timeout_s, reason=pair.choice.reason[:512],
+            worker=self.worker,
+            generation=generation,
+            backend=backend,
+            store_host=host,
+            store_port=store.port,
+            nonce=nonce,
+            timeout_s=self.timeout_s,
+            reason=pair.choice.reason[:512],
         )
         if not self._send(pair.endpoint, pack(message)):
             return  # the rank's link is busy or not up yet: try again with the next answer
         self._next_generation += 1
         pair.generation, pair.store, pair.state, pair.opened = generation, store, "opening", []
         pair.opening = threading.Thread(
-            target=_build, args=(host, store.port, backend, generation, nonce, self.timeout_s, pair.opened),
-            name=f"draftfeed-pair-{generation}", daemon=True,
+            target=_build,
+            args=(host, store.port, backend, generation, nonce, self.timeout_s, pair.opened),
+            name=f"draftfeed-pair-{generation}",
+            daemon=True,
         )
         pair.opening.start()
         log.info("worker %s: opening %s pair group %d with rank %s", self.worker, backend, generation, pair.rank)
@@ -162,7 +182,9 @@ class PairPlanes:
             pair.store = None  # built and warmed up: the group no longer needs the store, which stops listening
             log.info("worker %s: %s pair group %d with rank %s is ready", self.worker, pair.choice.plane, pair.generation, pair.rank)
         else:
-            log.warning("worker %s: %s pair group %s with rank %s could not be built: %s", self.worker, pair.choice.plane, pair.generation, pair.rank, outcome)
+            log.warning(
+                "worker %s: %s pair group %s with rank %s could not be built: %s", self.worker, pair.choice.plane, pair.generation, pair.rank, outcome
+            )
             self._tear_down(pair, f"could not be built: {outcome}", tell_rank=True)
 
     def _tear_down(self, pair: _Pair, reason: str, tell_rank: bool) -> None:

@@ -23,9 +23,7 @@ def validate_batch(tensors: Mapping[str, torch.Tensor], vocab_size: int) -> None
     for name in BATCH_KEYS:
         tensor = tensors[name]
         if tensor.shape != input_ids.shape:
-            raise BadRequest(
-                f"{name} has shape {list(tensor.shape)} but input_ids has {list(input_ids.shape)}; all three must match"
-            )
+            raise BadRequest(f"{name} has shape {list(tensor.shape)} but input_ids has {list(input_ids.shape)}; all three must match")
         allowed = (torch.int64, torch.bool) if name == "attention_mask" else (torch.int64,)
         if tensor.dtype not in allowed:
             raise BadRequest(f"{name} must be int64{' or bool' if len(allowed) > 1 else ''}, got {tensor.dtype}: convert it with .long()")

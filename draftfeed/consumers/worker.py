@@ -22,8 +22,9 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import zmq
@@ -117,11 +118,18 @@ class Worker:
         pipe.bind(pipe_endpoint)
         self._ranks = ranks = RankLinks(context, hwm=self.config.capacity + 1, keys=self.config.keys)
         self._planes = PairPlanes(
-            self.name, local_offer(self.config.data_plane, self.task.engine.device),
-            send=lambda endpoint, frames: ranks.try_send(endpoint, frames) is Delivery.SENT, timeout_s=self.config.pair_timeout_s,
+            self.name,
+            local_offer(self.config.data_plane, self.task.engine.device),
+            send=lambda endpoint, frames: ranks.try_send(endpoint, frames) is Delivery.SENT,
+            timeout_s=self.config.pair_timeout_s,
         )
         self._link = link = BrokerLink(
-            context, self.config.broker, self.registration(), pipe_endpoint, self._stats, keys=self.config.keys,
+            context,
+            self.config.broker,
+            self.registration(),
+            pipe_endpoint,
+            self._stats,
+            keys=self.config.keys,
             max_frame_bytes=self.config.max_request_bytes,
         )
         link.start()
@@ -146,7 +154,9 @@ class Worker:
         if not link.registered.wait(self.config.register_timeout_s):
             secure = (
                 " With --secure, also check that --broker-key is that broker's public key and that this worker's key is on "
-                "the broker's --worker-keys list (the broker logs a refused key)." if self.config.keys is not None else ""
+                "the broker's --worker-keys list (the broker logs a refused key)."
+                if self.config.keys is not None
+                else ""
             )
             raise TimeoutError(
                 f"worker {self.name}: no broker answered at {self.config.broker} within "
@@ -239,7 +249,9 @@ class Worker:
         try:
             tensors = self._compute(dispatch, tensor_frames)
         except MissingMapping as exc:
-            log.info("worker %s: request %d of %s names a mapping it lacks (%s): handed back for it", self.name, request.request_id, dispatch.rank, exc)
+            log.info(
+                "worker %s: request %d of %s names a mapping it lacks (%s): handed back for it", self.name, request.request_id, dispatch.rank, exc
+            )
             return Done(ticket=dispatch.ticket, ok=False, retry=True, missing_mapping=exc.digest, message=str(exc))
         except RETRYABLE_ERRORS as exc:
             log.warning("worker %s: request %d of %s handed back: %s", self.name, request.request_id, dispatch.rank, exc)

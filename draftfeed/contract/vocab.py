@@ -16,7 +16,7 @@ class VocabMap:
     selected_token_mask: torch.Tensor  # bool [V], True at the draft vocab's target ids
 
     @staticmethod
-    def identity(vocab_size: int, device: torch.device) -> "VocabMap":
+    def identity(vocab_size: int, device: torch.device) -> VocabMap:
         return VocabMap(
             torch.arange(vocab_size, dtype=torch.int64, device=device),
             torch.ones(vocab_size, dtype=torch.bool, device=device),
@@ -28,9 +28,7 @@ def validate_vocab_mapping(selected_token_ids: torch.Tensor, selected_token_mask
 
     Raises BadRequest saying what is wrong."""
     if selected_token_ids.dtype != torch.int64 or selected_token_ids.dim() != 1 or selected_token_ids.numel() == 0:
-        raise BadRequest(
-            f"selected_token_ids must be a non-empty 1-D int64 tensor; got {selected_token_ids.dtype} {list(selected_token_ids.shape)}"
-        )
+        raise BadRequest(f"selected_token_ids must be a non-empty 1-D int64 tensor; got {selected_token_ids.dtype} {list(selected_token_ids.shape)}")
     if selected_token_mask.dtype != torch.bool or list(selected_token_mask.shape) != [vocab_size]:
         raise BadRequest(
             f"selected_token_mask must be bool [{vocab_size}] (the target's vocab size); "

@@ -26,8 +26,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from draftfeed.schemas.messages import TensorSpec
 from draftfeed.dataplane.tensor_codec import DTYPES, dtype_name
+from draftfeed.schemas.messages import TensorSpec
 
 BACKENDS = ("gloo", "nccl")
 SENDER, RECEIVER = 0, 1
@@ -51,7 +51,12 @@ def host_store(host: str = "127.0.0.1", timeout_s: float = 30.0) -> dist.TCPStor
         listener.close()
         raise
     return dist.TCPStore(
-        host, port, world_size=2, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+        host,
+        port,
+        world_size=2,
+        is_master=True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
         master_listen_fd=listener.detach(),  # the store owns the socket from here
     )
 
@@ -69,9 +74,7 @@ def describe(tensors: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
 class PairGroup:
     """One worker-rank pair's two-rank group: rank 0 sends, rank 1 receives."""
 
-    def __init__(
-        self, store: dist.Store, rank: int, backend: str, generation: int = 0, timeout_s: float = 30.0, namespace: str = ""
-    ) -> None:
+    def __init__(self, store: dist.Store, rank: int, backend: str, generation: int = 0, timeout_s: float = 30.0, namespace: str = "") -> None:
         """``namespace``: a secret both sides know (sent on the encrypted data socket) under which the group's
         keys live in the store, so that a stranger who reaches the store cannot guess or overwrite them."""
         if backend not in BACKENDS:
@@ -114,7 +117,9 @@ class PairGroup:
         if self.backend == "gloo":
             device = "cpu"
         buffers = [torch.empty(spec.numel() * DTYPES[spec.dtype].itemsize, dtype=torch.uint8, device=device) for spec in specs]
-        self._transfer([(self._group.recv, buffer, SENDER, tag) for tag, buffer in enumerate(buffers)], what=f"receiving {', '.join(s.name for s in specs)}")
+        self._transfer(
+            [(self._group.recv, buffer, SENDER, tag) for tag, buffer in enumerate(buffers)], what=f"receiving {', '.join(s.name for s in specs)}"
+        )
         return {spec.name: buffer.view(DTYPES[spec.dtype]).reshape(spec.shape) for spec, buffer in zip(specs, buffers)}
 
     def close(self) -> None:

@@ -41,9 +41,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return DTYPE_NAMES[dtype]
     except KeyError:
-        raise ValueError(
-            f"dtype {dtype} cannot be sent; supported dtypes: {', '.join(DTYPES)}. Convert the tensor first."
-        ) from None
+        raise ValueError(f"dtype {dtype} cannot be sent; supported dtypes: {', '.join(DTYPES)}. Convert the tensor first.") from None
 
 
 def tensor_frame(tensor: torch.Tensor) -> memoryview:

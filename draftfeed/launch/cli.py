@@ -93,7 +93,9 @@ def _parser(parent: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="draftfeed", description="Serve frozen-target supervision to draft-model training over ZeroMQ.", formatter_class=_Help)
+    parser = argparse.ArgumentParser(
+        prog="draftfeed", description="Serve frozen-target supervision to draft-model training over ZeroMQ.", formatter_class=_Help
+    )
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="logging level")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -127,12 +129,21 @@ def build_parser() -> argparse.ArgumentParser:
     generate = _parser(key_commands, "generate", help="write key pairs in ZeroMQ's certificate format")
     generate.add_argument("--out", required=True, help="the folder to write to (created if missing; existing keys are never overwritten)")
     generate.add_argument("--name", default=None, help="write one more pair NAME.key / NAME.key_secret instead of the broker, rank and worker set")
-    generate.add_argument("--role", choices=["rank", "worker"], default=None, help="with --name: also put NAME.key on OUT/ranks or OUT/workers, the broker's allow-lists")
+    generate.add_argument(
+        "--role",
+        choices=["rank", "worker"],
+        default=None,
+        help="with --name: also put NAME.key on OUT/ranks or OUT/workers, the broker's allow-lists",
+    )
     return parser
 
 
 def _add_peer_key_flags(parser: argparse.ArgumentParser, role: str) -> None:
-    parser.add_argument("--keys", default=None, help=f"a folder from `draftfeed keys generate`: use its {role}.key_secret and broker.key (default: $DRAFTFEED_KEYS if set)")
+    parser.add_argument(
+        "--keys",
+        default=None,
+        help=f"a folder from `draftfeed keys generate`: use its {role}.key_secret and broker.key (default: $DRAFTFEED_KEYS if set)",
+    )
     parser.add_argument("--key", default=None, help=f"this {role}'s .key_secret file (overrides --keys)")
     parser.add_argument("--broker-key", default=None, help="the broker's public .key file (overrides --keys)")
 
@@ -162,43 +173,140 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
     broker.add_argument("--frontend", default=DEFAULT_FRONTEND, help="where training ranks connect (tcp://HOST:* picks a free port)")
     broker.add_argument("--backend", default=DEFAULT_BACKEND, help="where workers connect")
     broker.add_argument("--name", default=None, help="the broker's name in logs and status (default HOST-PID)")
-    broker.add_argument("--heartbeat-interval", type=float, default=BROKER.heartbeat_interval_s, help="seconds between heartbeats to and from every peer; peers adopt it")
+    broker.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=BROKER.heartbeat_interval_s,
+        help="seconds between heartbeats to and from every peer; peers adopt it",
+    )
     broker.add_argument("--liveness", type=int, default=BROKER.liveness, help="heartbeat intervals a peer may stay silent before it counts as dead")
-    broker.add_argument("--max-queued", type=int, default=BROKER.max_queued_per_service, help="requests one service may queue; past it ranks are told to send again later")
-    broker.add_argument("--max-queued-per-rank", type=int, default=BROKER.max_queued_per_rank, help="most requests one rank may have queued or at workers; a rank asking for a larger prefetch window is refused")
-    broker.add_argument("--max-frame-bytes", type=int, default=BROKER.max_frame_bytes, help="largest frame the broker takes from any peer; a peer sending more is disconnected before the frame is allocated")
-    broker.add_argument("--max-request-bytes", type=int, default=BROKER.max_request_bytes, help="tensor bytes one request may declare, for every service without its own limit")
-    broker.add_argument("--service-max-request-bytes", type=_service_limit, action="append", default=[], metavar="SERVICE=BYTES", help="the request limit of one service (repeatable)")
-    broker.add_argument("--max-attempts", type=int, default=BROKER.max_attempts, help="workers a request may be tried on before the rank gets an error")
+    broker.add_argument(
+        "--max-queued",
+        type=int,
+        default=BROKER.max_queued_per_service,
+        help="requests one service may queue; past it ranks are told to send again later",
+    )
+    broker.add_argument(
+        "--max-queued-per-rank",
+        type=int,
+        default=BROKER.max_queued_per_rank,
+        help="most requests one rank may have queued or at workers; a rank asking for a larger prefetch window is refused",
+    )
+    broker.add_argument(
+        "--max-frame-bytes",
+        type=int,
+        default=BROKER.max_frame_bytes,
+        help="largest frame the broker takes from any peer; a peer sending more is disconnected before the frame is allocated",
+    )
+    broker.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=BROKER.max_request_bytes,
+        help="tensor bytes one request may declare, for every service without its own limit",
+    )
+    broker.add_argument(
+        "--service-max-request-bytes",
+        type=_service_limit,
+        action="append",
+        default=[],
+        metavar="SERVICE=BYTES",
+        help="the request limit of one service (repeatable)",
+    )
+    broker.add_argument(
+        "--max-attempts", type=int, default=BROKER.max_attempts, help="workers a request may be tried on before the rank gets an error"
+    )
     broker.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds to wait for requests at workers before exiting")
-    broker.add_argument("--secure", action="store_true", help="CURVE on both sockets: only rank keys at the frontend, only worker keys at the backend (docs/security.md)")
+    broker.add_argument(
+        "--secure",
+        action="store_true",
+        help="CURVE on both sockets: only rank keys at the frontend, only worker keys at the backend (docs/security.md)",
+    )
     broker.add_argument("--keys", default=None, help="with --secure: a folder from `draftfeed keys generate` (broker.key_secret, ranks/, workers/)")
     broker.add_argument("--key", default=None, help="with --secure: the broker's .key_secret file (overrides --keys)")
     broker.add_argument("--rank-keys", default=None, help="with --secure: the folder of rank public keys allowed at the frontend (overrides --keys)")
-    broker.add_argument("--worker-keys", default=None, help="with --secure: the folder of worker public keys allowed at the backend (overrides --keys)")
+    broker.add_argument(
+        "--worker-keys", default=None, help="with --secure: the folder of worker public keys allowed at the backend (overrides --keys)"
+    )
 
     worker = _parser(roles, "worker", parents=[common], help="run a frozen target and serve its supervision")
     worker.add_argument("--broker", required=True, help="the broker's worker (backend) endpoint, e.g. tcp://HOST:5556")
     worker.add_argument("--target", required=True, help="the target model: a local folder or hub id that AutoModelForCausalLM loads")
-    worker.add_argument("--engine", default=ENGINES[0], help=f"what runs the target: {', '.join(ENGINES)}, or package.module:Class for an engine of your own (docs/engines.md)")
-    worker.add_argument("--engine-option", type=_engine_option, action="append", default=[], metavar="KEY=VALUE", help="an engine setting, repeatable; for vllm any vllm.LLM argument (gpu_memory_utilization=0.8, max_model_len=8192), for sglang any ServerArgs field")
+    worker.add_argument(
+        "--engine",
+        default=ENGINES[0],
+        help=f"what runs the target: {', '.join(ENGINES)}, or package.module:Class for an engine of your own (docs/engines.md)",
+    )
+    worker.add_argument(
+        "--engine-option",
+        type=_engine_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an engine setting, repeatable; for vllm any vllm.LLM argument (gpu_memory_utilization=0.8, max_model_len=8192), for sglang any ServerArgs field",
+    )
     worker.add_argument("--task", default="eagle3", choices=get_args(Task), help="which supervision to compute")
     worker.add_argument("--service", default=None, help="the service name ranks ask for (default: <target folder>-<task>)")
     worker.add_argument("--device", default="cpu", help="torch device for the target, e.g. cuda:0")
     worker.add_argument("--dtype", default=DTYPES[0], choices=DTYPES, help="the target's dtype: auto is float32 on CPU, bfloat16 on GPU")
-    worker.add_argument("--aux-layer-ids", type=_layer_ids, default=None, help="EAGLE-3: 3 distinct decoder layers, e.g. 1,15,28 (default [1, L//2-1, L-4])")
-    worker.add_argument("--target-layer-ids", type=_layer_ids, default=None, help="DSpark: strictly increasing ids, -1 for the embeddings and L-1 for the final norm, e.g. -1,7,14,21,27 (default: --draft-layers ids spread over [1, L-1])")
-    worker.add_argument("--supervision", default="probs", choices=get_args(SupervisionForm), help="EAGLE-3: send target_probs as float32 probs (the contract's form), bfloat16 probs (lossy, half the bytes), or the final hidden state and argmax from which ranks rebuild them (hidden, compact)")
-    worker.add_argument("--draft-layers", type=int, default=DEFAULT_DRAFT_LAYERS, help="DSpark: layers of the draft, for the default target layer ids")
+    worker.add_argument(
+        "--aux-layer-ids", type=_layer_ids, default=None, help="EAGLE-3: 3 distinct decoder layers, e.g. 1,15,28 (default [1, L//2-1, L-4])"
+    )
+    worker.add_argument(
+        "--target-layer-ids",
+        type=_layer_ids,
+        default=None,
+        help="DSpark: strictly increasing ids, -1 for the embeddings and L-1 for the final norm, e.g. -1,7,14,21,27 (default: --draft-layers ids spread over [1, L-1])",
+    )
+    worker.add_argument(
+        "--supervision",
+        default="probs",
+        choices=get_args(SupervisionForm),
+        help="EAGLE-3: send target_probs as float32 probs (the contract's form), bfloat16 probs (lossy, half the bytes), or the final hidden state and argmax from which ranks rebuild them (hidden, compact)",
+    )
+    worker.add_argument(
+        "--draft-layers", type=int, default=DEFAULT_DRAFT_LAYERS, help="DSpark: layers of the draft, for the default target layer ids"
+    )
     worker.add_argument("--capacity", type=int, default=_default(WorkerConfig, "capacity"), help="requests the broker may hand this worker at once")
     worker.add_argument("--name", default=None, help="the worker's name in logs and status (default HOST-PID-random)")
-    worker.add_argument("--send-timeout", type=float, default=_default(WorkerConfig, "send_timeout_s"), help="seconds a rank may take to accept supervision before the worker gives up on it")
-    worker.add_argument("--connect-timeout", type=float, default=_default(WorkerConfig, "connect_timeout_s"), help="seconds to reach a rank's data socket the first time before giving up on that rank")
-    worker.add_argument("--register-timeout", type=float, default=_default(WorkerConfig, "register_timeout_s"), help="seconds to wait for the broker at start")
-    worker.add_argument("--data-plane", default=_default(WorkerConfig, "data_plane"), choices=get_args(DataPlaneMode), help="how supervision reaches ranks: auto (NCCL to CUDA ranks on this machine, frames otherwise), frames, nccl or gloo (docs/data-planes.md)")
-    worker.add_argument("--pair-timeout", type=float, default=_default(WorkerConfig, "pair_timeout_s"), help="seconds a pair group may take to build, and each transfer on it, before it is torn down and frames are used")
-    worker.add_argument("--drain-timeout", type=float, default=_default(WorkerConfig, "drain_timeout_s"), help="on SIGTERM, seconds to wait for the broker to confirm the drain")
-    worker.add_argument("--max-request-bytes", type=int, default=_default(WorkerConfig, "max_request_bytes"), help="largest request (and frame) this worker takes from the broker")
+    worker.add_argument(
+        "--send-timeout",
+        type=float,
+        default=_default(WorkerConfig, "send_timeout_s"),
+        help="seconds a rank may take to accept supervision before the worker gives up on it",
+    )
+    worker.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=_default(WorkerConfig, "connect_timeout_s"),
+        help="seconds to reach a rank's data socket the first time before giving up on that rank",
+    )
+    worker.add_argument(
+        "--register-timeout", type=float, default=_default(WorkerConfig, "register_timeout_s"), help="seconds to wait for the broker at start"
+    )
+    worker.add_argument(
+        "--data-plane",
+        default=_default(WorkerConfig, "data_plane"),
+        choices=get_args(DataPlaneMode),
+        help="how supervision reaches ranks: auto (NCCL to CUDA ranks on this machine, frames otherwise), frames, nccl or gloo (docs/data-planes.md)",
+    )
+    worker.add_argument(
+        "--pair-timeout",
+        type=float,
+        default=_default(WorkerConfig, "pair_timeout_s"),
+        help="seconds a pair group may take to build, and each transfer on it, before it is torn down and frames are used",
+    )
+    worker.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=_default(WorkerConfig, "drain_timeout_s"),
+        help="on SIGTERM, seconds to wait for the broker to confirm the drain",
+    )
+    worker.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=_default(WorkerConfig, "max_request_bytes"),
+        help="largest request (and frame) this worker takes from the broker",
+    )
     worker.add_argument("--secure", action="store_true", help="CURVE to the broker and to ranks, with this worker's key (docs/security.md)")
     _add_peer_key_flags(worker, "worker")
 
@@ -212,9 +320,14 @@ def run_broker(args: argparse.Namespace) -> int:
     from draftfeed.broker.broker import Broker
 
     settings = BrokerSettings(
-        heartbeat_interval_s=args.heartbeat_interval, liveness=args.liveness,
-        max_queued_per_service=args.max_queued, max_queued_per_rank=args.max_queued_per_rank, max_attempts=args.max_attempts,
-        max_frame_bytes=args.max_frame_bytes, max_request_bytes=args.max_request_bytes, service_max_request_bytes=dict(args.service_max_request_bytes),
+        heartbeat_interval_s=args.heartbeat_interval,
+        liveness=args.liveness,
+        max_queued_per_service=args.max_queued,
+        max_queued_per_rank=args.max_queued_per_rank,
+        max_attempts=args.max_attempts,
+        max_frame_bytes=args.max_frame_bytes,
+        max_request_bytes=args.max_request_bytes,
+        service_max_request_bytes=dict(args.service_max_request_bytes),
     )
     broker = Broker(args.frontend, args.backend, name=args.name, settings=settings, drain_timeout_s=args.drain_timeout, keys=_broker_keys(args))
     frontend, backend = broker.bind()
@@ -227,7 +340,11 @@ def run_broker(args: argparse.Namespace) -> int:
 def _broker_keys(args: argparse.Namespace) -> BrokerKeys | None:
     from draftfeed.security.curve import BrokerKeys
 
-    given = [flag for flag, value in (("--keys", args.keys), ("--key", args.key), ("--rank-keys", args.rank_keys), ("--worker-keys", args.worker_keys)) if value]
+    given = [
+        flag
+        for flag, value in (("--keys", args.keys), ("--key", args.key), ("--rank-keys", args.rank_keys), ("--worker-keys", args.worker_keys))
+        if value
+    ]
     if not args.secure:
         if given:
             raise UsageError(f"{', '.join(given)} given without --secure: add --secure to use them")
@@ -292,11 +409,23 @@ def run_worker(args: argparse.Namespace) -> int:
         engine.close()
         raise UsageError(str(exc)) from None
     service = args.service or default_service_name(args.target, args.task)
-    worker = Worker(task, WorkerConfig(
-        broker=args.broker, service=service, capacity=args.capacity, name=args.name,
-        send_timeout_s=args.send_timeout, connect_timeout_s=args.connect_timeout, register_timeout_s=args.register_timeout, drain_timeout_s=args.drain_timeout,
-        data_plane=args.data_plane, pair_timeout_s=args.pair_timeout, keys=keys, max_request_bytes=args.max_request_bytes,
-    ))
+    worker = Worker(
+        task,
+        WorkerConfig(
+            broker=args.broker,
+            service=service,
+            capacity=args.capacity,
+            name=args.name,
+            send_timeout_s=args.send_timeout,
+            connect_timeout_s=args.connect_timeout,
+            register_timeout_s=args.register_timeout,
+            drain_timeout_s=args.drain_timeout,
+            data_plane=args.data_plane,
+            pair_timeout_s=args.pair_timeout,
+            keys=keys,
+            max_request_bytes=args.max_request_bytes,
+        ),
+    )
     _stop_on_signals(worker.stop)
     try:
         worker.run(on_ready=lambda: announce_ready(role="worker", worker=worker.name, service=service))

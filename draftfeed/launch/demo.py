@@ -39,7 +39,12 @@ def run_demo(args: argparse.Namespace) -> int:
             print(f"broker: pid {broker.pid}, ranks -> {broker.ready['frontend']}, workers -> {broker.ready['backend']}")
             for index in range(args.workers):
                 worker = processes.start_worker(
-                    broker.ready["backend"], str(target_dir), "--service", SERVICE, "--name", f"demo-worker-{index}",
+                    broker.ready["backend"],
+                    str(target_dir),
+                    "--service",
+                    SERVICE,
+                    "--name",
+                    f"demo-worker-{index}",
                     env={"OMP_NUM_THREADS": "1"},
                 )
                 started.append(worker)

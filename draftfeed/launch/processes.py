@@ -38,7 +38,7 @@ class Process:
         with self._printed:
             while True:
                 new = min(self.lines_seen - after, len(self.log_tail))
-                for line in self.log_tail[len(self.log_tail) - new:] if new > 0 else ():
+                for line in self.log_tail[len(self.log_tail) - new :] if new > 0 else ():
                     if regex.search(line):
                         return line
                 after = self.lines_seen
@@ -73,7 +73,7 @@ class Process:
         self.popen.send_signal(sig)
 
 
-def _pump(stream: IO[str], lines: "queue.Queue[str | None]", process: Process, keep: int = 400) -> None:
+def _pump(stream: IO[str], lines: queue.Queue[str | None], process: Process, keep: int = 400) -> None:
     for line in stream:
         with process._printed:
             process.log_tail.append(line.rstrip("\n"))
@@ -115,9 +115,11 @@ def start(
         while True:
             line = lines.get(timeout=ready_timeout_s)
             if line is None:
-                raise RuntimeError(f"draftfeed {' '.join(args[:1])} exited with {popen.wait(10)} before it was ready:\n" + "\n".join(process.log_tail))
+                raise RuntimeError(
+                    f"draftfeed {' '.join(args[:1])} exited with {popen.wait(10)} before it was ready:\n" + "\n".join(process.log_tail)
+                )
             if line.startswith(READY_PREFIX):
-                process.ready = json.loads(line[len(READY_PREFIX):])
+                process.ready = json.loads(line[len(READY_PREFIX) :])
                 return process
     except queue.Empty:
         process.kill()

@@ -42,7 +42,9 @@ def format_status(status: dict[str, Any]) -> str:
         f"liveness window {status['liveness_window_s']:.1f} s; " + ", ".join(f"{k} {v}" for k, v in status["counters"].items())
     ]
     for name, service in status["services"].items():
-        lines.append(f"service {name}: {service['queued']} queued, {service['requests_per_s']:.1f} requests/s over the last 10 s, {len(service['workers'])} workers")
+        lines.append(
+            f"service {name}: {service['queued']} queued, {service['requests_per_s']:.1f} requests/s over the last 10 s, {len(service['workers'])} workers"
+        )
         for w in service["workers"]:
             lines.append(
                 f"  worker {w['worker']:<28} host {w['host']} pid {w['pid']} {w['engine']:<8} {w['state']:<8} "

@@ -121,8 +121,12 @@ class Connection:
         self._worker_keys: frozenset[bytes] = frozenset()  # the workers the broker vouches for (secure brokers)
         self._authenticator = None
         self.pairs = PairReceivers(
-            data_plane.device if data_plane is not None else "cpu", self._on_pair_result, self._on_pair_lost, self._on_pair_closed,
-            self._on_pair_refused, max_result_bytes,
+            data_plane.device if data_plane is not None else "cpu",
+            self._on_pair_result,
+            self._on_pair_lost,
+            self._on_pair_closed,
+            self._on_pair_refused,
+            max_result_bytes,
         )
         pipe_endpoint = f"inproc://draftfeed-rank-{uuid.uuid4().hex}"
         self._pipe = self._context.socket(zmq.PAIR)
@@ -227,15 +231,22 @@ class Connection:
                 make_server(data, self.keys.own, DATA)
             with self._lock:
                 self._hello = Hello(
-                    rank=self.rank_id, service=self.service, data_endpoint=bind(data, self._data_bind),
-                    window=self.window, host=host_identity(), pid=os.getpid(), task=self.task, data_plane=self.data_plane,
+                    rank=self.rank_id,
+                    service=self.service,
+                    data_endpoint=bind(data, self._data_bind),
+                    window=self.window,
+                    host=host_identity(),
+                    pid=os.getpid(),
+                    task=self.task,
+                    data_plane=self.data_plane,
                     max_result_bytes=self.max_result_bytes,
                 )
             if self.keys is None and not is_loopback(self._hello.data_endpoint):
                 log.warning(
                     "draftfeed rank %s: INSECURE: supervision arrives on %s without encryption, and anyone who reaches it "
                     "can connect; pass keys= (or set DRAFTFEED_KEYS) with a --secure broker (docs/security.md)",
-                    self.rank_id, self._hello.data_endpoint,
+                    self.rank_id,
+                    self._hello.data_endpoint,
                 )
             pipe.connect(pipe_endpoint)
             control.connect(self.broker)
@@ -394,7 +405,10 @@ class Connection:
         self.stats.resyncs += 1
         log.warning(
             "draftfeed rank %s: broker instance %s holds nothing of this rank; resending %d vocab mappings and %d unanswered requests",
-            self.rank_id, instance, len(mappings), len(waiters),
+            self.rank_id,
+            instance,
+            len(mappings),
+            len(waiters),
         )
         for waiter in [*mappings, *waiters]:
             control.send_multipart(waiter.frames, copy=False)
@@ -434,7 +448,13 @@ class Connection:
             return
         if verdict == "foreign":
             self.stats.foreign_dropped += 1
-            self._bad_input.warning("token", "draftfeed rank %s: dropping an answer to request %d with the wrong token (from %s)", self.rank_id, message.request_id, message.worker)
+            self._bad_input.warning(
+                "token",
+                "draftfeed rank %s: dropping an answer to request %d with the wrong token (from %s)",
+                self.rank_id,
+                message.request_id,
+                message.worker,
+            )
             return
         if isinstance(message, Failure):
             error = RemoteTargetError(f"worker {message.worker} of service {self.service!r} could not serve the request: {message.message}")
@@ -456,7 +476,9 @@ class Connection:
 
     def _on_pair_refused(self, header: Result, reason: str) -> None:
         """An answer announced on a pair group that this rank will not take (over its limits): a final error."""
-        self._resolve(header.request_id, error=RemoteTargetError(f"worker {header.worker}'s answer to request {header.request_id} was refused: {reason}"))
+        self._resolve(
+            header.request_id, error=RemoteTargetError(f"worker {header.worker}'s answer to request {header.request_id} was refused: {reason}")
+        )
 
     def _on_pair_closed(self, identity: bytes, message: PairClose) -> None:
         self._tell_io_thread([_TO_WORKER, identity, *pack(message)])
@@ -468,5 +490,11 @@ class Connection:
             return  # answered meanwhile (the worker's frames fallback came first)
         new_id, waiter = aliased
         self.stats.lost_over_pair += 1
-        log.warning("draftfeed rank %s: the answer to request %d was lost on a pair group (%s); asking again as request %d", self.rank_id, request_id, reason, new_id)
+        log.warning(
+            "draftfeed rank %s: the answer to request %d was lost on a pair group (%s); asking again as request %d",
+            self.rank_id,
+            request_id,
+            reason,
+            new_id,
+        )
         self._send_as(waiter, new_id, control)

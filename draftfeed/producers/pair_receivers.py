@@ -37,7 +37,7 @@ OnRefused = Callable[[Result, str], None]
 class _Receiver:
     """One worker's group: built and served on its own thread."""
 
-    def __init__(self, identity: bytes, opened: PairOpen, device: torch.device, owner: "PairReceivers") -> None:
+    def __init__(self, identity: bytes, opened: PairOpen, device: torch.device, owner: PairReceivers) -> None:
         self.identity, self.opened, self.device, self.owner = identity, opened, device, owner
         self.jobs: queue.Queue[Result | None] = queue.Queue()
         self.closed = False
@@ -71,7 +71,7 @@ class _Receiver:
             group = PairGroup(store, RECEIVER, opened.backend, generation=opened.generation, timeout_s=opened.timeout_s, namespace=opened.nonce)
             group.warm_up()
             del store  # the worker stops its store once its side is built
-        except Exception as exc:  # noqa: BLE001 - any failure to join means frames for this worker
+        except Exception as exc:
             log.warning("draftfeed: could not join %s pair group %d of worker %s: %s", opened.backend, opened.generation, opened.worker, exc)
             self.close(f"the rank could not join: {exc}", tell_worker=True)
             return
@@ -83,7 +83,7 @@ class _Receiver:
                     return
                 try:
                     tensors = group.receive(header.tensors, self.device)
-                except Exception as exc:  # noqa: BLE001 - the group is out of step whatever went wrong
+                except Exception as exc:
                     self.owner.on_lost(header, f"receive failed: {exc}")
                     self.close(f"a receive failed: {exc}", tell_worker=True)
                     return
@@ -97,7 +97,12 @@ class PairReceivers:
     run on the receivers' threads (on_result, on_lost) or the caller's (on_lost, on_closed)."""
 
     def __init__(
-        self, device: torch.device | str, on_result: OnResult, on_lost: OnLost, on_closed: OnClosed, on_refused: OnRefused,
+        self,
+        device: torch.device | str,
+        on_result: OnResult,
+        on_lost: OnLost,
+        on_closed: OnClosed,
+        on_refused: OnRefused,
         max_result_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         self.device = torch.device(device)
@@ -171,7 +176,7 @@ def _unreceivable(header: Result, limit: int) -> str | None:
     return None
 
 
-def _drain(jobs: "queue.Queue[Result | None]") -> list[Result]:
+def _drain(jobs: queue.Queue[Result | None]) -> list[Result]:
     out = []
     while True:
         try:

@@ -5,15 +5,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import TypeVar
 
 B = TypeVar("B")
 R = TypeVar("R")
 
 
-def prefetch(
-    batches: Iterable[B], submit: Callable[[B], Future], wait: Callable[[Future], R], depth: int
-) -> Iterator[tuple[B, R]]:
+def prefetch(batches: Iterable[B], submit: Callable[[B], Future], wait: Callable[[Future], R], depth: int) -> Iterator[tuple[B, R]]:
     """Yield ``(batch, result)`` in the order of ``batches``.
 
     While the caller works on one batch, the next ``depth`` are already submitted; with depth 0 a

@@ -8,26 +8,25 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 from torch import nn
 
+from draftfeed.contract.compact import CompactEagle3
+from draftfeed.contract.supervision import BATCH_KEYS, DSparkSupervision, Eagle3Supervision, Supervision
 from draftfeed.contract.vocab import mapping_digest, validate_vocab_mapping
 from draftfeed.dataplane.choice import local_offer
-from draftfeed.security.curve import PeerKeys
-from draftfeed.contract.compact import CompactEagle3
+from draftfeed.dataplane.tensor_codec import dtype_name, pack_tensors
 from draftfeed.producers.connection import Connection, ConnectionStats
-from draftfeed.producers.requests import RequestKind
 from draftfeed.producers.prefetch import prefetch
+from draftfeed.producers.requests import RequestKind
 from draftfeed.schemas.errors import BadRequest, RemoteTargetTimeout
-from draftfeed.schemas.protocol import DEFAULT_MAX_MESSAGE_BYTES
 from draftfeed.schemas.frames import pack
-from draftfeed.dataplane.tensor_codec import pack_tensors
 from draftfeed.schemas.messages import (
     DSparkTargetInfo,
     Eagle3TargetInfo,
@@ -38,8 +37,8 @@ from draftfeed.schemas.messages import (
     StatusQuery,
     Submit,
 )
-from draftfeed.dataplane.tensor_codec import dtype_name
-from draftfeed.contract.supervision import BATCH_KEYS, DSparkSupervision, Eagle3Supervision, Supervision
+from draftfeed.schemas.protocol import DEFAULT_MAX_MESSAGE_BYTES
+from draftfeed.security.curve import PeerKeys
 
 log = logging.getLogger("draftfeed.producer")
 Sup = TypeVar("Sup", bound=Supervision)
@@ -94,8 +93,15 @@ class RemoteTarget(Generic[Sup, Info]):
         self.wait_log_interval = wait_log_interval
         offer = local_offer(data_plane, self.device)  # raises ValueError for an unknown data_plane
         self._connection = Connection(
-            broker, service, max(prefetch_depth, 1), task=self.TASK, data_endpoint=data_endpoint,
-            connect_timeout_s=connect_timeout, data_plane=offer, keys=PeerKeys.resolve(keys, "rank"), max_result_bytes=max_result_bytes,
+            broker,
+            service,
+            max(prefetch_depth, 1),
+            task=self.TASK,
+            data_endpoint=data_endpoint,
+            connect_timeout_s=connect_timeout,
+            data_plane=offer,
+            keys=PeerKeys.resolve(keys, "rank"),
+            max_result_bytes=max_result_bytes,
         )
         self._info: Info | None = None
         self._workers: list[str] = []
@@ -112,9 +118,7 @@ class RemoteTarget(Generic[Sup, Info]):
                 "the model info (is a worker for this service running?)",
             )
             if not isinstance(reply.info, self.INFO):
-                raise ValueError(
-                    f"service {self.service!r} serves {reply.info.task} supervision; {type(self).__name__} needs a {self.TASK} service"
-                )
+                raise ValueError(f"service {self.service!r} serves {reply.info.task} supervision; {type(self).__name__} needs a {self.TASK} service")
             self._info, self._workers = reply.info, reply.workers
             self._forms, self._logit_transform = reply.supervision, reply.logit_transform
             self._connection.expect(reply.info)
@@ -225,7 +229,11 @@ class RemoteTarget(Generic[Sup, Info]):
                 broker = f"broker silent for {silent:.0f} s" if silent > 2 * self.wait_log_interval else "broker reachable"
                 log.warning(
                     "draftfeed: waiting %.0f s for %s from service %r (%d batches in flight, %s)",
-                    self.request_timeout - remaining, what, self.service, self.in_flight, broker,
+                    self.request_timeout - remaining,
+                    what,
+                    self.service,
+                    self.in_flight,
+                    broker,
                 )
 
     def status(self) -> dict[str, Any]:

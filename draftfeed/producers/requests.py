@@ -77,8 +77,13 @@ class RequestTable:
 
     # ------------------------------------------------------------ adding
     def add(
-        self, build: Callable[[int, int], list[Any]], finish: Callable[[Any, dict[str, Any]], Any], kind: RequestKind,
-        *, mapping: str | None = None, timeout_s: float | None = None,
+        self,
+        build: Callable[[int, int], list[Any]],
+        finish: Callable[[Any, dict[str, Any]], Any],
+        kind: RequestKind,
+        *,
+        mapping: str | None = None,
+        timeout_s: float | None = None,
     ) -> tuple[int, Waiter] | None:
         """A new request and its id; None if it needs a window slot and none came free within ``timeout_s``."""
         if kind.holds_window_slot and not self._slots.acquire(timeout=timeout_s):

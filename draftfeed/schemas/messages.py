@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Annotated, ClassVar, Literal, Union
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from typing_extensions import Self
@@ -18,9 +18,7 @@ RequestId = Annotated[int, Field(ge=0, lt=2**63)]
 RequestKind = Literal["eagle3", "dspark", "input_embeddings", "output_embeddings"]
 Token = Annotated[int, Field(ge=0, lt=2**63)]
 Seconds = Annotated[float, Field(gt=0, le=3600)]
-ErrorCode = Literal[
-    "refused", "unknown_peer", "forgotten", "unknown_mapping", "busy", "failed", "unreachable", "mismatch", "over_limit"
-]
+ErrorCode = Literal["refused", "unknown_peer", "forgotten", "unknown_mapping", "busy", "failed", "unreachable", "mismatch", "over_limit"]
 # A vocab mapping's name: a digest of its tensors, which every request computed with it names.
 MappingDigest = Annotated[str, Field(min_length=8, max_length=128)]
 # How supervision travels from a worker to a rank (docs/data-planes.md): auto picks nccl between CUDA
@@ -58,12 +56,12 @@ class _TargetInfo(Strict):
             raise KeyError(key)
         return getattr(self, key)
 
-    def mismatched_fields(self, other: "_TargetInfo") -> list[str]:
+    def mismatched_fields(self, other: _TargetInfo) -> list[str]:
         """Names of the fields whose values differ (the task included)."""
         names = dict.fromkeys([*type(self).model_fields, *type(other).model_fields])
         return [name for name in names if getattr(self, name, None) != getattr(other, name, None)]
 
-    def describe_mismatch(self, other: "_TargetInfo", mine: str = "expected", theirs: str = "served") -> str:
+    def describe_mismatch(self, other: _TargetInfo, mine: str = "expected", theirs: str = "served") -> str:
         return "; ".join(
             f"{name}: {mine} {getattr(self, name, None)!r}, {theirs} {getattr(other, name, None)!r}" for name in self.mismatched_fields(other)
         )
@@ -77,7 +75,9 @@ class _TargetInfo(Strict):
         get_text_config = getattr(text_config, "get_text_config", None)
         config = get_text_config() if callable(get_text_config) else getattr(text_config, "text_config", None) or text_config
         return cls(
-            num_hidden_layers=config.num_hidden_layers, hidden_size=config.hidden_size, vocab_size=config.vocab_size,
+            num_hidden_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            vocab_size=config.vocab_size,
             **{cls.LAYER_FIELD: list(layer_ids)},
         )
 
@@ -94,7 +94,7 @@ class DSparkTargetInfo(_TargetInfo):
     target_layer_ids: Annotated[list[int], Field(min_length=1, max_length=256)]
 
 
-TargetInfo = Annotated[Union[Eagle3TargetInfo, DSparkTargetInfo], Field(discriminator="task")]
+TargetInfo = Annotated[Eagle3TargetInfo | DSparkTargetInfo, Field(discriminator="task")]
 Task = Literal["eagle3", "dspark"]
 # How an EAGLE-3 worker sends target_probs: as float32 probabilities (the contract's form), as bfloat16
 # probabilities (lossy, half the bytes), or as the post-norm final hidden state plus the full-vocab argmax,
@@ -110,7 +110,7 @@ class LogitTransform(Strict):
     softcap: float | None = None  # e.g. Gemma's final_logit_softcapping
 
     @classmethod
-    def from_text_config(cls, config: object) -> "LogitTransform":
+    def from_text_config(cls, config: object) -> LogitTransform:
         return cls(
             multiply=getattr(config, "logit_scale", None),
             divide=getattr(config, "logits_scaling", None),
@@ -456,18 +456,16 @@ class Failure(Strict):
     message: str
 
 
-FrontendInbound = Annotated[
-    Union[Hello, Submit, SetVocabMapping, ModelInfoQuery, StatusQuery, Heartbeat, Bye], Field(discriminator="type")
-]
+FrontendInbound = Annotated[Hello | Submit | SetVocabMapping | ModelInfoQuery | StatusQuery | Heartbeat | Bye, Field(discriminator="type")]
 FrontendOutbound = Annotated[
-    Union[Welcome, Ack, ModelInfoReply, StatusReply, ErrorReply, Heartbeat, Goodbye, WorkerGone, WorkerKeys], Field(discriminator="type")
+    Welcome | Ack | ModelInfoReply | StatusReply | ErrorReply | Heartbeat | Goodbye | WorkerGone | WorkerKeys, Field(discriminator="type")
 ]
-BackendInbound = Annotated[Union[Register, Done, WorkerHeartbeat, Draining, Bye], Field(discriminator="type")]
+BackendInbound = Annotated[Register | Done | WorkerHeartbeat | Draining | Bye, Field(discriminator="type")]
 BackendOutbound = Annotated[
-    Union[Registered, Dispatch, VocabMapping, ForgetMapping, ForgetRank, DrainAck, ErrorReply, Heartbeat, Goodbye],
+    Registered | Dispatch | VocabMapping | ForgetMapping | ForgetRank | DrainAck | ErrorReply | Heartbeat | Goodbye,
     Field(discriminator="type"),
 ]
-DataInbound = Annotated[Union[Result, Failure, PairOpen, PairClose], Field(discriminator="type")]
+DataInbound = Annotated[Result | Failure | PairOpen | PairClose, Field(discriminator="type")]
 # rank -> worker, back on the worker's connection to the rank's data socket
 DataOutbound = PairClose
 

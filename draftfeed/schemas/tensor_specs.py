@@ -77,16 +77,12 @@ def check_frames(
         if nbytes is None:
             raise MalformedMessage(f"tensor {spec.name!r} has unknown dtype {spec.dtype!r}; known: {', '.join(ITEMSIZES)}")
         if nbytes > max_tensor_bytes:
-            raise MalformedMessage(
-                f"tensor {spec.name!r} declares {nbytes} bytes, over the limit of {max_tensor_bytes} bytes per tensor"
-            )
+            raise MalformedMessage(f"tensor {spec.name!r} declares {nbytes} bytes, over the limit of {max_tensor_bytes} bytes per tensor")
         total += nbytes
         if total > max_message_bytes:
             raise MalformedMessage(f"message declares over {max_message_bytes} bytes of tensors, the limit per message")
         buffer = frame_buffer(frame)
         if buffer.nbytes != nbytes:
-            raise MalformedMessage(
-                f"tensor {spec.name!r} ({spec.dtype} {spec.shape}) needs {nbytes} bytes but its frame holds {buffer.nbytes}"
-            )
+            raise MalformedMessage(f"tensor {spec.name!r} ({spec.dtype} {spec.shape}) needs {nbytes} bytes but its frame holds {buffer.nbytes}")
         buffers.append(buffer)
     return buffers

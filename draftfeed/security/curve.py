@@ -41,17 +41,17 @@ class PeerKeys:
     broker: bytes
 
     @classmethod
-    def from_files(cls, key: str | Path, broker_key: str | Path) -> "PeerKeys":
+    def from_files(cls, key: str | Path, broker_key: str | Path) -> PeerKeys:
         return cls(load_pair(key), load_public(broker_key))
 
     @classmethod
-    def from_folder(cls, folder: str | Path, role: str) -> "PeerKeys":
+    def from_folder(cls, folder: str | Path, role: str) -> PeerKeys:
         """From a folder made by ``draftfeed keys generate``: ``ROLE.key_secret`` and ``broker.key``."""
         folder = Path(folder)
         return cls.from_files(folder / f"{role}.key_secret", folder / "broker.key")
 
     @classmethod
-    def resolve(cls, keys: "PeerKeys | str | Path | None", role: str) -> "PeerKeys | None":
+    def resolve(cls, keys: PeerKeys | str | Path | None, role: str) -> PeerKeys | None:
         """``keys`` as given (a PeerKeys or a key folder), else the folder named by $DRAFTFEED_KEYS, else None."""
         if isinstance(keys, PeerKeys):
             return keys
@@ -68,7 +68,7 @@ class BrokerKeys:
     workers: frozenset[bytes]
 
     @classmethod
-    def from_files(cls, key: str | Path, rank_keys: str | Path, worker_keys: str | Path) -> "BrokerKeys":
+    def from_files(cls, key: str | Path, rank_keys: str | Path, worker_keys: str | Path) -> BrokerKeys:
         ranks, workers = load_allow_list(rank_keys, "rank"), load_allow_list(worker_keys, "worker")
         both = ranks & workers
         if both:
@@ -79,7 +79,7 @@ class BrokerKeys:
         return cls(load_pair(key), frozenset(ranks), frozenset(workers))
 
     @classmethod
-    def from_folder(cls, folder: str | Path) -> "BrokerKeys":
+    def from_folder(cls, folder: str | Path) -> BrokerKeys:
         folder = Path(folder)
         return cls.from_files(folder / "broker.key_secret", folder / "ranks", folder / "workers")
 

@@ -80,7 +80,9 @@ def load_allow_list(folder: str | Path, role: str) -> set[bytes]:
     """The public keys in ``folder`` (every ``*.key``); refuses an empty or missing folder."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise KeyFileError(f"the {role} allow-list {folder} is not a folder; pass the folder of {role} public keys (`draftfeed keys generate` makes {role}s/)")
+        raise KeyFileError(
+            f"the {role} allow-list {folder} is not a folder; pass the folder of {role} public keys (`draftfeed keys generate` makes {role}s/)"
+        )
     keys = set(zmq.auth.load_certificates(folder))
     if not keys:
         raise KeyFileError(f"the {role} allow-list {folder} holds no *.key files: no {role} could connect")

@@ -33,7 +33,7 @@ class TargetShape:
     vocab_size: int
 
     @classmethod
-    def from_text_config(cls, text_config: object) -> "TargetShape":
+    def from_text_config(cls, text_config: object) -> TargetShape:
         """The depth and widths of a transformers text config (``config.get_text_config()``)."""
         return cls(
             num_hidden_layers=text_config.num_hidden_layers,  # type: ignore[attr-defined]

@@ -192,7 +192,9 @@ class SGLangEngine:
         )
         processor = getattr(runner.model, "logits_processor", None)
         if not isinstance(processor, nn.Module):
-            raise ValueError(f"sglang's {type(runner.model).__name__} has no logits_processor module; the sglang engine reads full logits from it; {INSTEAD}")
+            raise ValueError(
+                f"sglang's {type(runner.model).__name__} has no logits_processor module; the sglang engine reads full logits from it; {INSTEAD}"
+            )
         if not hasattr(runner.model, "set_eagle3_layers_to_capture"):
             raise ValueError(f"sglang's {type(runner.model).__name__} has no EAGLE-3 layer capture (set_eagle3_layers_to_capture); {INSTEAD}")
         self._logits = FullLogits(processor, LogitsMetadata)
@@ -296,7 +298,9 @@ class SGLangEngine:
         for part in path.split("."):
             module = getattr(module, part, None)
         if not isinstance(module, torch.Tensor):
-            raise ValueError(f"sglang's {type(self._runner.model).__name__} has no {path}; the sglang engine reads the target's embeddings there; {INSTEAD}")
+            raise ValueError(
+                f"sglang's {type(self._runner.model).__name__} has no {path}; the sglang engine reads the target's embeddings there; {INSTEAD}"
+            )
         weight = module.detach()[: self.shape.vocab_size]  # sglang pads the vocab of its lm_head
         if tuple(weight.shape) != (self.shape.vocab_size, self.shape.hidden_size):
             raise ValueError(f"sglang's {path} has shape {tuple(module.shape)}, not [{self.shape.vocab_size}, {self.shape.hidden_size}]")

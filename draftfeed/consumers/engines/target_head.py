@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from draftfeed.consumers.engines.base import TargetShape
-from draftfeed.contract.ops import transform_logits
 from draftfeed.consumers.engines.hf import text_decoder
+from draftfeed.contract.ops import transform_logits
 from draftfeed.schemas.messages import LogitTransform
 
 

@@ -158,7 +158,9 @@ class VLLMEngine:
             raise RuntimeError(f"vLLM's hidden states file {path} holds other tokens than request {output.request_id}")
         hidden = saved["hidden_states"]
         if tuple(hidden.shape) != (len(token_ids), len(self._ids), self.shape.hidden_size):
-            raise RuntimeError(f"vLLM's hidden states have shape {tuple(hidden.shape)}; expected {(len(token_ids), len(self._ids), self.shape.hidden_size)}")
+            raise RuntimeError(
+                f"vLLM's hidden states have shape {tuple(hidden.shape)}; expected {(len(token_ids), len(self._ids), self.shape.hidden_size)}"
+            )
         return hidden
 
     # ---------------------------------------------------------------- weights, close
@@ -175,4 +177,3 @@ class VLLMEngine:
         if self._storage is not None:
             shutil.rmtree(self._storage, ignore_errors=True)
             self._storage = None
-

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import get_args
 
+from draftfeed.consumers.config import DEFAULT_DRAFT_LAYERS
 from draftfeed.consumers.engines.base import Engine
 from draftfeed.consumers.tasks.base import Task
-from draftfeed.consumers.config import DEFAULT_DRAFT_LAYERS
 from draftfeed.consumers.tasks.dspark import DSparkTask
 from draftfeed.consumers.tasks.eagle3 import Eagle3Task
 from draftfeed.schemas.messages import Task as TaskName

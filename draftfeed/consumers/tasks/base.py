@@ -8,7 +8,8 @@ import torch
 
 from draftfeed.consumers.engines.base import Engine, TargetShape
 from draftfeed.contract.vocab import VocabMap
-from draftfeed.schemas.messages import DSparkTargetInfo, Eagle3TargetInfo, LogitTransform, SupervisionForm, Task as TaskName
+from draftfeed.schemas.messages import DSparkTargetInfo, Eagle3TargetInfo, LogitTransform, SupervisionForm
+from draftfeed.schemas.messages import Task as TaskName
 
 
 class Task(Protocol):
@@ -24,6 +25,8 @@ class Task(Protocol):
         """The target info the worker registers, which ranks check."""
         ...
 
-    def compute(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, vocab: VocabMap | None) -> dict[str, torch.Tensor]:
+    def compute(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, vocab: VocabMap | None
+    ) -> dict[str, torch.Tensor]:
         """The supervision tensors of one validated batch, on the engine's device."""
         ...

@@ -14,7 +14,6 @@ from draftfeed.contract.vocab import VocabMap
 from draftfeed.schemas.messages import DSparkTargetInfo
 
 
-
 def default_target_layer_ids(num_hidden_layers: int, draft_layers: int = DEFAULT_DRAFT_LAYERS) -> list[int]:
     """``draft_layers`` ids spread evenly over [1, L - 1], rounded half up (L = 6, 5 layers: [1, 2, 3, 4, 5])."""
     if draft_layers == 1:

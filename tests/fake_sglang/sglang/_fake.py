@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,7 +44,7 @@ class ModelConfig:
         self.dtype = torch.float32 if dtype == "auto" else getattr(torch, dtype)
 
     @classmethod
-    def from_server_args(cls, server_args: ServerArgs) -> "ModelConfig":
+    def from_server_args(cls, server_args: ServerArgs) -> ModelConfig:
         return cls(server_args.model_path, server_args.dtype)
 
 
@@ -111,7 +111,9 @@ class ScheduleBatch:
     token_to_kv_pool_allocator: Pool
 
     @classmethod
-    def init_new(cls, reqs, req_to_token_pool, token_to_kv_pool_allocator, tree_cache, model_config, enable_overlap, spec_algorithm, **_: Any) -> "ScheduleBatch":
+    def init_new(
+        cls, reqs, req_to_token_pool, token_to_kv_pool_allocator, tree_cache, model_config, enable_overlap, spec_algorithm, **_: Any
+    ) -> ScheduleBatch:
         assert isinstance(tree_cache, RadixCache) and spec_algorithm is SpeculativeAlgorithm.NONE
         return cls(list(reqs), req_to_token_pool, token_to_kv_pool_allocator)
 
@@ -121,7 +123,7 @@ class ScheduleBatch:
             self.req_to_token_pool.alloc(1)
             self.token_to_kv_pool_allocator.alloc(req.extend_input_len)
 
-    def get_model_worker_batch(self) -> "ScheduleBatch":
+    def get_model_worker_batch(self) -> ScheduleBatch:
         return self
 
 
@@ -132,8 +134,8 @@ class ForwardBatch:
     capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
 
     @classmethod
-    def init_new(cls, batch: ScheduleBatch, model_runner: "ModelRunner") -> "ForwardBatch":
-        ids = [token for req in batch.reqs for token in req.fill_ids[len(req.prefix_indices):]]
+    def init_new(cls, batch: ScheduleBatch, model_runner: ModelRunner) -> ForwardBatch:
+        ids = [token for req in batch.reqs for token in req.fill_ids[len(req.prefix_indices) :]]
         return cls(torch.tensor(ids, dtype=torch.int64), [req.extend_input_len for req in batch.reqs])
 
 
@@ -143,7 +145,7 @@ class LogitsMetadata:
     capture_hidden_mode: CaptureHiddenMode
 
     @classmethod
-    def from_forward_batch(cls, batch: ForwardBatch) -> "LogitsMetadata":
+    def from_forward_batch(cls, batch: ForwardBatch) -> LogitsMetadata:
         return cls(batch.extend_seq_lens, batch.capture_hidden_mode)
 
 
@@ -200,9 +202,18 @@ class CausalLM(nn.Module):
             hooks = []
             for k in sorted(set(self.layers_to_capture) if self.capture_aux_hidden_states else ()):
                 if k == 0:
-                    hooks.append(self.model.layers[0].register_forward_pre_hook(lambda m, a, kw: entering.__setitem__(0, kw.get("hidden_states", a[0] if a else None)[0]), with_kwargs=True))
+                    hooks.append(
+                        self.model.layers[0].register_forward_pre_hook(
+                            lambda m, a, kw, entering=entering: entering.__setitem__(0, kw.get("hidden_states", a[0] if a else None)[0]),
+                            with_kwargs=True,
+                        )
+                    )
                 elif k < len(self.model.layers):  # k == L is never entered
-                    hooks.append(self.model.layers[k - 1].register_forward_hook(lambda m, a, o, k=k: entering.__setitem__(k, (o[0] if isinstance(o, tuple) else o)[0])))
+                    hooks.append(
+                        self.model.layers[k - 1].register_forward_hook(
+                            lambda m, a, o, k=k, entering=entering: entering.__setitem__(k, (o[0] if isinstance(o, tuple) else o)[0])
+                        )
+                    )
             try:
                 hidden.append(self.model(input_ids=ids[None], use_cache=False).last_hidden_state[0])
             finally:
@@ -220,7 +231,22 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model_config, mem_fraction_static, gpu_id, tp_rank, tp_size, moe_ep_rank, moe_ep_size, pp_rank, pp_size, nccl_port, server_args, is_draft_worker=False, **_: Any) -> None:
+    def __init__(
+        self,
+        model_config,
+        mem_fraction_static,
+        gpu_id,
+        tp_rank,
+        tp_size,
+        moe_ep_rank,
+        moe_ep_size,
+        pp_rank,
+        pp_size,
+        nccl_port,
+        server_args,
+        is_draft_worker=False,
+        **_: Any,
+    ) -> None:
         from transformers import AutoModelForCausalLM
 
         assert isinstance(nccl_port, int) and tp_size == 1 and pp_size == 1
