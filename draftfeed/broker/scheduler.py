@@ -31,7 +31,7 @@ class Scheduler:
 
     def dispatch(self, service: ServiceRecord) -> list[Outgoing]:
         """Hand out as much of the service's queue as its workers' free credits take."""
-        if self.draining:
+        if self.draining or not service.queue:
             return []
         out: list[Outgoing] = []
         waiting: list[Pending] = []

@@ -142,7 +142,8 @@ class BrokerState:
     def on_rank_heartbeat(self, peer: bytes) -> list[Outgoing]:
         return self._known_rank(peer, None)[1]
 
-    def on_submit(self, peer: bytes, submit: Submit, frames: list[Any]) -> list[Outgoing]:
+    def on_submit(self, peer: bytes, submit: Submit, frames: list[Any], header_json: bytes | None = None) -> list[Outgoing]:
+        """``header_json``: the submit's header as received (validated as ``submit``), forwarded in its dispatches."""
         rank, out = self._known_rank(peer, submit.request_id)
         if rank is None:
             return out
@@ -154,7 +155,7 @@ class BrokerState:
             code, message = refusal
             return [to_rank(peer, ErrorReply(request_id=submit.request_id, message=message, code=code))]
         at_window = rank.outstanding >= rank.hello.window
-        pending = Pending(rank, submit, frames, self.clock())
+        pending = Pending(rank, submit, frames, self.clock(), request_json=header_json)
         self.mappings.hold(pending)
         rank.requests[submit.request_id] = pending
         rank.submitted += 1

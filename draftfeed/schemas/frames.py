@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any
 
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from draftfeed.schemas.errors import MalformedMessage, ProtocolVersionMismatch
+from draftfeed.schemas.messages import Accepts
 from draftfeed.schemas.protocol import FIRST_TENSOR_FRAME, MAX_HEADER_BYTES, PROTOCOL_NAME, SIGNATURE
-
-M = TypeVar("M")
 
 
 def pack(header: BaseModel, buffers: Sequence[Any] = ()) -> list[Any]:
@@ -22,11 +21,17 @@ def _bytes(frame: Any) -> bytes:
     return frame.bytes if hasattr(frame, "bytes") else bytes(frame)
 
 
-def unpack(frames: Sequence[Any], adapter: TypeAdapter[M]) -> tuple[M, list[Any]]:
-    """Check the signature and parse the header with ``adapter``; returns the header and the tensor frames.
+def unpack(frames: Sequence[Any], accepts: Accepts) -> tuple[Any, list[Any]]:
+    """Check the signature and parse the header with ``accepts``; returns the header and the tensor frames.
 
     Raises MalformedMessage (ProtocolVersionMismatch for another protocol version) with what is wrong.
     """
+    header, _raw, tensors = unpack_raw(frames, accepts)
+    return header, tensors
+
+
+def unpack_raw(frames: Sequence[Any], accepts: Accepts) -> tuple[Any, bytes, list[Any]]:
+    """``unpack``, also returning the header's JSON as received (the broker forwards a request's without writing it again)."""
     if len(frames) < FIRST_TENSOR_FRAME:
         raise MalformedMessage(f"a draftfeed message has at least {FIRST_TENSOR_FRAME} frames; got {len(frames)}")
     signature = _bytes(frames[0])
@@ -41,11 +46,12 @@ def unpack(frames: Sequence[Any], adapter: TypeAdapter[M]) -> tuple[M, list[Any]
     size = header_frame.buffer.nbytes if hasattr(header_frame, "buffer") else len(header_frame)
     if size > MAX_HEADER_BYTES:
         raise MalformedMessage(f"header of {size} bytes is over the limit of {MAX_HEADER_BYTES} bytes")
+    raw = _bytes(header_frame)
     try:
-        header = adapter.validate_json(_bytes(header_frame))
+        header = accepts.validate_json(raw)
     except ValidationError as exc:
         raise MalformedMessage(f"invalid header: {_summarize(exc)}") from None
-    return header, list(frames[FIRST_TENSOR_FRAME:])
+    return header, raw, list(frames[FIRST_TENSOR_FRAME:])
 
 
 def _summarize(exc: ValidationError) -> str:

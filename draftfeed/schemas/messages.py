@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from typing_extensions import Self
 
 Name = Annotated[str, Field(min_length=1, max_length=256)]
@@ -469,9 +469,35 @@ DataInbound = Annotated[Result | Failure | PairOpen | PairClose, Field(discrimin
 # rank -> worker, back on the worker's connection to the rank's data socket
 DataOutbound = PairClose
 
-FRONTEND_INBOUND: TypeAdapter[FrontendInbound] = TypeAdapter(FrontendInbound)
-FRONTEND_OUTBOUND: TypeAdapter[FrontendOutbound] = TypeAdapter(FrontendOutbound)
-BACKEND_INBOUND: TypeAdapter[BackendInbound] = TypeAdapter(BackendInbound)
-BACKEND_OUTBOUND: TypeAdapter[BackendOutbound] = TypeAdapter(BackendOutbound)
-DATA_INBOUND: TypeAdapter[DataInbound] = TypeAdapter(DataInbound)
-DATA_OUTBOUND: TypeAdapter[DataOutbound] = TypeAdapter(DataOutbound)
+class Accepts:
+    """The messages one socket accepts, validated from their JSON header.
+
+    A header that begins ``{"type":"NAME"`` (as every draftfeed peer writes them) goes straight to that model's own
+    validator, skipping the union's dispatch on ``type``; it checks exactly what the union checks for that type. Any
+    other header, and any header that fails there, goes through the union, whose error is the one reported."""
+
+    _PREFIX = b'{"type":"'
+
+    def __init__(self, union: Any) -> None:
+        self.adapter: TypeAdapter = TypeAdapter(union)
+        members = get_args(union)[0] if get_origin(union) is Annotated else union
+        models = get_args(members) or (members,)
+        self._by_type = {model.model_fields["type"].default.encode(): model for model in models}
+
+    def validate_json(self, data: bytes) -> Any:
+        if data.startswith(self._PREFIX):
+            model = self._by_type.get(data[9 : data.find(b'"', 9)])
+            if model is not None:
+                try:
+                    return model.model_validate_json(data)
+                except ValidationError:
+                    pass  # the union's own validation says what is wrong
+        return self.adapter.validate_json(data)
+
+
+FRONTEND_INBOUND = Accepts(FrontendInbound)
+FRONTEND_OUTBOUND = Accepts(FrontendOutbound)
+BACKEND_INBOUND = Accepts(BackendInbound)
+BACKEND_OUTBOUND = Accepts(BackendOutbound)
+DATA_INBOUND = Accepts(DataInbound)
+DATA_OUTBOUND = Accepts(DataOutbound)
