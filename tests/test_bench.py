@@ -50,3 +50,16 @@ def test_synthetic_worker_sizes_follow_the_8b_shapes():
 
     assert tokens_for(312_500_000) == 2048
     assert abs(2048 * BYTES_PER_TOKEN - 312.5e6) / 312.5e6 < 0.01
+
+
+def test_every_scenario_is_a_module_with_one_signature():
+    import inspect
+
+    from draftfeed.bench import SCENARIO_NAMES
+    from draftfeed.bench.scenarios import load
+
+    assert SCENARIO_NAMES == ("codec", "data-plane", "pair-plane", "encryption", "broker", "overlap", "scaling", "real-target")
+    for name in SCENARIO_NAMES:
+        assert str(inspect.signature(load(name).run)) == "(quick: 'bool', workdir: 'Path') -> 'list[Row]'", name
+    with pytest.raises(ValueError, match="unknown bench scenario 'nope'"):
+        load("nope")

@@ -36,6 +36,7 @@ def modules_after(code: str) -> set[str]:
         ("`import draftfeed`", "import draftfeed"),
         ("the wire layer", "import draftfeed.schemas.frames, draftfeed.schemas.messages, draftfeed.schemas.tensor_specs, draftfeed.schemas.protocol"),
         ("`draftfeed status`'s module", "import draftfeed.launch.status"),
+        ("the bench's scenario names", "import draftfeed.bench"),
     ],
 )
 def test_loads_no_torch(what, code):

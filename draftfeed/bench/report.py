@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draftfeed.bench.runner import Row, format_table
+from draftfeed.bench.harness import Row, format_table
 from draftfeed.bench.synthetic import DRAFT_VOCAB, HIDDEN
 
 # Bytes per token of each EAGLE-3 form for an 8B target (H = 4096, 32k draft vocab).

@@ -19,6 +19,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
+from draftfeed.bench import SCENARIO_NAMES
 from draftfeed.broker.settings import BrokerSettings
 from draftfeed.consumers.config import DEFAULT_DRAFT_LAYERS, DTYPES, ENGINES, WorkerConfig
 from draftfeed.launch.ready import announce_ready
@@ -31,7 +32,6 @@ if TYPE_CHECKING:  # imported where used: the CLI starts without loading pyzmq's
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 DEFAULT_STATUS_BROKER = "tcp://127.0.0.1:5555"
-BENCH_SCENARIOS = ("codec", "data-plane", "pair-plane", "encryption", "broker", "overlap", "scaling", "real-target")
 
 
 def _default(settings: type, name: str) -> Any:
@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = _parser(commands, "bench", help="measure every part of the pipeline against baselines from the same run")
     bench.add_argument("--quick", action="store_true", help="smaller payloads and fewer repetitions: under 2 minutes on 2 cores")
-    bench.add_argument("--scenario", action="append", choices=BENCH_SCENARIOS, help="run only these (repeatable; default all)")
+    bench.add_argument("--scenario", action="append", choices=SCENARIO_NAMES, help="run only these (repeatable; default all)")
     bench.add_argument("--json", dest="json_path", default=None, help="write the results as JSON to this path")
     bench.add_argument("--report", action="store_true", help="render docs/performance.md and its plot from this run")
     bench.add_argument("--docs", default="docs", help="where --report writes")
@@ -437,7 +437,7 @@ def run_worker(args: argparse.Namespace) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     import tempfile
 
-    from draftfeed.bench.runner import SCENARIOS, Row, format_table, run, to_json
+    from draftfeed.bench.harness import Row, format_table, run, to_json
 
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
@@ -446,7 +446,7 @@ def run_bench(args: argparse.Namespace) -> int:
     else:
         note = None
         with tempfile.TemporaryDirectory(prefix="draftfeed-bench-") as workdir:
-            rows = run(args.scenario or list(SCENARIOS), args.quick, Path(workdir))
+            rows = run(args.scenario or SCENARIO_NAMES, args.quick, Path(workdir))
     command = "draftfeed bench" + (" --quick" if args.quick else "")
     print(format_table(rows))
     if args.json_path:

@@ -1,0 +1,130 @@
+"""What every bench scenario shares: the result row, best-of timing, probe processes, a synthetic pipeline,
+and the run that turns chosen scenarios into the table and the JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import zmq
+
+from draftfeed.bench.scenarios import load
+from draftfeed.launch import processes
+
+MB = 1e6
+
+
+@dataclass
+class Row:
+    """One measured case beside its baseline from the same run."""
+
+    scenario: str
+    case: str
+    value: float
+    baseline: float
+    unit: str
+    baseline_name: str
+    goal: str = ""
+
+    @property
+    def ratio(self) -> float:
+        return self.value / self.baseline if self.baseline else float("nan")
+
+
+def best_of(fn: Callable[[], float], repeat: int) -> float:
+    """The fastest of ``repeat`` timings."""
+    return min(fn() for _ in range(repeat))
+
+
+def probe(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``python -m draftfeed.bench.probes ARGS`` with its stdout piped."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "draftfeed.bench.probes", *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def last_json(popen: subprocess.Popen, timeout: float = 300) -> dict:
+    """Wait for a probe and read the JSON on its last line."""
+    out, _ = popen.communicate(timeout=timeout)
+    if popen.returncode != 0:
+        raise RuntimeError(f"probe exited with {popen.returncode}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+class Pipeline:
+    """A broker and synthetic workers for one scenario; stopped on exit."""
+
+    def __init__(self, workers: int, tokens: int, compute_ms: float, capacity: int = 2, data_plane: str = "auto", keys: Path | None = None) -> None:
+        self.started: list[processes.Process] = []
+        secure = ["--secure", "--keys", str(keys)] if keys is not None else []
+        self.broker = processes.start_broker(extra=["--log-level", "WARNING", *secure])
+        self.started.append(self.broker)
+        for index in range(workers):
+            self.started.append(
+                processes.start(
+                    [
+                        "--broker",
+                        self.broker.ready["backend"],
+                        "--service",
+                        "bench",
+                        "--tokens",
+                        str(tokens),
+                        "--compute-ms",
+                        str(compute_ms),
+                        "--capacity",
+                        str(capacity),
+                        "--name",
+                        f"synthetic-{index}",
+                        "--data-plane",
+                        data_plane,
+                        *(["--keys", str(keys)] if keys is not None else []),
+                    ],
+                    module="draftfeed.bench.synthetic",
+                )
+            )
+
+    @property
+    def frontend(self) -> str:
+        return self.broker.ready["frontend"]
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for process in reversed(self.started):
+            process.stop(timeout_s=10)
+
+
+def format_table(rows: list[Row]) -> str:
+    lines = [f"{'scenario':<12} {'case':<72} {'value':>12} {'baseline':>12} {'ratio':>7}  unit / baseline", "-" * 150]
+    for row in rows:
+        lines.append(
+            f"{row.scenario:<12} {row.case:<72} {row.value:>12,.3f} {row.baseline:>12,.3f} {row.ratio:>7.2f}  {row.unit} / {row.baseline_name}{'  goal ' + row.goal if row.goal else ''}"
+        )
+    return "\n".join(lines)
+
+
+def run(names: Sequence[str], quick: bool, workdir: Path, progress: Callable[[str], None] = print) -> list[Row]:
+    """The rows of each named scenario, in the order given."""
+    rows: list[Row] = []
+    for name in names:
+        progress(f"running {name} ...")
+        rows.extend(load(name).run(quick, workdir))
+    return rows
+
+
+def to_json(rows: list[Row], quick: bool) -> dict:
+    return {
+        "quick": quick,
+        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version()},
+        "rows": [{**asdict(row), "ratio": row.ratio} for row in rows],
+    }

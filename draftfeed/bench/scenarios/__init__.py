@@ -1,0 +1,27 @@
+"""The bench's scenarios by their CLI names, in the order the bench runs them. Each is a module defining
+``run(quick, workdir) -> list[Row]``, imported only when run: naming them loads no torch."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+# CLI name -> module in this package
+_MODULES = {
+    "codec": "codec",
+    "data-plane": "data_plane",
+    "pair-plane": "pair_plane",
+    "encryption": "encryption",
+    "broker": "broker",
+    "overlap": "overlap",
+    "scaling": "scaling",
+    "real-target": "real_target",
+}
+SCENARIO_NAMES = tuple(_MODULES)
+
+
+def load(name: str) -> ModuleType:
+    """The module of the scenario called ``name`` on the command line."""
+    if name not in _MODULES:
+        raise ValueError(f"unknown bench scenario {name!r}; choose one of {', '.join(SCENARIO_NAMES)}")
+    return importlib.import_module(f"{__name__}.{_MODULES[name]}")

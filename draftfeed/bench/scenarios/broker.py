@@ -1,0 +1,102 @@
+"""The broker's routing rate and a rank's latency against a direct DEALER->ROUTER echo."""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import zmq
+
+from draftfeed.bench.harness import Pipeline, Row, last_json, probe
+from draftfeed.launch import processes
+
+
+def run(quick: bool, workdir: Path) -> list[Row]:
+    count = 2000 if quick else 20000
+    with Pipeline(workers=2, tokens=1, compute_ms=0, capacity=32) as pipeline:
+        from draftfeed import RemoteEagle3Target
+
+        batch = {k: torch.zeros(1, 1, dtype=torch.int64) for k in ("input_ids", "attention_mask", "loss_mask")}
+        with RemoteEagle3Target(pipeline.frontend, "bench", prefetch_depth=64) as target:
+            target.model_info()
+            latencies = []
+            for _ in range(100 if quick else 1000):
+                started = time.perf_counter()
+                target.generate_batch(**batch)
+                latencies.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            for _ in target.iterate(batch for _ in range(count)):
+                pass
+            rate = count / (time.perf_counter() - started)
+    broker = processes.start_broker(extra=["--log-level", "WARNING"])
+    try:
+        worker = probe(["raw-worker", broker.ready["backend"], str(count)])
+        routed = last_json(probe(["raw-rank", broker.ready["frontend"], str(count), "64"]))["requests_per_s"]
+        worker.communicate(timeout=60)
+    finally:
+        broker.stop()
+    echo_rate, echo_latencies = _echo_baseline(count, 100 if quick else 1000)
+    p50, p99 = statistics.median(latencies), sorted(latencies)[int(0.99 * len(latencies))]
+    e50, e99 = statistics.median(echo_latencies), sorted(echo_latencies)[int(0.99 * len(echo_latencies))]
+    return [
+        Row(
+            "broker",
+            "requests routed per second by the broker alone (raw-pyzmq rank and worker)",
+            routed,
+            echo_rate,
+            "req/s",
+            "direct DEALER->ROUTER echo",
+            ">= 20,000",
+        ),
+        Row("broker", "requests per second end to end (draftfeed rank, 2 synthetic workers)", rate, echo_rate, "req/s", "direct DEALER->ROUTER echo"),
+        Row("broker", "request latency p50", p50 * 1e6, e50 * 1e6, "us", "direct echo p50"),
+        Row("broker", "request latency p99", p99 * 1e6, e99 * 1e6, "us", "direct echo p99"),
+    ]
+
+
+_ECHO_SERVER = """
+import sys, zmq
+ctx = zmq.Context(); s = ctx.socket(zmq.ROUTER); s.setsockopt(zmq.LINGER, 0)
+port = s.bind_to_random_port("tcp://127.0.0.1"); print(port, flush=True)
+while True:
+    frames = s.recv_multipart()
+    if frames[1] == b"stop":
+        break
+    s.send_multipart(frames)
+"""
+
+
+def _echo_baseline(count: int, singles: int) -> tuple[float, list[float]]:
+    server = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER], stdout=subprocess.PIPE, text=True)
+    assert server.stdout is not None
+    port = int(server.stdout.readline())
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        latencies = []
+        for _ in range(singles):
+            started = time.perf_counter()
+            sock.send(b"x")
+            sock.recv()
+            latencies.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        window, sent, received = 64, 0, 0
+        while received < count:
+            while sent < count and sent - received < window:
+                sock.send(b"x")
+                sent += 1
+            sock.recv()
+            received += 1
+        rate = count / (time.perf_counter() - started)
+        sock.send(b"stop")
+    finally:
+        sock.close(0)
+        context.term()
+        server.wait(10)
+    return rate, latencies

@@ -1,0 +1,58 @@
+"""A tiny Llama target computed in process against the same batches end to end through the pipeline."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from draftfeed.bench.harness import Row
+from draftfeed.launch import processes
+
+
+def run(quick: bool, workdir: Path) -> list[Row]:
+    from draftfeed import RemoteEagle3Target
+    from draftfeed.consumers.engines.hf import HFEngine
+    from draftfeed.consumers.tasks.eagle3 import Eagle3Task
+    from draftfeed.tiny import build_tiny_target
+
+    target_dir = build_tiny_target(workdir / "tiny", num_hidden_layers=8, hidden_size=128, vocab_size=4096)
+    generator = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(0, 4096, (4, 256), generator=generator)}
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    batch["loss_mask"] = batch["attention_mask"].clone()
+    count = 10 if quick else 40
+    torch.set_num_threads(1)
+    task = Eagle3Task(HFEngine(str(target_dir)))
+    task.compute(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None)
+    started = time.perf_counter()
+    for _ in range(count):
+        task.compute(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None)
+    in_process = (time.perf_counter() - started) / count
+    broker = processes.start_broker(extra=["--log-level", "WARNING"])
+    try:
+        worker = processes.start_worker(
+            broker.ready["backend"], str(target_dir), "--service", "tiny", "--log-level", "WARNING", env={"OMP_NUM_THREADS": "1"}
+        )
+        try:
+            with RemoteEagle3Target(broker.ready["frontend"], "tiny", prefetch_depth=0) as target:
+                target.generate_batch(**batch)
+                started = time.perf_counter()
+                for _ in range(count):
+                    target.generate_batch(**batch)
+                remote = (time.perf_counter() - started) / count
+        finally:
+            worker.stop()
+    finally:
+        broker.stop()
+    return [
+        Row(
+            "real target",
+            "tiny Llama B=4 S=256, one batch at a time: in-process / end to end",
+            in_process * 1000,
+            remote * 1000,
+            "ms",
+            "end to end through the pipeline",
+        )
+    ]
