@@ -469,6 +469,7 @@ DataInbound = Annotated[Result | Failure | PairOpen | PairClose, Field(discrimin
 # rank -> worker, back on the worker's connection to the rank's data socket
 DataOutbound = PairClose
 
+
 class Accepts:
     """The messages one socket accepts, validated from their JSON header.
 
