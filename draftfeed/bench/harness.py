@@ -42,6 +42,12 @@ def best_of(fn: Callable[[], float], repeat: int) -> float:
     return min(fn() for _ in range(repeat))
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time a process has used so far (Linux /proc), for per-message costs."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def probe(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start ``python -m draftfeed.bench.probes ARGS`` with its stdout piped."""
     return subprocess.Popen(

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import zmq
 
-from draftfeed.bench.harness import Pipeline, Row, last_json, probe
+from draftfeed.bench.harness import Pipeline, Row, cpu_seconds, last_json, probe
 from draftfeed.launch import processes
 
 
@@ -35,11 +35,13 @@ def run(quick: bool, workdir: Path) -> list[Row]:
     broker = processes.start_broker(extra=["--log-level", "WARNING"])
     try:
         worker = probe(["raw-worker", broker.ready["backend"], str(count)])
+        cpu_before = cpu_seconds(broker.pid)
         routed = last_json(probe(["raw-rank", broker.ready["frontend"], str(count), "64"]))["requests_per_s"]
+        broker_cpu = (cpu_seconds(broker.pid) - cpu_before) / count
         worker.communicate(timeout=60)
     finally:
         broker.stop()
-    echo_rate, echo_latencies = _echo_baseline(count, 100 if quick else 1000)
+    echo_rate, echo_latencies, echo_cpu = _echo_baseline(count, 100 if quick else 1000)
     p50, p99 = statistics.median(latencies), sorted(latencies)[int(0.99 * len(latencies))]
     e50, e99 = statistics.median(echo_latencies), sorted(echo_latencies)[int(0.99 * len(echo_latencies))]
     return [
@@ -51,6 +53,14 @@ def run(quick: bool, workdir: Path) -> list[Row]:
             "req/s",
             "direct DEALER->ROUTER echo",
             ">= 20,000",
+        ),
+        Row(
+            "broker",
+            "broker CPU per routed request (a submit and a done in, a dispatch out)",
+            broker_cpu * 1e6,
+            echo_cpu * 1e6,
+            "us",
+            "echo server CPU per message (one in, one out)",
         ),
         Row("broker", "requests per second end to end (draftfeed rank, 2 synthetic workers)", rate, echo_rate, "req/s", "direct DEALER->ROUTER echo"),
         Row("broker", "request latency p50", p50 * 1e6, e50 * 1e6, "us", "direct echo p50"),
@@ -70,7 +80,8 @@ while True:
 """
 
 
-def _echo_baseline(count: int, singles: int) -> tuple[float, list[float]]:
+def _echo_baseline(count: int, singles: int) -> tuple[float, list[float], float]:
+    """Rate and latencies of a direct echo, and the echo server's CPU seconds per message."""
     server = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER], stdout=subprocess.PIPE, text=True)
     assert server.stdout is not None
     port = int(server.stdout.readline())
@@ -85,7 +96,7 @@ def _echo_baseline(count: int, singles: int) -> tuple[float, list[float]]:
             sock.send(b"x")
             sock.recv()
             latencies.append(time.perf_counter() - started)
-        started = time.perf_counter()
+        started, cpu_before = time.perf_counter(), cpu_seconds(server.pid)
         window, sent, received = 64, 0, 0
         while received < count:
             while sent < count and sent - received < window:
@@ -94,9 +105,10 @@ def _echo_baseline(count: int, singles: int) -> tuple[float, list[float]]:
             sock.recv()
             received += 1
         rate = count / (time.perf_counter() - started)
+        cpu = (cpu_seconds(server.pid) - cpu_before) / count
         sock.send(b"stop")
     finally:
         sock.close(0)
         context.term()
         server.wait(10)
-    return rate, latencies
+    return rate, latencies, cpu
