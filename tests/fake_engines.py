@@ -42,3 +42,19 @@ class FakeFlakyEngine(HFEngine):
         if first == CRASH_MARKER:
             raise ValueError("fake: the engine crashed on this batch")
         return super().forward(input_ids, attention_mask, layer_ids)
+
+
+POISON_MARKER = 9
+
+
+class FakeCrashingEngine(FakeSlowEngine):
+    """FakeSlowEngine whose process dies in the middle of a forward of a batch that starts with POISON_MARKER, as
+    a native crash in a kernel would take a real worker down (no Python exception, no goodbye)."""
+
+    name = "fake-crashing"
+
+    def forward(self, input_ids, attention_mask, layer_ids):
+        if int(input_ids[0, 0]) == POISON_MARKER:
+            time.sleep(0.3)  # some way into the forward
+            os._exit(3)
+        return super().forward(input_ids, attention_mask, layer_ids)

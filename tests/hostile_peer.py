@@ -67,7 +67,7 @@ def broker_junk(rng: random.Random, victim: str, my_id: str) -> list[bytes]:
             ).encode(),
         ]
     if kind == 11:  # a worker message on the rank port, or a done for a ticket it never had
-        return [SIG, json.dumps({"type": "done", "ticket": rng.randrange(1000), "ok": True}).encode()]
+        return [SIG, json.dumps({"type": "done", "ticket": rng.randrange(1000), "outcome": "served"}).encode()]
     if kind == 12:  # negative and huge numbers, wrong types
         return [SIG, json.dumps({"type": "submit", "request_id": rng.choice([-1, 2**70, "x", None]), "kind": "eagle3"}).encode()]
     return [SIG, json.dumps({"type": "model_info", "request_id": rng.randrange(100)}).encode(), b"extra frame"]

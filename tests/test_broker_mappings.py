@@ -127,7 +127,7 @@ def test_an_old_request_of_a_forgotten_rank_is_never_dispatched_for_its_new_reco
     state.on_tick()  # forgets the rank
     hello(state)  # back, empty
     # The worker hands the old request back (e.g. draining): it belongs to a forgotten record and goes nowhere.
-    out = state.on_done(b"w1", Done(ticket=old.ticket, ok=False, retry=True, message="worker draining"))
+    out = state.on_done(b"w1", Done(ticket=old.ticket, outcome="draining", message="worker draining"))
     assert only(backend(out), Dispatch) == [] and not state.services["svc"].queue
 
 
@@ -136,14 +136,14 @@ def test_a_worker_lacking_a_mapping_gets_it_again_before_the_request(state):
     hello(state)
     set_mapping(state, DIGEST_A)
     (first,) = only(backend(submit(state, 0, DIGEST_A)), Dispatch)
-    out = state.on_done(b"w1", Done(ticket=first.ticket, ok=False, retry=True, missing_mapping=DIGEST_A, message="no vocab mapping"))
+    out = state.on_done(b"w1", Done(ticket=first.ticket, outcome="missing_mapping", missing_mapping=DIGEST_A, message="no vocab mapping"))
     sent = backend(out, "w1")
     assert [type(m) for m in sent] == [VocabMapping, Dispatch] and sent[1].request.request_id == 0
     assert state.services["svc"].queue.count(b"r") == 0 and state.counters["mappings_resent"] == 1
     pending = state.ranks[b"r"].requests[0]
     assert pending.failures == 0 and not pending.excluded  # not the request's fault, nor counted against it
     # The same worker again: it cannot keep the mapping; that counts as a failure on it.
-    state.on_done(b"w1", Done(ticket=sent[1].ticket, ok=False, retry=True, missing_mapping=DIGEST_A, message="no vocab mapping"))
+    state.on_done(b"w1", Done(ticket=sent[1].ticket, outcome="missing_mapping", missing_mapping=DIGEST_A, message="no vocab mapping"))
     assert pending.failures == 1 and pending.excluded == {b"w1"}
 
 
@@ -163,10 +163,10 @@ def test_a_mapping_lives_while_a_request_names_it(state):
     (first,) = only(backend(submit(state, 0, DIGEST_A)), Dispatch)
     assert only(backend(set_mapping(state, DIGEST_B)), ForgetMapping) == []  # request 0 still names A
     assert only(frontend(submit(state, 1, DIGEST_A)), ErrorReply) == []  # so A is still held
-    out = state.on_done(b"w1", Done(ticket=first.ticket, ok=True))
+    out = state.on_done(b"w1", Done(ticket=first.ticket, outcome="served"))
     (second,) = only(backend(out), Dispatch)
     assert second.request.request_id == 1 and only(backend(out), ForgetMapping) == []
-    out = state.on_done(b"w1", Done(ticket=second.ticket, ok=True))
+    out = state.on_done(b"w1", Done(ticket=second.ticket, outcome="served"))
     assert [m.digest for m in only(backend(out), ForgetMapping)] == [DIGEST_A]
     assert list(state.mappings.records) == [DIGEST_B]
 

@@ -117,7 +117,7 @@ def test_requests_go_to_the_worker_with_free_credits_and_wait_for_one(state):
     assert sorted(peer for peer, _ in first) == [b"w1", b"w2"]
     assert dispatches(submit(state, "r", 2)) == []  # both workers full: it queues
     ticket = next(d.ticket for peer, d in first if peer == b"w1")
-    ((peer, dispatch),) = dispatches(state.on_done(b"w1", Done(ticket=ticket, ok=True)))
+    ((peer, dispatch),) = dispatches(state.on_done(b"w1", Done(ticket=ticket, outcome="served")))
     assert peer == b"w1" and dispatch.request.request_id == 2
 
 
@@ -132,9 +132,9 @@ def test_a_dead_worker_requeues_under_a_new_ticket_and_its_late_done_is_ignored(
     clock.now = 3.5  # w1 silent for 3.5 s > 3 s window; w2 and r heard at 2.0
     ((peer, new),) = dispatches(state.on_tick())
     assert peer == b"w2" and new.request.request_id == 0 and new.ticket != old.ticket
-    assert state.on_done(b"w2", Done(ticket=old.ticket, ok=True)) == []  # an old ticket matches nothing
+    assert state.on_done(b"w2", Done(ticket=old.ticket, outcome="served")) == []  # an old ticket matches nothing
     assert state.ranks[b"r"].outstanding == 1
-    state.on_done(b"w2", Done(ticket=new.ticket, ok=True))
+    state.on_done(b"w2", Done(ticket=new.ticket, outcome="served"))
     assert state.ranks[b"r"].outstanding == 0 and state.ranks[b"r"].completed == 1
 
 
@@ -174,7 +174,7 @@ def test_a_worker_of_another_target_is_refused(state):
 def test_unknown_peers_are_told_to_introduce_themselves(state):
     (reply,) = errors(submit(state, "stranger", 5))
     assert reply.code == "unknown_peer" and reply.request_id == 5
-    (reply,) = [unpack(i.frames, BACKEND_OUTBOUND)[0] for i in state.on_done(b"ghost", Done(ticket=1, ok=True))]
+    (reply,) = [unpack(i.frames, BACKEND_OUTBOUND)[0] for i in state.on_done(b"ghost", Done(ticket=1, outcome="served"))]
     assert reply.code == "unknown_peer"
 
 

@@ -71,7 +71,7 @@ def test_broker_answers_junk_with_an_error_and_serves_on(served, tiny_model):
             [b"GET / HTTP/1.1"],
             [b"draftfeed/2", b"{oops"],
             [b"draftfeed/9", b"{}"],
-            [b"draftfeed/2", b'{"type": "done", "ticket": 1, "ok": true}'],
+            [b"draftfeed/2", b'{"type": "done", "ticket": 1, "outcome": "served"}'],
         ):
             sock.send_multipart(junk)
             assert sock.poll(10_000), f"no answer to {junk!r}"

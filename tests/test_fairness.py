@@ -56,7 +56,7 @@ def test_a_flooding_rank_cannot_starve_another():
         sent += dispatches(state.on_submit(b"B", Submit(request_id=n, kind="eagle3"), []))
     while len(sent) < 45:
         _, last = sent[-1]
-        sent += dispatches(state.on_done(b"w", Done(ticket=last.ticket, ok=True)))
+        sent += dispatches(state.on_done(b"w", Done(ticket=last.ticket, outcome="served")))
     order = [d.rank for _, d in sent]
     assert order[:12] == ["A", "A", "B", "A", "B", "A", "B", "A", "B", "A", "B", "A"]
     assert order[12:] == ["A"] * 33

@@ -67,7 +67,7 @@ def test_rank_partitioned_longer_than_the_liveness_window(hosts_available, tiny_
                     "--batches",
                     "300",
                 ],
-                module="partition_rank",
+                module="rank_process",
                 env=WORKER_ENV,
                 prefix=hosts.command("rank"),
             )

@@ -110,14 +110,14 @@ def test_worker_refuses_a_dispatch_for_another_service_and_serves_on(harness, ti
     batch = make_batch(2, 10, 1000, seed=2)
     dispatch(backend, peer, reply_to, 1, batch, service="someone-else")
     answer, _, done = receive(rank, backend)
-    assert isinstance(answer, Failure) and "serves 'svc', not 'someone-else'" in answer.message and not done.ok
+    assert isinstance(answer, Failure) and "serves 'svc', not 'someone-else'" in answer.message and done.outcome == "failed"
 
     # Junk from the "broker" is ignored; the next real dispatch is served exactly.
     backend.send_multipart([peer, b"draftfeed/2", b"{garbage"])
     backend.send_multipart([peer, b"nonsense"])
     dispatch(backend, peer, reply_to, 2, batch)
     answer, tensor_frames, done = receive(rank, backend)
-    assert isinstance(answer, Result) and done.ok
+    assert isinstance(answer, Result) and done.outcome == "served"
     tensors = decode_tensors(answer.tensors, tensor_frames)
     expected = reference_eagle3(tiny_model, batch, [1, 3, 4])
     for name in ("aux_hidden_states", "target_probs", "position_mask", "input_ids", "loss_mask"):
@@ -135,12 +135,12 @@ def test_a_request_naming_a_mapping_the_worker_lacks_goes_back_never_computed_wi
     )
     backend.send_multipart([peer, *pack(message, buffers)], copy=False)
     done = next_done(backend)
-    assert done.ticket == 7 and not done.ok and done.retry and done.missing_mapping == digest
+    assert done.ticket == 7 and done.outcome == "missing_mapping" and done.missing_mapping == digest
     mapping = pack_tensors(VocabMapping, {"selected_token_ids": ids, "selected_token_mask": mask}, digest=digest)
     backend.send_multipart([peer, *mapping], copy=False)
     backend.send_multipart([peer, *pack(message, buffers)], copy=False)
     answer, tensor_frames, done = receive(rank, backend)  # the first answer the rank gets: any earlier one would show here
-    assert isinstance(answer, Result) and done.ok
+    assert isinstance(answer, Result) and done.outcome == "served"
     tensors = decode_tensors(answer.tensors, tensor_frames)
     expected = reference_eagle3(tiny_model, batch, [1, 3, 4], ids, mask)
     for name in ("aux_hidden_states", "target_probs", "position_mask", "input_ids", "loss_mask"):

@@ -168,7 +168,7 @@ def raw_worker(backend: str, count: int) -> None:
                 ).encode(),
             ]
         )
-        sock.send_multipart([SIGNATURE, json.dumps({"type": "done", "ticket": header["ticket"], "ok": True}).encode()])
+        sock.send_multipart([SIGNATURE, json.dumps({"type": "done", "ticket": header["ticket"], "outcome": "served"}).encode()])
         served += 1
     for rank_sock in ranks.values():
         rank_sock.close(0)

@@ -44,9 +44,9 @@ class Pending:
     enqueued_at: float
     ticket: int = -1  # of its current dispatch; -1 while queued
     request_json: bytes | None = None  # the request, encoded once for every dispatch of it
-    failures: int = 0  # dispatches that failed through the request's own doing (a poison batch must not kill every worker)
+    failures: int = 0  # tries that failed in the engine (a poison batch must not kill every worker)
     excluded: set[bytes] = field(default_factory=set)  # workers it failed on
-    last_error: str | None = None
+    attempts: list[tuple[bytes, str]] = field(default_factory=list)  # each failed try: the worker, what it said
     finished: bool = False  # completed, or its rank forgotten: it holds no mapping and is never dispatched again
     mapping_refused_by: set[bytes] = field(default_factory=set)  # workers that said they lack its mapping
 
@@ -54,6 +54,24 @@ class Pending:
     def mapping(self) -> str | None:
         """The vocab mapping it is computed with (its digest), None for the identity."""
         return self.request.mapping_digest
+
+    def charge(self, worker: bytes, what: str) -> None:
+        """A try that failed in the engine of ``worker``: it counts against the request's attempts."""
+        self.failures += 1
+        self.excluded.add(worker)
+        self.attempts.append((worker, what))
+
+    def uncharge(self, worker: bytes) -> None:
+        """The worker was not dead after all (frozen, and back): its death no longer counts against the request."""
+        kept = [(peer, what) for peer, what in self.attempts if peer != worker]
+        self.failures -= len(self.attempts) - len(kept)
+        self.attempts = kept
+        self.excluded.discard(worker)
+
+    def describe(self) -> str:
+        """Which request this is, for an error that names it."""
+        shapes = ", ".join(f"{spec.name} {spec.shape}" for spec in self.request.tensors[:1])
+        return f"request {self.request.request_id} of rank {self.rank.hello.rank}" + (f" ({shapes})" if shapes else "")
 
     @property
     def rank_key(self) -> bytes:
@@ -99,6 +117,8 @@ class WorkerRecord:
     mappings_held: int = 0
     pairs: list[PairStatus] = field(default_factory=list)  # its data plane to each rank, from its heartbeats
     key: str | None = None  # its authenticated CURVE public key, on a secure broker
+    in_engine: int | None = None  # the ticket it last said it was computing
+    batches: int = 0  # supervision batches served (served counts every request, embeddings fetches too)
 
     @property
     def free_credits(self) -> int:

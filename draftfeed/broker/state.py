@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -88,7 +89,14 @@ class BrokerState:
             "requeued": 0,
             "workers_refused": 0,
             "mappings_resent": 0,
+            "requests_failed": 0,
         }
+        # Why requests went back to the queue: worker_gone (its worker died or left while it waited there: no fault
+        # of its own), died_in_engine (its worker died computing it: charged), retry (the engine could not run it:
+        # charged), draining, missing_mapping, worker_registered_again.
+        self.requeues: Counter[str] = Counter()
+        # Requests charged with a worker's death, by worker: a worker that comes back was frozen, not dead.
+        self._death_charges: dict[bytes, list[Pending]] = {}
 
     def service(self, name: str) -> ServiceRecord:
         record = self.services.get(name)
@@ -283,7 +291,8 @@ class BrokerState:
         worker = WorkerRecord(peer, register, self.clock(), key=key)
         self.workers[peer] = worker
         service.workers[peer] = worker
-        self.forgotten_workers.take(peer)
+        if self.forgotten_workers.take(peer) is not None:
+            self._uncharge_deaths(peer)
         log.info(
             "broker: worker %s (host %s, pid %d, engine %s, capacity %d) registered for service %r",
             register.worker,
@@ -305,6 +314,7 @@ class BrokerState:
         worker, out = self._known_worker(peer)
         if worker is not None:
             worker.rank_links, worker.mappings_held, worker.pairs = heartbeat.rank_links, heartbeat.mappings, heartbeat.pairs
+            worker.in_engine = heartbeat.in_engine
         return out
 
     def on_draining(self, peer: bytes) -> list[Outgoing]:
@@ -324,24 +334,25 @@ class BrokerState:
         pending = worker.in_flight.pop(done.ticket, None)
         if pending is None:
             return []  # an earlier attempt, already requeued elsewhere
+        if worker.in_engine == done.ticket:
+            worker.in_engine = None
         service = self.service(worker.registration.service)
-        if done.retry and done.missing_mapping is not None:
+        if done.outcome == "missing_mapping" and done.missing_mapping is not None:
             return self._on_missing_mapping(worker, pending, done.missing_mapping, service)
-        if done.retry:
+        if done.hands_back:
             worker.handed_back += 1
-            if not worker.draining:  # a draining worker hands work back through no fault of the request
-                pending.excluded.add(peer)
-                pending.failures += 1
-                pending.last_error = f"worker {worker.name}: {done.message}"
-            return self._requeue([pending], service)
-        if done.ok:
+            if done.outcome == "retry":  # the engine could not run it here: it counts against the request
+                pending.charge(peer, f"worker {worker.name}: {done.message}")
+            return self._requeue([(pending, done.outcome)], service)
+        if done.outcome == "served":
             worker.served += 1
+            if pending.request.kind in ("eagle3", "dspark"):
+                worker.batches += 1
             service.completions.append(self.clock())
-        else:
+        elif done.outcome == "failed":
             worker.failed += 1
-        log.debug(
-            "broker: request %d of rank %s done by worker %s (ok %s)", pending.request.request_id, pending.rank.hello.rank, worker.name, done.ok
-        )
+        waited_ms = 1000 * (self.clock() - pending.enqueued_at)
+        log.debug("broker: %s %s by worker %s, %.1f ms after it arrived", pending.describe(), done.outcome, worker.name, waited_ms)
         out = self._complete(pending, service)
         if done.rank_unreachable and not pending.rank.gone:
             hello = pending.rank.hello
@@ -363,11 +374,9 @@ class BrokerState:
             "broker: worker %s lacks vocab mapping %s; it gets the mapping again before request %d", worker.name, digest, pending.request.request_id
         )
         if worker.peer in pending.mapping_refused_by:
-            pending.excluded.add(worker.peer)
-            pending.failures += 1
-            pending.last_error = f"worker {worker.name} lacked vocab mapping {digest} twice"
+            pending.charge(worker.peer, f"worker {worker.name} lacked vocab mapping {digest} twice")
         pending.mapping_refused_by.add(worker.peer)
-        return self._requeue([pending], service)
+        return self._requeue([(pending, "missing_mapping")], service)
 
     def _complete(self, pending: Pending, service: ServiceRecord) -> list[Outgoing]:
         rank = pending.rank
@@ -379,26 +388,35 @@ class BrokerState:
             out.extend(self._enqueue(rank.parked.popleft(), service))
         return out
 
-    def _requeue(self, pendings: list[Pending], service: ServiceRecord) -> list[Outgoing]:
-        """Put requests back at the front of their queue, in their order; fail those out of attempts."""
+    def _requeue(self, requeued: list[tuple[Pending, str]], service: ServiceRecord) -> list[Outgoing]:
+        """Put requests back at the front of their queue, in their order; fail those out of attempts. Each comes with
+        why it goes back (counted in ``requeues``)."""
         out: list[Outgoing] = []
         back: list[Pending] = []
-        for pending in sorted(pendings, key=lambda p: p.enqueued_at):
+        for pending, cause in sorted(requeued, key=lambda item: item[0].enqueued_at):
             pending.ticket = -1
             if pending.rank.gone:
                 continue  # its rank was forgotten; if it came back, it sent the request again under a new record
             if pending.failures >= self.settings.max_attempts:
-                message = f"request failed on {pending.failures} workers of service {service.name!r}; last: {pending.last_error}"
+                self.counters["requests_failed"] += 1
+                tries = "; ".join(what for _worker, what in pending.attempts)
+                message = (
+                    f"{pending.describe()} failed on {pending.failures} workers of service {service.name!r} "
+                    f"(--max-attempts {self.settings.max_attempts}): {tries}"
+                )
+                log.warning("broker: %s", message)
                 out.append(to_rank(pending.rank.peer, ErrorReply(request_id=pending.request.request_id, message=message, code="failed")))
                 out.extend(self._complete(pending, service))
                 continue
             self.counters["requeued"] += 1
+            self.requeues[cause] += 1
             back.append(pending)
         service.queue.push_front(back)
         return out + self.scheduler.dispatch(service)
 
     def _remove_worker(self, peer: bytes, why: str, *, died: bool = False) -> list[Outgoing]:
-        """Forget a worker and requeue what it held; a worker that died counts as a failure of each request."""
+        """Forget a worker and requeue what it held. Of a worker that died, the request it was computing (its last
+        heartbeat said which) is charged with the death; the ones waiting in its queue are not."""
         worker = self.workers.pop(peer, None)
         if worker is None:
             return []
@@ -414,16 +432,24 @@ class BrokerState:
         service.workers.pop(peer, None)
         pendings = list(worker.in_flight.values())
         worker.in_flight.clear()
-        if died:
-            for pending in pendings:
-                pending.failures += 1
-                pending.last_error = f"worker {worker.name} died while it held the request"
+        computing = [p for p in pendings if died and p.ticket == worker.in_engine]
+        for pending in computing:
+            pending.charge(peer, f"worker {worker.name} died with it in its engine ({why})")
+            self._death_charges.setdefault(peer, []).append(pending)
+        self._death_charges = {w: live for w, ps in self._death_charges.items() if (live := [p for p in ps if not p.finished])}
         # Ranks it served release their pair groups with it (docs/data-planes.md).
         gone = WorkerGone(worker=worker.name)
         out = [to_rank(rank, gone) for rank in worker.ranks_served if rank in self.ranks]
         if worker.key is not None:
             out.extend(self._announce_worker_keys(service))
-        return out + self._requeue(pendings, service)
+        left = "worker_gone" if died or why == "it said goodbye" else "worker_registered_again"
+        return out + self._requeue([(p, "died_in_engine" if p in computing else left) for p in pendings], service)
+
+    def _uncharge_deaths(self, peer: bytes) -> None:
+        """A worker forgotten as dead registers again: it was frozen, not dead, and its death charges nothing."""
+        for pending in self._death_charges.pop(peer, []):
+            if not pending.finished:
+                pending.uncharge(peer)
 
     # ------------------------------------------------------------ time
     def on_tick(self) -> list[Outgoing]:
@@ -471,5 +497,6 @@ class BrokerState:
             "draining": self.draining,
             "liveness_window_s": self.settings.window_s,
             "counters": dict(self.counters),
+            "requeues": dict(self.requeues),
         }
         return status_document(broker, now, self.services, self.ranks)

@@ -61,6 +61,7 @@ def _worker(w: WorkerRecord, now: float) -> dict[str, Any]:
         "capacity": w.registration.capacity,
         "in_flight": len(w.in_flight),
         "served": w.served,
+        "batches": w.batches,
         "failed": w.failed,
         "handed_back": w.handed_back,
         "rank_links": w.rank_links,

@@ -83,6 +83,7 @@ class Worker:
         self._planes: PairPlanes | None = None
         self._link: BrokerLink | None = None
         self._drain_acked = False
+        self._in_engine: int | None = None  # the ticket being computed (heartbeats say it)
         self.served = 0
 
     def registration(self) -> Register:
@@ -105,6 +106,7 @@ class Worker:
 
     def _stats(self) -> WorkerHeartbeat:
         return WorkerHeartbeat(
+            in_engine=self._in_engine,
             rank_links=len(self._ranks) if self._ranks else 0,
             mappings=len(self._mappings),
             pairs=self._planes.statuses() if self._planes else [],
@@ -186,7 +188,7 @@ class Worker:
                     return
             elif self._queue:
                 queued = self._queue.popleft()
-                pipe.send_multipart(pack(self._serve_one(queued.dispatch, queued.frames)))
+                pipe.send_multipart(pack(self._serve_one(queued.dispatch, queued.frames, pipe)))
 
     # ------------------------------------------------------------ messages from the link
     def _take(self, frames: list[Any], pipe: zmq.Socket) -> None:
@@ -234,38 +236,44 @@ class Worker:
         dropped = [q for q in self._queue if q.dispatch.rank == message.rank]
         self._queue = deque(q for q in self._queue if q.dispatch.rank != message.rank)
         for queued in dropped:
-            pipe.send_multipart(pack(Done(ticket=queued.dispatch.ticket, ok=False, message="rank gone")))
+            pipe.send_multipart(pack(Done(ticket=queued.dispatch.ticket, outcome="undelivered", message="rank gone")))
         log.info("worker %s: rank %s is gone; dropped %d of its queued requests", self.name, message.rank, len(dropped))
 
     def _hand_back(self, pipe: zmq.Socket, reason: str) -> None:
         while self._queue:
             queued = self._queue.popleft()
-            pipe.send_multipart(pack(Done(ticket=queued.dispatch.ticket, ok=False, retry=True, message=reason)))
+            pipe.send_multipart(pack(Done(ticket=queued.dispatch.ticket, outcome="draining", message=reason)))
 
     # ------------------------------------------------------------ serving one request
-    def _serve_one(self, dispatch: Dispatch, tensor_frames: list[Any]) -> Done:
-        """Compute and deliver one request; the done for the broker says how it went."""
+    def _serve_one(self, dispatch: Dispatch, tensor_frames: list[Any], pipe: zmq.Socket) -> Done:
+        """Compute and deliver one request; the done for the broker says how it went. The broker hears which request
+        is in the engine before the engine starts: if the worker dies now, that one is charged with it."""
         request = dispatch.request
+        self._in_engine = dispatch.ticket
+        pipe.send_multipart(pack(self._stats()))
         try:
             tensors = self._compute(dispatch, tensor_frames)
         except MissingMapping as exc:
             log.info(
                 "worker %s: request %d of %s names a mapping it lacks (%s): handed back for it", self.name, request.request_id, dispatch.rank, exc
             )
-            return Done(ticket=dispatch.ticket, ok=False, retry=True, missing_mapping=exc.digest, message=str(exc))
+            return Done(ticket=dispatch.ticket, outcome="missing_mapping", missing_mapping=exc.digest, message=str(exc))
         except RETRYABLE_ERRORS as exc:
             log.warning("worker %s: request %d of %s handed back: %s", self.name, request.request_id, dispatch.rank, exc)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            return Done(ticket=dispatch.ticket, ok=False, retry=True, message=f"{type(exc).__name__}: {exc}")
+            return Done(ticket=dispatch.ticket, outcome="retry", message=f"{type(exc).__name__}: {exc}")
         except (BadRequest, MalformedMessage) as exc:
-            return self._fail(dispatch, str(exc))
+            failure: str | None = str(exc)
         except Exception as exc:  # the engine failed on this batch; the worker serves on
             log.exception("worker %s: request %d of %s failed", self.name, request.request_id, dispatch.rank)
-            return self._fail(dispatch, f"{type(exc).__name__} in the {self.task.engine.name} engine: {exc}")
-        too_big = _over_limit(tensors, dispatch.max_result_bytes)
-        if too_big is not None:
-            return self._fail(dispatch, too_big)
+            failure = f"{type(exc).__name__} in the {self.task.engine.name} engine: {exc}"
+        else:
+            failure = _over_limit(tensors, dispatch.max_result_bytes)
+        finally:
+            self._in_engine = None
+        if failure is not None:
+            return self._fail(dispatch, failure)
         return self._done(dispatch, self._deliver_result(dispatch, tensors), ok=True)
 
     def _fail(self, dispatch: Dispatch, message: str) -> Done:
@@ -275,15 +283,12 @@ class Worker:
         return self._done(dispatch, self._deliver(dispatch.reply_to, pack(failure)), ok=False)
 
     def _done(self, dispatch: Dispatch, delivery: Delivery, *, ok: bool) -> Done:
-        sent = delivery is Delivery.SENT
-        if ok and sent:
+        if delivery is not Delivery.SENT:
+            message = f"answer not delivered: rank {delivery.value}"
+            return Done(ticket=dispatch.ticket, outcome="undelivered", message=message, rank_unreachable=delivery is Delivery.UNREACHABLE)
+        if ok:
             self.served += 1
-        return Done(
-            ticket=dispatch.ticket,
-            ok=ok and sent,
-            message=None if sent else f"answer not delivered: rank {delivery.value}",
-            rank_unreachable=delivery is Delivery.UNREACHABLE,
-        )
+        return Done(ticket=dispatch.ticket, outcome="served" if ok else "failed")
 
     def _deliver_result(self, dispatch: Dispatch, tensors: dict[str, torch.Tensor]) -> Delivery:
         """Send the answer on the pair's group when it has a ready one, else (or when that fails) as frames."""

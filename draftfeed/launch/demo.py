@@ -102,7 +102,7 @@ def _train(frontend: str, args: argparse.Namespace) -> int:
             mark = time.perf_counter()
         elapsed = time.perf_counter() - started
         status = _settled_status(target)
-    served = {w["worker"]: w["served"] for s in status["services"].values() for w in s["workers"]}
+    served = {w["worker"]: w["batches"] for s in status["services"].values() for w in s["workers"]}
     print(
         f"done: {args.steps} steps in {elapsed:.2f} s: {args.steps / elapsed:.1f} steps/s, {tokens / elapsed:,.0f} tokens/s, "
         f"{total_bytes / 1e6:,.1f} MB of supervision ({total_bytes / elapsed / 1e6:,.1f} MB/s); "

@@ -41,6 +41,8 @@ def format_status(status: dict[str, Any]) -> str:
         f"broker {status['broker']} instance {status['instance']}{state}, up {status['uptime_s']:.0f} s, "
         f"liveness window {status['liveness_window_s']:.1f} s; " + ", ".join(f"{k} {v}" for k, v in status["counters"].items())
     ]
+    if status.get("requeues"):
+        lines.append("requests back in the queue, by cause: " + ", ".join(f"{k} {v}" for k, v in sorted(status["requeues"].items())))
     for name, service in status["services"].items():
         lines.append(
             f"service {name}: {service['queued']} queued, {service['requests_per_s']:.1f} requests/s over the last 10 s, {len(service['workers'])} workers"
@@ -48,7 +50,7 @@ def format_status(status: dict[str, Any]) -> str:
         for w in service["workers"]:
             lines.append(
                 f"  worker {w['worker']:<28} host {w['host']} pid {w['pid']} {w['engine']:<8} {w['state']:<8} "
-                f"in flight {w['in_flight']}/{w['capacity']}  served {w['served']}  failed {w['failed']}  handed back {w['handed_back']}  "
+                f"in flight {w['in_flight']}/{w['capacity']}  served {w['served']} ({w['batches']} batches)  failed {w['failed']}  handed back {w['handed_back']}  "
                 f"rank links {w['rank_links']}  heartbeat {w['last_heartbeat_s']:.1f} s ago"
             )
             for pair in w.get("pairs", []):

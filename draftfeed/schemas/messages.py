@@ -293,23 +293,28 @@ class Register(Strict):
     pid: Annotated[int, Field(ge=0)]
 
 
-class Done(Strict):
-    """The worker is finished with this ticket and has room for another.
+# How a worker is finished with a ticket (Done.outcome). The rank has been answered: served (its result), failed
+# (a failure that says why: its request's own fault, or the engine's error on it), undelivered (neither reached it:
+# it is gone, stalled or unreachable). The rank has been told nothing and the request goes back to the queue: retry
+# (the engine could not run it here, e.g. out of memory; it counts against the request, another worker may succeed),
+# draining (the worker is stopping: no fault of the request), missing_mapping (the worker lacks the vocab mapping the
+# request names: the broker sends it the mapping first next time).
+DoneOutcome = Literal["served", "failed", "undelivered", "retry", "draining", "missing_mapping"]
 
-    ok: the rank has its result. Not ok and retry: the rank was told nothing, and the broker should give
-    the request to another worker (engine out of memory, worker draining). Not ok, no retry: the rank has
-    a failure message.
-    """
+
+class Done(Strict):
+    """The worker is finished with this ticket and has room for another."""
 
     type: Literal["done"] = "done"
     ticket: Annotated[int, Field(ge=0)]
-    ok: bool
-    retry: bool = False
+    outcome: DoneOutcome
     message: str | None = None
-    rank_unreachable: bool = False
-    # With retry: the worker does not hold the vocab mapping the request names (the broker believed it did).
-    # The broker sends it the mapping before the request goes out again; it counts against no one.
-    missing_mapping: MappingDigest | None = None
+    rank_unreachable: bool = False  # undelivered: the rank's data socket never answered (a wrong data endpoint)
+    missing_mapping: MappingDigest | None = None  # missing_mapping: which one
+
+    @property
+    def hands_back(self) -> bool:
+        return self.outcome in ("retry", "draining", "missing_mapping")
 
 
 class PairStatus(Strict):
@@ -325,7 +330,11 @@ class PairStatus(Strict):
 
 
 class WorkerHeartbeat(Strict):
+    """Liveness and state. Sent every heartbeat interval and again as each request enters the engine, so that the
+    broker knows which request a worker was computing if it dies: only that one is charged with its death."""
+
     type: Literal["heartbeat"] = "heartbeat"
+    in_engine: Annotated[int, Field(ge=0)] | None = None  # the ticket being computed now
     rank_links: Annotated[int, Field(ge=0)] = 0
     mappings: Annotated[int, Field(ge=0)] = 0
     pairs: list[PairStatus] = Field(default_factory=list, max_length=4096)

@@ -1,8 +1,8 @@
-"""A training rank in a process of its own (run on a host of tests/hosts.py): iterates a fixed list of batches and,
-once done, checks every result against the in-process computation, here, under the workers' thread count.
+"""A training rank in a process of its own (on a host of tests/hosts.py, or beside others): iterates a fixed list of
+batches and, once done, checks every result against the in-process computation, here, under the workers' thread count.
 
-    python -m partition_rank --broker tcp://10.79.0.1:5555 --service svc --target DIR --batches 400 [--task dspark]
-        [--draft-vocab 300] [--form probs|hidden]
+    python -m rank_process --broker tcp://10.79.0.1:5555 --service svc --target DIR --batches 400 [--task dspark]
+        [--draft-vocab 300] [--form probs|hidden] [--seed 5000]
 
 Prints the ready line once set up, ``batch N`` after each batch, and at the end one ``RESULT {json}`` line:
 how many batches came, whether in order, the differences found (where and how large), or the error.
@@ -36,10 +36,11 @@ def main() -> int:
     parser.add_argument("--batches", type=int, default=400)
     parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--draft-vocab", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=5000, help="the first batch's seed; each rank of a test its own")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    batches = [make_batch(2, 16, 1000, seed=5000 + i) for i in range(args.batches)]
+    batches = [make_batch(2, 16, 1000, seed=args.seed + i) for i in range(args.batches)]
     mapping = draft_vocab(args.draft_vocab) if args.draft_vocab else None
     results = []
     error = None

@@ -1,0 +1,126 @@
+"""What counts against a request's --max-attempts (issue 15), in the broker's policy with a hand-turned clock: only
+a try that failed in an engine (the worker died computing it, or could not run it), never a worker's death while
+the request waited in its queue, nor a worker that was only frozen and came back."""
+
+from __future__ import annotations
+
+import pytest
+from test_broker_state import INFO, Clock, dispatches, errors, hello
+
+from draftfeed.broker.settings import BrokerSettings
+from draftfeed.broker.state import BrokerState
+from draftfeed.schemas.messages import Done, Register, Submit, TensorSpec, WorkerHeartbeat
+
+SPEC = [TensorSpec(name="input_ids", dtype="int64", shape=[1, 1])]
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def state(clock) -> BrokerState:
+    return BrokerState("test", BrokerSettings(heartbeat_interval_s=1.0, liveness=3, max_attempts=3), clock)
+
+
+def register(state: BrokerState, name: str, capacity: int = 2):
+    return state.on_register(
+        name.encode(), Register(worker=name, service="svc", task="eagle3", engine="hf", info=INFO, capacity=capacity, host="h", pid=1)
+    )
+
+
+def submit(state: BrokerState, request_id: int):
+    return state.on_submit(b"r", Submit(request_id=request_id, kind="eagle3", token=1, tensors=SPEC), [b"\0" * 8])
+
+
+def beat(state: BrokerState, worker: str, in_engine: int | None = None):
+    return state.on_worker_heartbeat(worker.encode(), WorkerHeartbeat(in_engine=in_engine))
+
+
+def kill(state: BrokerState, clock: Clock, worker: str, keep: list[str]):
+    """Let ``worker`` fall silent past the window while the ``keep`` workers and the rank stay heard."""
+    clock.now += 3.5
+    for other in keep:
+        beat(state, other)
+    state.on_rank_heartbeat(b"r")
+    return state.on_tick()
+
+
+def test_a_death_charges_the_request_in_the_engine_not_those_queued_behind_it(state, clock):
+    hello(state, "r", window=4)
+    register(state, "w1")
+    first = dispatches(submit(state, 0))[0][1]
+    dispatches(submit(state, 1))
+    beat(state, "w1", in_engine=first.ticket)
+    register(state, "w2")  # joins after; both requests stay at w1 until it dies
+    kill(state, clock, "w1", keep=["w2"])
+    in_engine, queued = state.ranks[b"r"].requests[0], state.ranks[b"r"].requests[1]
+    assert in_engine.failures == 1 and "worker w1 died with it in its engine" in in_engine.attempts[0][1]
+    assert queued.failures == 0 and queued.attempts == []
+    assert state.status()["requeues"] == {"died_in_engine": 1, "worker_gone": 1}
+
+
+def test_a_request_that_only_waits_at_dying_workers_never_fails(state, clock):
+    """Request 0 is in the engine of each of five dying workers (it fails after three); request 1 waits behind it
+    at every one of them and is never charged (the old policy failed it with request 0)."""
+    hello(state, "r", window=4)
+    names = [f"w{i}" for i in range(5)]
+    register(state, names[0], capacity=2)
+    dispatches(submit(state, 0))
+    dispatches(submit(state, 1))
+    failed = []
+    for index, name in enumerate(names):
+        held = {p.request.request_id: p.ticket for p in state.workers[name.encode()].in_flight.values()}
+        beat(state, name, in_engine=held.get(0))
+        if index + 1 < len(names):
+            register(state, names[index + 1], capacity=2)
+        failed += [e.request_id for e in errors(kill(state, clock, name, keep=names[index + 1 : index + 2]))]
+    assert failed == [0]
+    assert state.ranks[b"r"].requests[1].failures == 0 and 1 in state.ranks[b"r"].requests
+
+
+def test_a_poison_batch_fails_after_max_attempts_naming_itself_and_each_try(state, clock):
+    hello(state, "r", window=4)
+    out = []
+    for index in range(3):
+        register(state, f"w{index}")
+        pending_ticket = next(iter(state.workers[f"w{index}".encode()].in_flight), None)
+        if pending_ticket is None:
+            pending_ticket = dispatches(submit(state, 7))[0][1].ticket
+        beat(state, f"w{index}", in_engine=pending_ticket)
+        out = kill(state, clock, f"w{index}", keep=[])
+    (failure,) = errors(out)
+    assert failure.request_id == 7 and failure.code == "failed"
+    assert "request 7 of rank r (input_ids [1, 1]) failed on 3 workers of service 'svc' (--max-attempts 3)" in failure.message
+    assert all(f"worker w{i} died with it in its engine" in failure.message for i in range(3))
+    assert state.counters["requests_failed"] == 1
+
+
+def test_a_frozen_worker_that_comes_back_charges_nothing(state, clock):
+    hello(state, "r", window=4)
+    register(state, "w1")
+    first = dispatches(submit(state, 0))[0][1]
+    beat(state, "w1", in_engine=first.ticket)
+    register(state, "w2")
+    kill(state, clock, "w1", keep=["w2"])  # frozen past the window: looks dead
+    assert state.ranks[b"r"].requests[0].failures == 1
+    register(state, "w1")  # thawed: it registers again
+    pending = state.ranks[b"r"].requests[0]
+    assert pending.failures == 0 and pending.attempts == [] and b"w1" not in pending.excluded
+
+
+def test_an_engine_that_cannot_run_a_batch_counts_draining_does_not(state):
+    hello(state, "r", window=4)
+    register(state, "w1", capacity=1)
+    register(state, "w2", capacity=1)
+    register(state, "w3", capacity=1)
+    peer, dispatch = dispatches(submit(state, 0))[0]
+    out = state.on_done(peer, Done(ticket=dispatch.ticket, outcome="draining", message="worker draining"))
+    assert state.ranks[b"r"].requests[0].failures == 0
+    for _ in range(3):
+        peer, dispatch = dispatches(out)[0]
+        out = state.on_done(peer, Done(ticket=dispatch.ticket, outcome="retry", message="OutOfMemoryError: CUDA out of memory"))
+    (failure,) = errors(out)
+    assert failure.message.count("OutOfMemoryError: CUDA out of memory") == 3
+    assert state.status()["requeues"] == {"draining": 1, "retry": 2}
