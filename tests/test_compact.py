@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import assert_supervision_equal, make_batch, reference_eagle3
+from reference import draft_vocab
 
 from draftfeed import RemoteEagle3Target
 
@@ -23,13 +24,6 @@ def services(cluster, tiny_target, tmp_path_factory):
     cluster.add_worker(multimodal, "--service", "mm-hidden", "--supervision", "hidden", "--aux-layer-ids", "0,2,4", "--name", "mm-0")
     cluster.gemma, cluster.multimodal = gemma, multimodal
     return cluster
-
-
-def draft_vocab(size: int, vocab: int = 1000):
-    ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(9))[:size]
-    mask = torch.zeros(vocab, dtype=torch.bool)
-    mask[ids] = True
-    return ids, mask
 
 
 def test_compact_form_with_the_identity_mapping_is_bit_identical(services, tiny_model):
