@@ -7,6 +7,8 @@ on some CPUs a matmul's result changes with the number of threads.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 
@@ -52,9 +54,14 @@ def reference_eagle3(
     """
     layers = decoder_layers(model)
     caught: dict[int, torch.Tensor] = {}
+    caller = threading.get_ident()  # the same model may run in other threads meanwhile (test_dspark's side-by-side test)
 
     def catch(index: int):
-        return lambda _module, _inputs, output: caught.__setitem__(index, output[0] if isinstance(output, tuple) else output)
+        def hook(_module, _inputs, output) -> None:
+            if threading.get_ident() == caller:
+                caught[index] = output[0] if isinstance(output, tuple) else output
+
+        return hook
 
     handles = [layers[i].register_forward_hook(catch(i)) for i in aux_layer_ids]
     try:
