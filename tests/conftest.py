@@ -89,6 +89,14 @@ class Cluster:
             process.stop(timeout_s=5)
 
 
+def add_service(cluster: Cluster, target: Path | str, service: str, *flags: str, workers: int = 1) -> Cluster:
+    """Start ``workers`` workers of ``target`` serving ``service`` on ``cluster`` with the worker ``flags`` (none: a
+    standard eagle3 service), named ``{service}-0``, ``{service}-1``, ...; returns the cluster, for a module's fixture."""
+    for index in range(workers):
+        cluster.add_worker(target, "--service", service, *flags, "--name", f"{service}-{index}")
+    return cluster
+
+
 @contextmanager
 def raw_peer(endpoint: str, identity: bytes | None = None):
     """A bare DEALER for speaking the protocol by hand (or breaking it); closed with linger 0 on exit."""

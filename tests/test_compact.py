@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_supervision_equal, make_batch, reference_eagle3
+from conftest import add_service, assert_supervision_equal, make_batch, reference_eagle3
 from reference import draft_vocab
 
 from draftfeed import RemoteEagle3Target
@@ -18,10 +18,10 @@ def services(cluster, tiny_target, tmp_path_factory):
 
     gemma = build_tiny_target(tmp_path_factory.mktemp("gemma") / "gemma3", arch="gemma3", num_hidden_layers=6)
     multimodal = build_tiny_target(tmp_path_factory.mktemp("gemma") / "gemma3-mm", arch="gemma3-multimodal", num_hidden_layers=6)
-    cluster.add_worker(tiny_target, "--service", "hidden", "--supervision", "hidden", "--name", "hidden-0")
-    cluster.add_worker(tiny_target, "--service", "bf16", "--supervision", "probs-bf16", "--name", "bf16-0")
-    cluster.add_worker(gemma, "--service", "gemma-hidden", "--supervision", "hidden", "--aux-layer-ids", "0,2,4", "--name", "gemma-0")
-    cluster.add_worker(multimodal, "--service", "mm-hidden", "--supervision", "hidden", "--aux-layer-ids", "0,2,4", "--name", "mm-0")
+    add_service(cluster, tiny_target, "hidden", "--supervision", "hidden")
+    add_service(cluster, tiny_target, "bf16", "--supervision", "probs-bf16")
+    add_service(cluster, gemma, "gemma-hidden", "--supervision", "hidden", "--aux-layer-ids", "0,2,4")
+    add_service(cluster, multimodal, "mm-hidden", "--supervision", "hidden", "--aux-layer-ids", "0,2,4")
     cluster.gemma, cluster.multimodal = gemma, multimodal
     return cluster
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_supervision_equal, make_batch, reference_eagle3, run_concurrently
+from conftest import add_service, assert_supervision_equal, make_batch, reference_eagle3, run_concurrently
 from reference import draft_vocab
 
 from draftfeed import RemoteEagle3Target
@@ -17,10 +17,8 @@ OTHER_AUX = "tiny-aux"
 
 @pytest.fixture(scope="module")
 def services(cluster, tiny_target):
-    cluster.add_worker(tiny_target, "--service", DEFAULT, "--name", "default-0")
-    cluster.add_worker(tiny_target, "--service", DEFAULT, "--name", "default-1")
-    cluster.add_worker(tiny_target, "--service", OTHER_AUX, "--aux-layer-ids", "0,5,7", "--name", "aux-0")
-    return cluster
+    add_service(cluster, tiny_target, DEFAULT, workers=2)
+    return add_service(cluster, tiny_target, OTHER_AUX, "--aux-layer-ids", "0,5,7")
 
 
 def test_model_info_and_embeddings(services, tiny_model):
