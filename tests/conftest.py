@@ -98,16 +98,38 @@ def add_service(cluster: Cluster, target: Path | str, service: str, *flags: str,
 
 
 @contextmanager
-def raw_peer(endpoint: str, identity: bytes | None = None):
-    """A bare DEALER for speaking the protocol by hand (or breaking it); closed with linger 0 on exit."""
+def raw_peer(endpoint: str, identity: bytes | None = None, curve: tuple[bytes, bytes, bytes] | None = None) -> Iterator[zmq.Socket]:
+    """A bare DEALER for speaking the protocol by hand (or breaking it); closed with linger 0 on exit.
+
+    ``curve``: (own public key, own secret key, the server's public key) for a CURVE client.
+    """
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if identity is not None:
         sock.setsockopt(zmq.ROUTING_ID, identity)
+    if curve is not None:
+        sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = curve
     sock.connect(endpoint)
     try:
         yield sock
+    finally:
+        sock.close(0)
+        context.term()
+
+
+@contextmanager
+def raw_router(address: str = "tcp://127.0.0.1") -> Iterator[tuple[zmq.Socket, str]]:
+    """A bare ROUTER bound to a free port of ``address``, standing in for a broker's backend or a rank's data socket.
+
+    Yields the socket and its endpoint; closed with linger 0 on exit.
+    """
+    context = zmq.Context()
+    sock = context.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        port = sock.bind_to_random_port(address)
+        yield sock, f"{address}:{port}"
     finally:
         sock.close(0)
         context.term()
