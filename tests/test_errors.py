@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_supervision_equal, make_batch, raw_peer, reference_eagle3
+from conftest import add_service, assert_supervision_equal, make_batch, raw_peer, reference_eagle3
 
 from draftfeed import RemoteEagle3Target, RemoteTargetError, RemoteTargetTimeout
 from draftfeed.launch import processes
@@ -16,9 +16,8 @@ SERVICE = "tiny-errors"
 
 
 @pytest.fixture(scope="module")
-def served(cluster, tiny_target):
-    cluster.add_worker(tiny_target, "--service", SERVICE, "--name", "errors-0")
-    return cluster
+def services(cluster, tiny_target):
+    return add_service(cluster, tiny_target, SERVICE)
 
 
 def _bad_batches():
@@ -33,17 +32,17 @@ def _bad_batches():
 
 
 @pytest.mark.parametrize("name, batch, match", list(_bad_batches()), ids=[case[0] for case in _bad_batches()])
-def test_bad_batch_fails_with_clear_error_and_worker_keeps_serving(served, tiny_model, name, batch, match):
-    with RemoteEagle3Target(served.frontend, SERVICE) as target:
+def test_bad_batch_fails_with_clear_error_and_worker_keeps_serving(services, tiny_model, name, batch, match):
+    with RemoteEagle3Target(services.frontend, SERVICE) as target:
         with pytest.raises(RemoteTargetError, match=match) as caught:
             target.generate_batch(**batch)
-        assert "worker errors-0" in str(caught.value)
+        assert f"worker {SERVICE}-0" in str(caught.value)
         good = make_batch(2, 12, 1000, seed=6)
         assert_supervision_equal(target.generate_batch(**good), reference_eagle3(tiny_model, good, [1, 3, 4]))
 
 
-def test_unknown_service_times_out_naming_it(served):
-    with RemoteEagle3Target(served.frontend, "no-such-service", request_timeout=1.0) as target:
+def test_unknown_service_times_out_naming_it(services):
+    with RemoteEagle3Target(services.frontend, "no-such-service", request_timeout=1.0) as target:
         with pytest.raises(RemoteTargetTimeout, match="no-such-service"):
             target.model_info()
 
@@ -57,16 +56,16 @@ def test_unknown_service_times_out_naming_it(served):
         (torch.tensor([1, 2, 3]), torch.zeros(999, dtype=torch.bool), r"bool \[1000\]"),
     ],
 )
-def test_invalid_vocab_mapping_is_refused_at_the_rank(served, ids, mask, match):
+def test_invalid_vocab_mapping_is_refused_at_the_rank(services, ids, mask, match):
     if mask is None:
         mask = torch.zeros(1000, dtype=torch.bool)
         mask[ids.clamp(max=999)] = True
-    with RemoteEagle3Target(served.frontend, SERVICE) as target, pytest.raises(ValueError, match=match):
+    with RemoteEagle3Target(services.frontend, SERVICE) as target, pytest.raises(ValueError, match=match):
         target.set_vocab_mapping(ids, mask)
 
 
-def test_broker_answers_junk_with_an_error_and_serves_on(served, tiny_model):
-    with raw_peer(served.frontend) as sock:
+def test_broker_answers_junk_with_an_error_and_serves_on(services, tiny_model):
+    with raw_peer(services.frontend) as sock:
         for junk in (
             [b"GET / HTTP/1.1"],
             [b"draftfeed/2", b"{oops"],
@@ -86,15 +85,15 @@ def test_broker_answers_junk_with_an_error_and_serves_on(served, tiny_model):
         assert sock.poll(10_000)
         assert isinstance(unpack(sock.recv_multipart(), FRONTEND_OUTBOUND)[0], StatusReply)
     batch = make_batch(1, 8, 1000, seed=1)
-    with RemoteEagle3Target(served.frontend, SERVICE) as target:
+    with RemoteEagle3Target(services.frontend, SERVICE) as target:
         assert_supervision_equal(target.generate_batch(**batch), reference_eagle3(tiny_model, batch, [1, 3, 4]))
 
 
-def test_shallow_target_needs_explicit_aux_layers(served, tmp_path):
+def test_shallow_target_needs_explicit_aux_layers(services, tmp_path):
     from draftfeed.tiny import build_tiny_target
 
     shallow = build_tiny_target(tmp_path / "shallow", num_hidden_layers=6)
     with pytest.raises(RuntimeError, match=r"default aux layer ids \[1, 2, 2\].*repeat a layer for a 6-layer target; pass --aux-layer-ids"):
-        processes.start_worker(served.backend, str(shallow), "--service", "shallow")
+        processes.start_worker(services.backend, str(shallow), "--service", "shallow")
     with pytest.raises(RuntimeError, match=r"layer 6 does not exist in a 6-layer target"):
-        processes.start_worker(served.backend, str(shallow), "--service", "shallow", "--aux-layer-ids", "0,2,6")
+        processes.start_worker(services.backend, str(shallow), "--service", "shallow", "--aux-layer-ids", "0,2,6")

@@ -4,7 +4,7 @@ and each rank's limit on the answers it takes."""
 from __future__ import annotations
 
 import pytest
-from conftest import Cluster, make_batch, raw_peer
+from conftest import Cluster, add_service, make_batch, raw_peer
 from test_broker_state import errors
 
 from draftfeed import RemoteEagle3Target, RemoteTargetError
@@ -47,20 +47,15 @@ def test_a_frame_over_the_brokers_limit_is_dropped_before_it_is_read():
 
 
 @pytest.fixture(scope="module")
-def one_worker(tiny_target):
-    cluster = Cluster()
-    try:
-        cluster.add_worker(tiny_target, "--service", "lim")  # auto: frames, or gloo when a rank asks for it
-        yield cluster
-    finally:
-        cluster.stop()
+def services(cluster, tiny_target):
+    return add_service(cluster, tiny_target, "lim")  # data plane auto: frames, or gloo when a rank asks for it
 
 
 @pytest.mark.parametrize("data_plane", ["frames", "gloo"])
-def test_an_answer_over_the_ranks_limit_fails_with_what_to_change(one_worker, data_plane):
+def test_an_answer_over_the_ranks_limit_fails_with_what_to_change(services, data_plane):
     batch = make_batch(2, 16, 1000, seed=0)
-    with RemoteEagle3Target(one_worker.frontend, "lim", max_result_bytes=10_000, data_plane=data_plane) as small:
+    with RemoteEagle3Target(services.frontend, "lim", max_result_bytes=10_000, data_plane=data_plane) as small:
         with pytest.raises(RemoteTargetError, match="over this rank's max_result_bytes of 10000: raise max_result_bytes"):
             small.generate_batch(**batch)
-    with RemoteEagle3Target(one_worker.frontend, "lim", data_plane=data_plane) as default:
+    with RemoteEagle3Target(services.frontend, "lim", data_plane=data_plane) as default:
         assert default.generate_batch(**batch).target_probs.shape == (2, 16, 1000)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_supervision_equal, make_batch, reference_eagle3, run_concurrently
+from conftest import add_service, assert_supervision_equal, make_batch, reference_eagle3, run_concurrently
+from reference import draft_vocab
 
 from draftfeed import RemoteEagle3Target
 
@@ -16,17 +17,8 @@ OTHER_AUX = "tiny-aux"
 
 @pytest.fixture(scope="module")
 def services(cluster, tiny_target):
-    cluster.add_worker(tiny_target, "--service", DEFAULT, "--name", "default-0")
-    cluster.add_worker(tiny_target, "--service", DEFAULT, "--name", "default-1")
-    cluster.add_worker(tiny_target, "--service", OTHER_AUX, "--aux-layer-ids", "0,5,7", "--name", "aux-0")
-    return cluster
-
-
-def draft_vocab(vocab_size: int, size: int, seed: int = 3):
-    ids = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(seed))[:size]  # unsorted on purpose
-    mask = torch.zeros(vocab_size, dtype=torch.bool)
-    mask[ids] = True
-    return ids, mask
+    add_service(cluster, tiny_target, DEFAULT, workers=2)
+    return add_service(cluster, tiny_target, OTHER_AUX, "--aux-layer-ids", "0,5,7")
 
 
 def test_model_info_and_embeddings(services, tiny_model):
@@ -49,7 +41,7 @@ def test_identity_vocab_matches_in_process(services, tiny_model, batch_size, seq
 
 
 def test_draft_vocab_matches_in_process(services, tiny_model):
-    ids, mask = draft_vocab(1000, 97)
+    ids, mask = draft_vocab(97, seed=3)
     batches = [make_batch(3, 29, 1000, seed=s) for s in range(5)]
     with RemoteEagle3Target(services.frontend, DEFAULT, prefetch_depth=2) as target:
         target.set_vocab_mapping(ids, mask)
@@ -62,7 +54,7 @@ def test_draft_vocab_matches_in_process(services, tiny_model):
 
 def test_other_aux_layers_on_a_second_service(services, tiny_model):
     batch = make_batch(2, 24, 1000, seed=11)
-    ids, mask = draft_vocab(1000, 50)
+    ids, mask = draft_vocab(50, seed=3)
     with RemoteEagle3Target(services.frontend, OTHER_AUX) as target:
         assert target.model_info().aux_layer_ids == [0, 5, 7]
         target.set_vocab_mapping(ids, mask)

@@ -7,7 +7,7 @@ from concurrent.futures import Future
 
 import pytest
 import torch
-from conftest import make_batch, raw_peer, wait_until
+from conftest import add_service, make_batch, raw_peer, wait_until
 
 from draftfeed import RemoteEagle3Target, RemoteTargetTimeout
 from draftfeed.dataplane.tensor_codec import pack_tensors
@@ -22,16 +22,14 @@ SERVICE = "tiny-prefetch"
 
 
 @pytest.fixture(scope="module")
-def served(cluster, tiny_target):
-    cluster.add_worker(tiny_target, "--service", SERVICE, "--name", "prefetch-0")
-    cluster.add_worker(tiny_target, "--service", SERVICE, "--name", "prefetch-1")
-    return cluster
+def services(cluster, tiny_target):
+    return add_service(cluster, tiny_target, SERVICE, workers=2)
 
 
 @pytest.mark.parametrize("depth", [0, 1, 2, 4])
-def test_in_flight_never_exceeds_the_depth_with_a_slow_training_loop(served, depth):
+def test_in_flight_never_exceeds_the_depth_with_a_slow_training_loop(services, depth):
     batches = [make_batch(2, 64, 1000, seed=i) for i in range(24)]
-    with RemoteEagle3Target(served.frontend, SERVICE, prefetch_depth=depth) as target:
+    with RemoteEagle3Target(services.frontend, SERVICE, prefetch_depth=depth) as target:
         seen_in_flight = []
         for _batch, _supervision in target.iterate(batches):
             seen_in_flight.append(target.in_flight)
@@ -48,10 +46,10 @@ def test_in_flight_never_exceeds_the_depth_with_a_slow_training_loop(served, dep
     assert status["peak_outstanding"] <= window, "the broker saw more of this rank's batches than its window"
 
 
-def test_window_is_exact_when_nothing_is_served(served):
+def test_window_is_exact_when_nothing_is_served(services):
     """No worker serves this service, so nothing completes: the rank's window fills exactly and then blocks."""
     batch = make_batch(1, 4, 1000, seed=0)
-    connection = Connection(served.frontend, "nobody-serves-this", window=3)
+    connection = Connection(services.frontend, "nobody-serves-this", window=3)
     try:
 
         def submit(timeout_s: float):
@@ -73,8 +71,8 @@ def test_window_is_exact_when_nothing_is_served(served):
     assert status["services"]["nobody-serves-this"]["queued"] == 3
 
 
-def test_broker_refuses_a_rank_that_ignores_its_window(served):
-    with raw_peer(served.frontend, b"greedy") as sock:
+def test_broker_refuses_a_rank_that_ignores_its_window(services):
+    with raw_peer(services.frontend, b"greedy") as sock:
         sock.send_multipart(
             pack(Hello(rank="greedy", service="nobody-serves-this-either", data_endpoint="tcp://127.0.0.1:1", window=1, host="h", pid=1))
         )

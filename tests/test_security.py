@@ -7,11 +7,12 @@ import stat
 import subprocess
 import sys
 import threading
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 import zmq
-from conftest import WORKER_ENV, assert_supervision_equal, make_batch, reference_eagle3, wait_until
+from conftest import WORKER_ENV, assert_supervision_equal, make_batch, raw_peer, reference_eagle3, wait_until
 
 from draftfeed import RemoteEagle3Target, RemoteTargetError
 from draftfeed.launch import processes
@@ -68,15 +69,10 @@ def heard_anything(sock: zmq.Socket, message: list, timeout_ms: int = 1000) -> b
     return bool(sock.poll(timeout_ms))
 
 
-def intruder(context: zmq.Context, endpoint: str, own: tuple[bytes, bytes] | None, server: bytes | None, identity: bytes) -> zmq.Socket:
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.ROUTING_ID, identity)
-    if own is not None:
-        sock.curve_publickey, sock.curve_secretkey = own
-        sock.curve_serverkey = server
-    sock.connect(endpoint)
-    return sock
+def intruder(stack: ExitStack, endpoint: str, own: tuple[bytes, bytes] | None = None, server: bytes | None = None) -> zmq.Socket:
+    """A raw_peer named intruder: plaintext, or a CURVE client with its own pair and the server key it believes in."""
+    curve = None if own is None else (*own, server)
+    return stack.enter_context(raw_peer(endpoint, b"intruder", curve=curve))
 
 
 def test_keys_generate_writes_certificates_and_allow_lists(keys, tmp_path):
@@ -176,36 +172,33 @@ def test_intruders_get_nothing_and_do_not_disturb_a_run(secure, keys, tiny_targe
             Register(worker="intruder", service=SERVICE, task="eagle3", engine="hf", info=remote.model_info(), capacity=1, host="h", pid=1)
         )
         forged = pack(Result(request_id=0, token=0, kind="eagle3", worker="intruder", tensors=[]))
-        context = zmq.Context()
-        try:
+        with ExitStack() as stack:
             attempts = {
                 "plaintext at the frontend": (
-                    intruder(context, broker.ready["frontend"], None, None, b"intruder"),
+                    intruder(stack, broker.ready["frontend"]),
                     [*pack(StatusQuery(request_id=1))],
                 ),
                 "unknown key at the frontend": (
-                    intruder(context, broker.ready["frontend"], (stranger.public, stranger.secret), broker_key, b"intruder"),
+                    intruder(stack, broker.ready["frontend"], (stranger.public, stranger.secret), broker_key),
                     hello,
                 ),
                 "rank key, wrong broker key": (
-                    intruder(context, broker.ready["frontend"], (rank.public, rank.secret), wrong_broker_key, b"intruder"),
+                    intruder(stack, broker.ready["frontend"], (rank.public, rank.secret), wrong_broker_key),
                     hello,
                 ),
-                "plaintext at the backend": (intruder(context, broker.ready["backend"], None, None, b"intruder"), register),
+                "plaintext at the backend": (intruder(stack, broker.ready["backend"]), register),
                 "unknown key at the backend": (
-                    intruder(context, broker.ready["backend"], (stranger.public, stranger.secret), broker_key, b"intruder"),
+                    intruder(stack, broker.ready["backend"], (stranger.public, stranger.secret), broker_key),
                     register,
                 ),
-                "plaintext at the rank's data socket": (intruder(context, data_endpoint, None, None, b"intruder"), forged),
+                "plaintext at the rank's data socket": (intruder(stack, data_endpoint), forged),
                 # On the worker allow-list, but not a registered worker of this service: the rank admits only those.
                 "unregistered worker key at the rank": (
-                    intruder(context, data_endpoint, (worker2.public, worker2.secret), rank.public, b"intruder"),
+                    intruder(stack, data_endpoint, (worker2.public, worker2.secret), rank.public),
                     forged,
                 ),
             }
             heard = {name: heard_anything(sock, message) for name, (sock, message) in attempts.items()}
-        finally:
-            context.destroy(linger=0)
         training.join(timeout=120)
         assert not errors, errors
         assert heard == {name: False for name in attempts}

@@ -8,8 +8,7 @@ import sys
 
 import pytest
 import torch
-import zmq
-from conftest import WORKER_ENV, make_batch, reference_eagle3
+from conftest import WORKER_ENV, make_batch, raw_router, reference_eagle3
 from reference import difference, draft_vocab
 
 from draftfeed.contract.vocab import mapping_digest
@@ -36,48 +35,40 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture
 def harness(tiny_target):
     """A ROUTER standing in for the broker's backend, a ROUTER standing in for a rank's data socket, one real worker."""
-    context = zmq.Context()
-    backend, rank = context.socket(zmq.ROUTER), context.socket(zmq.ROUTER)
-    for sock in (backend, rank):
-        sock.setsockopt(zmq.LINGER, 0)
-    backend_port = backend.bind_to_random_port("tcp://127.0.0.1")
-    rank_port = rank.bind_to_random_port("tcp://127.0.0.1")
-    worker = None
-    try:
-        # Started by hand: its ready line comes only after the registration this harness answers.
-        worker = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "draftfeed.launch",
-                "worker",
-                "--broker",
-                f"tcp://127.0.0.1:{backend_port}",
-                "--target",
-                str(tiny_target),
-                "--service",
-                "svc",
-                "--name",
-                "w0",
-            ],
-            env={**os.environ, **WORKER_ENV},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        assert backend.poll(60_000), "the worker did not register"
-        peer, *frames = backend.recv_multipart()
-        register, _ = unpack(frames, BACKEND_INBOUND)
-        assert isinstance(register, Register) and register.service == "svc" and register.info.aux_layer_ids == [1, 3, 4]
-        # A long liveness window: this harness sends no heartbeats.
-        backend.send_multipart([peer, *pack(Registered(broker="test", instance="test", liveness=Liveness(heartbeat_interval_s=1, liveness=100)))])
-        yield backend, peer, rank, f"tcp://127.0.0.1:{rank_port}"
-    finally:
-        if worker is not None:
-            worker.kill()
-            worker.wait(10)
-        backend.close(0)
-        rank.close(0)
-        context.term()
+    with raw_router() as (backend, backend_endpoint), raw_router() as (rank, rank_endpoint):
+        worker = None
+        try:
+            # Started by hand: its ready line comes only after the registration this harness answers.
+            worker = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "draftfeed.launch",
+                    "worker",
+                    "--broker",
+                    backend_endpoint,
+                    "--target",
+                    str(tiny_target),
+                    "--service",
+                    "svc",
+                    "--name",
+                    "w0",
+                ],
+                env={**os.environ, **WORKER_ENV},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            assert backend.poll(60_000), "the worker did not register"
+            peer, *frames = backend.recv_multipart()
+            register, _ = unpack(frames, BACKEND_INBOUND)
+            assert isinstance(register, Register) and register.service == "svc" and register.info.aux_layer_ids == [1, 3, 4]
+            # A long liveness window: this harness sends no heartbeats.
+            backend.send_multipart([peer, *pack(Registered(broker="test", instance="test", liveness=Liveness(heartbeat_interval_s=1, liveness=100)))])
+            yield backend, peer, rank, rank_endpoint
+        finally:
+            if worker is not None:
+                worker.kill()
+                worker.wait(10)
 
 
 def dispatch(backend, peer, reply_to, ticket, tensors, service="svc"):
