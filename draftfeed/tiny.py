@@ -12,6 +12,7 @@ def build_tiny_target(
     num_hidden_layers: int = 8,
     hidden_size: int = 64,
     vocab_size: int = 1000,
+    max_position_embeddings: int = 4096,
     seed: int = 0,
 ) -> Path:
     """Save a random-weight causal LM to ``path`` and return the folder.
@@ -34,7 +35,7 @@ def build_tiny_target(
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=hidden_size // 4,
-        max_position_embeddings=4096,
+        max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)

@@ -92,7 +92,7 @@ def test_local_offer_on_this_machine_and_bad_modes():
     assert choose_plane(local_offer("auto", "cpu"), local_offer("auto", "cpu")).plane == "frames"
     with pytest.raises(ValueError, match="'carrier-pigeon' is not one of auto, frames, nccl, gloo"):
         local_offer("carrier-pigeon", None)
-    with pytest.raises(ValueError, match="not one of auto, frames, nccl, gloo"):
+    with pytest.raises(ValueError, match="RemoteEagle3Target: data_plane='nvlink': input should be 'auto', 'frames', 'nccl' or 'gloo'"):
         RemoteEagle3Target("tcp://127.0.0.1:1", SERVICE, data_plane="nvlink", connect_timeout=1)
 
 
@@ -201,12 +201,13 @@ def test_a_forced_send_failure_falls_back_to_frames_and_the_group_is_rebuilt(fas
         assert pair == 1
         # After the backoff the worker opens generation 1; every answer meanwhile is still right.
         seed = iter(range(100, 200))
-        wait_until(
-            lambda: check_batches(remote, tiny_model, [next(seed)]) and remote.data_planes().get("w-flaky") == "gloo 1",
-            timeout_s=60,
-            what="a new group",
-            poll_s=0.2,
-        )
+
+        def rebuilt() -> bool:
+            check_batches(remote, tiny_model, [next(seed)])
+            worker_side = pairs_of(fast_cluster, "w-flaky").get(remote.rank_id, {})
+            return remote.data_planes().get("w-flaky") == "gloo 1" and worker_side.get("state") == "ready" and worker_side.get("generation") == 1
+
+        wait_until(rebuilt, timeout_s=60, what="a new group, ready on both sides", poll_s=0.2)
         before = remote.connection_stats.received_over_pair
         check_batches(remote, tiny_model, list(range(200, 204)))
         assert remote.connection_stats.received_over_pair == before + 4, "the rebuilt group carries the answers"

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
-from conftest import add_service, assert_supervision_equal, make_batch, raw_peer, reference_eagle3
+from conftest import add_service, assert_supervision_equal, make_batch, raw_peer, reference_eagle3, wait_until
 
-from draftfeed import RemoteEagle3Target, RemoteTargetError, RemoteTargetTimeout
+from draftfeed import RemoteEagle3Target, RemoteTargetError
 from draftfeed.launch import processes
 from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import FRONTEND_OUTBOUND, ErrorReply, StatusQuery, StatusReply
@@ -41,10 +43,25 @@ def test_bad_batch_fails_with_clear_error_and_worker_keeps_serving(services, tin
         assert_supervision_equal(target.generate_batch(**good), reference_eagle3(tiny_model, good, [1, 3, 4]))
 
 
-def test_unknown_service_times_out_naming_it(services):
-    with RemoteEagle3Target(services.frontend, "no-such-service", request_timeout=1.0) as target:
-        with pytest.raises(RemoteTargetTimeout, match="no-such-service"):
-            target.model_info()
+def test_a_service_no_worker_serves_is_named_at_once_with_what_the_broker_serves(services):
+    served = rf"it serves {SERVICE} \(1 workers\)"
+    with pytest.raises(RemoteTargetError, match=rf"no worker serves service 'no-such-service' at the broker at \S+: {served} \(wait_for_workers=0\)"):
+        RemoteEagle3Target(services.frontend, "no-such-service", wait_for_workers=0)
+    with pytest.raises(
+        RemoteTargetError, match=rf"no worker of service 'no-such-service' registered at .* within 0.5 s \(wait_for_workers\): {served}"
+    ):
+        RemoteEagle3Target(services.frontend, "no-such-service", wait_for_workers=0.5)
+    # The rank that asked for it is gone, and the service with it: no phantom service stays in status.
+    wait_until(lambda: "no-such-service" not in services.status()["services"], what="the phantom service to go")
+
+
+def test_a_worker_that_joins_during_the_wait_is_used(services, tiny_target, tiny_model):
+    joined = threading.Thread(target=lambda: services.add_worker(tiny_target, "--service", "late-service"), daemon=True)
+    joined.start()
+    with RemoteEagle3Target(services.frontend, "late-service", wait_for_workers=120) as target:
+        batch = make_batch(1, 8, 1000, seed=4)
+        assert_supervision_equal(target.generate_batch(**batch), reference_eagle3(tiny_model, batch, [1, 3, 4]))
+    joined.join(60)
 
 
 @pytest.mark.parametrize(
@@ -66,16 +83,16 @@ def test_invalid_vocab_mapping_is_refused_at_the_rank(services, ids, mask, match
 
 def test_broker_answers_junk_with_an_error_and_serves_on(services, tiny_model):
     with raw_peer(services.frontend) as sock:
-        for junk in (
-            [b"GET / HTTP/1.1"],
-            [b"draftfeed/2", b"{oops"],
-            [b"draftfeed/9", b"{}"],
-            [b"draftfeed/2", b'{"type": "done", "ticket": 1, "outcome": "served"}'],
-        ):
+        for junk in ([b"GET / HTTP/1.1"], [b"draftfeed/2", b"{oops"], [b"draftfeed/9", b"{}"]):
             sock.send_multipart(junk)
             assert sock.poll(10_000), f"no answer to {junk!r}"
             reply, _ = unpack(sock.recv_multipart(), FRONTEND_OUTBOUND)
             assert isinstance(reply, ErrorReply) and reply.message.startswith("rejected by the broker")
+        # A worker's message at the ranks' port is told which port to use.
+        sock.send_multipart([b"draftfeed/2", b'{"type": "done", "ticket": 1, "outcome": "served"}'])
+        assert sock.poll(10_000)
+        reply, _ = unpack(sock.recv_multipart(), FRONTEND_OUTBOUND)
+        assert reply.code == "wrong_port" and reply.message.startswith("this is the broker's rank port") and "--backend" in reply.message
         # Submitting before saying hello is refused with advice.
         sock.send_multipart([b"draftfeed/2", b'{"type": "submit", "request_id": 4, "kind": "eagle3"}'])
         assert sock.poll(10_000)

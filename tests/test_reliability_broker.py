@@ -20,9 +20,22 @@ from draftfeed import RemoteEagle3Target, RemoteTargetError
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_no_worker_for_longer_than_the_timeout_is_an_error_naming_the_service(fast_cluster, tiny_target):
-    with RemoteEagle3Target(fast_cluster.frontend, "orphaned", request_timeout=1.5, wait_log_interval=0.5) as target:
-        with pytest.raises(RemoteTargetError, match="service 'orphaned'"):
+def test_a_service_whose_workers_all_left_times_out_saying_so(fast_cluster, tiny_target):
+    only = fast_cluster.add_worker(tiny_target, *SLOW, "--name", "only")
+    with RemoteEagle3Target(fast_cluster.frontend, SERVICE, request_timeout=1.5, wait_log_interval=0.5) as target:
+        target.model_info()
+        only.kill()
+        wait_until(lambda: fast_cluster.worker_status("only") is None, what="the broker to notice the dead worker")
+        with pytest.raises(RemoteTargetError, match=f"service '{SERVICE}' within 2 s .*: no worker serves the service now"):
+            target.generate_batch(**make_batch(1, 4, 1000, seed=0))
+
+
+def test_a_broker_that_shut_down_is_named_as_the_cause(fast_cluster, tiny_target):
+    fast_cluster.add_worker(tiny_target, *SLOW, "--name", "w1")
+    with RemoteEagle3Target(fast_cluster.frontend, SERVICE, request_timeout=2.0, wait_log_interval=0.5) as target:
+        target.model_info()
+        assert fast_cluster.broker.stop(timeout_s=30) == 0  # SIGTERM: it says goodbye; no broker follows
+        with pytest.raises(RemoteTargetError, match=r"the broker at tcp://127\.0\.0\.1:\d+ shut down \d+ s ago and no broker has answered since"):
             target.generate_batch(**make_batch(1, 4, 1000, seed=0))
 
 

@@ -218,10 +218,9 @@ def test_insecure_listening_beyond_loopback_is_announced_loudly(caplog):
         assert not any("INSECURE" in line for line in local.log_tail)
         with caplog.at_level("WARNING", logger="draftfeed.producer"):
             frontend = local.ready["frontend"]
-            with RemoteEagle3Target(frontend, SERVICE, data_endpoint="tcp://0.0.0.0:*", connect_timeout=30):
-                pass
-            with RemoteEagle3Target(frontend, SERVICE, connect_timeout=30):
-                pass
+            for endpoint in ("tcp://0.0.0.0:*", None):  # no worker serves SERVICE here: the rank says so at once
+                with pytest.raises(RemoteTargetError, match="no worker serves service"):
+                    RemoteEagle3Target(frontend, SERVICE, data_endpoint=endpoint, connect_timeout=30, wait_for_workers=0)
         warnings = [r.getMessage() for r in caplog.records if "INSECURE" in r.getMessage()]
         assert len(warnings) == 1 and "tcp://0.0.0.0:" in warnings[0] and "DRAFTFEED_KEYS" in warnings[0]
     finally:

@@ -66,11 +66,26 @@ def refuse_submit(
             f"rank {rank.hello.rank} has {len(rank.requests)} requests outstanding, "
             f"its prefetch window is {window}: wait for results before sending more"
         )
+    positions = _positions(submit)
+    limit_positions = service.max_positions
+    if positions is not None and limit_positions is not None and positions > limit_positions:
+        return "refused", (
+            f"request {submit.request_id} has rows of {positions} positions; the target of service {service.name!r} takes at most "
+            f"{limit_positions} (its workers' limit, the target's max_position_embeddings): send rows of {limit_positions} tokens or less"
+        )
     if service.info is not None and submit.kind in ("eagle3", "dspark") and submit.kind != service.info.task:
         return "refused", f"service {service.name!r} serves {service.info.task} supervision, not {submit.kind}: connect to a {submit.kind} service"
     if len(service.queue) >= settings.max_queued_per_service:
         return "busy", f"service {service.name!r} has {len(service.queue)} requests queued, its limit: send again later"
     return None
+
+
+def _positions(submit: Submit) -> int | None:
+    """The row length of a supervision request (its input_ids' second dimension)."""
+    if submit.kind not in ("eagle3", "dspark"):
+        return None
+    spec = next((spec for spec in submit.tensors if spec.name == "input_ids"), None)
+    return spec.shape[1] if spec is not None and len(spec.shape) == 2 else None
 
 
 def refuse_registration(peer: bytes, register: Register, service: ServiceRecord) -> str | None:

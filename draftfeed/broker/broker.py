@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -16,8 +17,8 @@ from draftfeed.broker.settings import BrokerSettings
 from draftfeed.broker.state import BrokerState
 from draftfeed.logs import RateLimitedLog
 from draftfeed.net import bind, close_quietly, is_loopback, recv_frames
-from draftfeed.schemas.errors import MalformedMessage
-from draftfeed.schemas.frames import pack, unpack, unpack_raw
+from draftfeed.schemas.errors import MalformedMessage, UsageError
+from draftfeed.schemas.frames import message_type, pack, unpack, unpack_raw
 from draftfeed.schemas.messages import (
     BACKEND_INBOUND,
     FRONTEND_INBOUND,
@@ -89,8 +90,8 @@ class Broker:
             )
             make_server(self._frontend, keys.own, RANKS)
             make_server(self._backend, keys.own, WORKERS)
-        self.frontend_endpoint = bind(self._frontend, self.frontend_endpoint)
-        self.backend_endpoint = bind(self._backend, self.backend_endpoint)
+        self.frontend_endpoint = _listen(self._frontend, self.frontend_endpoint, "--frontend")
+        self.backend_endpoint = _listen(self._backend, self.backend_endpoint, "--backend")
         if self.keys is None and not (is_loopback(self.frontend_endpoint) and is_loopback(self.backend_endpoint)):
             log.warning(
                 "broker: INSECURE: listening on %s and %s without --secure: anyone who reaches these ports can register "
@@ -98,6 +99,12 @@ class Broker:
                 "network is closed to everyone else.",
                 self.frontend_endpoint,
                 self.backend_endpoint,
+            )
+        if self.keys is not None:
+            log.info(
+                "broker: secure: CURVE on both sockets; %d rank keys may connect at the rank port, %d worker keys at the worker port",
+                len(self.keys.ranks),
+                len(self.keys.workers),
             )
         return self.frontend_endpoint, self.backend_endpoint
 
@@ -164,7 +171,7 @@ class Broker:
             try:
                 out.extend(handle(peer, body, key))
             except MalformedMessage as exc:
-                out.append(self._rejection(sock, peer, str(exc)))
+                out.append(self._wrong_port(sock, peer, body) or self._rejection(sock, peer, str(exc)))
             except Exception:  # a bug must not take the broker down with every rank's batches
                 log.exception("broker: error handling a message from %r", peer)
         self._send(out)
@@ -203,6 +210,26 @@ class Broker:
             return state.on_worker_bye(peer)
         raise MalformedMessage(f"unexpected message type {message.type!r} on the worker port")
 
+    def _wrong_port(self, sock: zmq.Socket, peer: bytes, body: list[Any]) -> Outgoing | None:
+        """A rank's message at the workers' port, or a worker's at the ranks' port: the answer that says which port."""
+        ours, theirs = (FRONTEND_INBOUND, BACKEND_INBOUND) if sock is self._frontend else (BACKEND_INBOUND, FRONTEND_INBOUND)
+        kind = message_type(body)
+        if kind is None or kind in ours.types or kind not in theirs.types:
+            return None
+        if sock is self._frontend:
+            message = (
+                f"this is the broker's rank port ({self.frontend_endpoint}); workers connect to its worker port (--backend, {self.backend_endpoint})"
+            )
+            side = "frontend"
+        else:
+            message = (
+                f"this is the broker's worker port ({self.backend_endpoint}); ranks connect to its rank port (--frontend, {self.frontend_endpoint})"
+            )
+            side = "backend"
+        self.state.counters["rejected_messages"] += 1
+        self._bad_input.warning(f"port:{side}", "broker: a %r message at the wrong port: %s", kind, message)
+        return Outgoing(side, peer, pack(ErrorReply(message=message, code="wrong_port")))
+
     def _rejection(self, sock: zmq.Socket, peer: bytes, reason: str) -> Outgoing:
         side = "rank" if sock is self._frontend else "worker"
         self.state.counters["rejected_messages"] += 1
@@ -225,3 +252,19 @@ class Broker:
                 sock.send(frame, _LAST if index == last else _MORE, copy=False)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer left; EAGAIN: its pipe is full
             self._bad_input.warning(f"send:{peer[:64]!r}", "broker: could not send to %r: %s", peer[:64], exc)
+
+
+def _listen(sock: zmq.Socket, endpoint: str, flag: str) -> str:
+    """Bind, or a UsageError that says why this endpoint cannot be listened on and what to change."""
+    try:
+        return bind(sock, endpoint)
+    except zmq.ZMQError as exc:
+        close_quietly(sock)
+        hint = (
+            "another broker (or another program) listens there: stop it, or choose another port"
+            if exc.errno == errno.EADDRINUSE
+            else "pass an address of this host, or * for all of them"
+            if exc.errno == errno.EADDRNOTAVAIL
+            else "write tcp://HOST:PORT"
+        )
+        raise UsageError(f"cannot listen on {endpoint} ({flag}): {exc.strerror}; {hint}") from None

@@ -140,6 +140,16 @@ class ServiceRecord:
     # that registers later must match it, so a mis-launched worker can never feed a run.
     info: Eagle3TargetInfo | DSparkTargetInfo | None = None
 
+    @property
+    def ready_workers(self) -> int:
+        return sum(1 for w in self.workers.values() if not w.draining)
+
+    @property
+    def max_positions(self) -> int | None:
+        """The longest row every worker of the service takes, None when none says."""
+        limits = [w.registration.max_positions for w in self.workers.values() if w.registration.max_positions is not None]
+        return min(limits) if limits else None
+
 
 @dataclass
 class MappingRecord:

@@ -41,7 +41,6 @@ from draftfeed.schemas.errors import MalformedMessage
 from draftfeed.schemas.messages import (
     Ack,
     Done,
-    DrainAck,
     ErrorReply,
     ForgetRank,
     Goodbye,
@@ -51,6 +50,7 @@ from draftfeed.schemas.messages import (
     ModelInfoReply,
     Register,
     Registered,
+    ServiceWorkers,
     SetVocabMapping,
     StatusQuery,
     StatusReply,
@@ -141,7 +141,7 @@ class BrokerState:
             broker=self.name,
             instance=self.instance,
             resumed=resumed,
-            services=sorted(self.services),
+            services={name: record.ready_workers for name, record in sorted(self.services.items()) if record.workers or name == hello.service},
             liveness=self.settings.liveness_message,
             worker_keys=self._worker_keys(service) if key is not None else [],
         )
@@ -213,6 +213,7 @@ class BrokerState:
             workers=[r.worker for r in registrations],
             supervision=sorted({r.supervision for r in registrations}),
             logit_transform=registrations[0].logit_transform if registrations else None,
+            max_positions=service.max_positions,
         )
 
     def on_status(self, peer: bytes, query: StatusQuery) -> list[Outgoing]:
@@ -252,7 +253,9 @@ class BrokerState:
         for pending in rank.requests.values():
             out.extend(self.mappings.release(pending, self.workers.values()))
         out.extend(self.mappings.release_rank(rank, self.workers.values()))
-        return out + self.scheduler.dispatch(service)
+        out.extend(self.scheduler.dispatch(service))
+        self._drop_if_unused(service)
+        return out
 
     # ------------------------------------------------------------ workers
     def _known_worker(self, peer: bytes) -> tuple[WorkerRecord | None, list[Outgoing]]:
@@ -266,6 +269,17 @@ class BrokerState:
             return None, [to_worker(peer, ErrorReply(message=message, code="forgotten"))]
         message = "this broker does not know this worker (it restarted, or the worker was silent too long): register again"
         return None, [to_worker(peer, ErrorReply(message=message, code="unknown_peer"))]
+
+    def _announce_service_workers(self, service: ServiceRecord) -> list[Outgoing]:
+        """Tell the service's ranks how many ready workers it has now."""
+        message = ServiceWorkers(service=service.name, workers=service.ready_workers)
+        return [to_rank(r.peer, message) for r in self.ranks.values() if r.hello.service == service.name]
+
+    def _drop_if_unused(self, service: ServiceRecord) -> None:
+        """A service with no worker, no rank and nothing queued is forgotten (its target pin with it)."""
+        if service.workers or service.queue or service.info_waiters or any(r.hello.service == service.name for r in self.ranks.values()):
+            return
+        self.services.pop(service.name, None)
 
     def _worker_keys(self, service: ServiceRecord) -> list[str]:
         return sorted({w.key for w in service.workers.values() if w.key is not None})
@@ -305,6 +319,7 @@ class BrokerState:
         if key is not None:
             out.extend(self._announce_worker_keys(service))  # before its first dispatch reaches a rank
         out.append(to_worker(peer, Registered(broker=self.name, instance=self.instance, liveness=self.settings.liveness_message)))
+        out.extend(self._announce_service_workers(service))
         for waiter, request_id in service.info_waiters:
             out.append(to_rank(waiter, self._model_info_reply(service, request_id)))
         service.info_waiters.clear()
@@ -319,10 +334,11 @@ class BrokerState:
 
     def on_draining(self, peer: bytes) -> list[Outgoing]:
         worker = self.workers.get(peer)
-        if worker is not None:
-            worker.draining = True
-            log.info("broker: worker %s is draining: it gets no more work", worker.name)
-        return [to_worker(peer, DrainAck())]
+        if worker is None or worker.draining:
+            return []
+        worker.draining = True
+        log.info("broker: worker %s is draining: it gets no more work", worker.name)
+        return self._announce_service_workers(self.service(worker.registration.service))
 
     def on_worker_bye(self, peer: bytes) -> list[Outgoing]:
         return self._remove_worker(peer, "it said goodbye")
@@ -442,8 +458,11 @@ class BrokerState:
         out = [to_rank(rank, gone) for rank in worker.ranks_served if rank in self.ranks]
         if worker.key is not None:
             out.extend(self._announce_worker_keys(service))
+        out.extend(self._announce_service_workers(service))
         left = "worker_gone" if died or why == "it said goodbye" else "worker_registered_again"
-        return out + self._requeue([(p, "died_in_engine" if p in computing else left) for p in pendings], service)
+        out.extend(self._requeue([(p, "died_in_engine" if p in computing else left) for p in pendings], service))
+        self._drop_if_unused(service)
+        return out
 
     def _uncharge_deaths(self, peer: bytes) -> None:
         """A worker forgotten as dead registers again: it was frozen, not dead, and its death charges nothing."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +36,7 @@ from draftfeed.schemas.messages import (
     WorkerHeartbeat,
 )
 from draftfeed.security.curve import PeerKeys, make_client
+from draftfeed.security.handshake import HandshakeWatch
 
 log = logging.getLogger("draftfeed.worker")
 
@@ -73,6 +74,8 @@ class BrokerLink(threading.Thread):
         self.failure: BaseException | None = None
         self.registrations = 0
         self._forgets: Counter[str] = Counter()
+        self._backlog: deque[list[Any]] = deque()  # messages for a broker whose pipe is full
+        self._watch: HandshakeWatch | None = None
         self._forgets_lock = threading.Lock()
 
     def forgets(self, endpoint: str) -> int:
@@ -90,6 +93,7 @@ class BrokerLink(threading.Thread):
                 make_client(dealer, self._keys.own, self._keys.broker)
             if self._max_frame_bytes is not None:
                 dealer.setsockopt(zmq.MAXMSGSIZE, self._max_frame_bytes)
+            self._watch = HandshakeWatch(dealer, self._broker, "worker", secure=self._keys is not None)
             dealer.connect(self._broker)
             pipe.setsockopt(zmq.LINGER, 0)
             pipe.connect(self._pipe_endpoint)
@@ -101,23 +105,39 @@ class BrokerLink(threading.Thread):
             log.exception("worker: broker link failed")
             self.registered.set()
         finally:
+            if self._watch is not None:
+                self._watch.close()
             close_quietly(dealer, pipe)
 
     def _serve(self, dealer: zmq.Socket, pipe: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)
         poller.register(pipe, zmq.POLLIN)
+        watch: HandshakeWatch | None = self._watch  # until registered: a refused handshake is why no broker answers
+        if watch is not None:
+            poller.register(watch.monitor, zmq.POLLIN)
         session = self.session
         self._register(dealer)
         next_beat = session.clock() + session.interval_s
         while True:
             events = dict(poller.poll(max(0, int((next_beat - session.clock()) * 1000))))
+            if watch is not None:
+                if watch.monitor in events:
+                    watch.read()
+                if watch.verdict is not None and not self.registered.is_set():
+                    self.refused = watch.verdict
+                    self.registered.set()
+                    raise _Refused(watch.verdict)
+                if self.registered.is_set():
+                    poller.unregister(watch.monitor)
+                    watch.close()
+                    watch = self._watch = None
             if pipe in events:
                 frames = pipe.recv_multipart(copy=False)
                 if len(frames) == 1 and frames[0].bytes == STOP:
-                    dealer.send_multipart(pack(Bye()))
+                    self._send(dealer, pack(Bye()), droppable=True)  # a broker out of reach forgets this worker anyway
                     return
-                dealer.send_multipart(frames, copy=False)
+                self._send(dealer, frames)
             if dealer in events:
                 frames = dealer.recv_multipart(copy=False)
                 session.heard()
@@ -128,12 +148,35 @@ class BrokerLink(threading.Thread):
                 if self.registered.is_set() and silence is not None and session.may_introduce():
                     log.warning("worker %s: broker %s %s; registering again", self._worker, self._broker, silence)
                     self._register_again(dealer, pipe)
-                dealer.send_multipart(pack(self._stats()))
+                self._flush(dealer)
+                self._send(dealer, pack(self._stats()), droppable=True)
                 next_beat = session.clock() + session.interval_s
+
+    def _send(self, dealer: zmq.Socket, frames: list[Any], *, droppable: bool = False) -> None:
+        """Never block on a broker out of reach: a heartbeat that cannot go now is dropped, anything else waits in
+        order behind what already waits (a registration afresh drops it all: the broker requeued everything)."""
+        if self._backlog:
+            if not droppable:
+                self._backlog.append(frames)
+            return
+        try:
+            dealer.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            if not droppable:
+                self._backlog.append(frames)
+
+    def _flush(self, dealer: zmq.Socket) -> None:
+        while self._backlog:
+            try:
+                dealer.send_multipart(self._backlog[0], flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._backlog.popleft()
 
     def _register(self, dealer: zmq.Socket) -> None:
         self.session.introducing()
-        dealer.send_multipart(pack(self._registration))
+        self._backlog.clear()
+        self._send(dealer, pack(self._registration))
 
     def _register_again(self, dealer: zmq.Socket, pipe: zmq.Socket) -> None:
         """Register afresh, unless a registration is already on its way (each one makes the broker requeue)."""

@@ -29,6 +29,11 @@ from draftfeed.schemas.messages import DataPlaneOffer, PairClose, PairOpen, Pair
 
 log = logging.getLogger("draftfeed.worker")
 
+
+class PlaneRefused(Exception):
+    """A data plane was forced (worker --data-plane, or the rank's data_plane) that this pair cannot have."""
+
+
 # Seconds before a failed pair group is opened again: doubles per failure, up to the second number.
 REOPEN_BACKOFF_S = (1.0, 60.0)
 
@@ -75,10 +80,13 @@ class PairPlanes:
         self._next_generation = 0
 
     def group_for(self, endpoint: str, rank: str, rank_offer: DataPlaneOffer | None) -> tuple[PairGroup, int] | None:
-        """The ready group to this rank and its generation, or None: send this answer as frames."""
+        """The ready group to this rank and its generation, or None: send this answer as frames. Raises
+        PlaneRefused when the plane this pair was made to use cannot be had (the reason says why)."""
         pair = self._pairs.get(endpoint)
         if pair is None:
             pair = self._new_pair(endpoint, rank, rank_offer)
+        if pair.choice.refused:
+            raise PlaneRefused(pair.choice.reason)
         if pair.state == "opening":
             self._check_opening(pair)
         if pair.state == "down" and time.monotonic() >= pair.reopen_at:
@@ -133,7 +141,10 @@ class PairPlanes:
     # ------------------------------------------------------------ internals
     def _new_pair(self, endpoint: str, rank: str, rank_offer: DataPlaneOffer | None) -> _Pair:
         choice = choose_plane(self.offer, rank_offer)
-        log.info("worker %s: data plane to rank %s: %s (%s)", self.worker, rank, choice.plane, choice.reason)
+        if choice.refused:
+            log.error("worker %s: data plane to rank %s refused: %s; its requests fail", self.worker, rank, choice.reason)
+        else:
+            log.info("worker %s: data plane to rank %s: %s (%s)", self.worker, rank, choice.plane, choice.reason)
         pair = _Pair(endpoint, rank, choice, state="frames" if choice.plane == "frames" else "down")
         with self._lock:
             self._pairs[endpoint] = pair

@@ -33,7 +33,7 @@ from draftfeed.consumers.broker_link import RESET, STOP, BrokerLink
 from draftfeed.consumers.config import WorkerConfig
 from draftfeed.consumers.engines.base import RETRYABLE_ERRORS
 from draftfeed.consumers.mappings import MissingMapping, WorkerMappings
-from draftfeed.consumers.pair_planes import PairPlanes
+from draftfeed.consumers.pair_planes import PairPlanes, PlaneRefused
 from draftfeed.consumers.rank_links import Delivery, RankLinks
 from draftfeed.consumers.tasks.base import Task
 from draftfeed.consumers.validation import validate_batch
@@ -41,14 +41,13 @@ from draftfeed.dataplane.choice import local_offer
 from draftfeed.dataplane.pair_group import DataPlaneError, describe
 from draftfeed.dataplane.tensor_codec import decode_tensors, pack_tensors
 from draftfeed.net import close_quietly, host_identity
-from draftfeed.schemas.errors import BadRequest, MalformedMessage
+from draftfeed.schemas.errors import BadRequest, CannotServe, MalformedMessage
 from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import (
     BACKEND_OUTBOUND,
     DATA_OUTBOUND,
     Dispatch,
     Done,
-    DrainAck,
     Draining,
     Failure,
     ForgetMapping,
@@ -82,8 +81,8 @@ class Worker:
         self._ranks: RankLinks | None = None
         self._planes: PairPlanes | None = None
         self._link: BrokerLink | None = None
-        self._drain_acked = False
         self._in_engine: int | None = None  # the ticket being computed (heartbeats say it)
+        self._stopping_since = 0.0
         self.served = 0
 
     def registration(self) -> Register:
@@ -98,10 +97,14 @@ class Worker:
             capacity=self.config.capacity,
             host=host_identity(),
             pid=os.getpid(),
+            max_positions=self.task.shape.max_positions,
         )
 
     def stop(self) -> None:
-        """Drain and exit (safe from a signal handler)."""
+        """Stop taking work, hand back what is queued and exit; an answer being delivered gets --drain-timeout more
+        (safe from a signal handler)."""
+        if not self._stop.is_set():
+            self._stopping_since = time.monotonic()
         self._stop.set()
 
     def _stats(self) -> WorkerHeartbeat:
@@ -135,14 +138,16 @@ class Worker:
             max_frame_bytes=self.config.max_request_bytes,
         )
         link.start()
+        log.info("worker %s: registering with the broker at %s for service %r", self.name, self.config.broker, self.config.service)
         try:
-            self._await_registration(link)
+            if not self._await_registration(link):
+                return
             log.info("worker %s: serving %s on service %r", self.name, self.task.name, self.config.service)
             if on_ready is not None:
                 on_ready()
             self._serve(pipe, link)
             if link.refused is not None:
-                raise RuntimeError(f"worker {self.name}: the broker refused registration: {link.refused}")
+                raise CannotServe(f"worker {self.name}: the broker refused its registration: {link.refused}")
         finally:
             if link.is_alive():
                 pipe.send(STOP)
@@ -152,43 +157,50 @@ class Worker:
             close_quietly(pipe)
             context.term()
 
-    def _await_registration(self, link: BrokerLink) -> None:
-        if not link.registered.wait(self.config.register_timeout_s):
-            secure = (
-                " With --secure, also check that --broker-key is that broker's public key and that this worker's key is on "
-                "the broker's --worker-keys list (the broker logs a refused key)."
-                if self.config.keys is not None
-                else ""
-            )
-            raise TimeoutError(
-                f"worker {self.name}: no broker answered at {self.config.broker} within "
-                f"{self.config.register_timeout_s:.0f} s; is `draftfeed launch broker` running there?{secure}"
-            )
+    def _await_registration(self, link: BrokerLink) -> bool:
+        """Wait for the broker's welcome; False if the worker was told to stop first."""
+        deadline = time.monotonic() + self.config.register_timeout_s
+        while not link.registered.wait(0.1):
+            if self._stop.is_set():
+                log.info("worker %s: stopped before a broker answered at %s", self.name, self.config.broker)
+                return False
+            if time.monotonic() > deadline:
+                secure = (
+                    " With --secure, also check that --broker-key is that broker's public key and that this worker's key is on "
+                    "the broker's --worker-keys list (the broker logs a refused key)."
+                    if self.config.keys is not None
+                    else ""
+                )
+                raise CannotServe(
+                    f"worker {self.name}: no broker answered at {self.config.broker} within {self.config.register_timeout_s:.0f} s "
+                    f"(--register-timeout); is `draftfeed launch broker` running there, and is that its worker port (--backend)?{secure}"
+                )
         if link.failure is not None:
-            raise RuntimeError(f"worker {self.name}: broker link failed: {link.failure}")
+            raise CannotServe(f"worker {self.name}: its link to the broker failed: {link.failure}")
         if link.refused is not None:
-            raise RuntimeError(f"worker {self.name}: the broker refused registration: {link.refused}")
+            raise CannotServe(f"worker {self.name}: the broker refused its registration: {link.refused}")
+        return True
 
     def _serve(self, pipe: zmq.Socket, link: BrokerLink) -> None:
-        drain_deadline: float | None = None
-        while link.is_alive():
-            if self._stop.is_set() and drain_deadline is None:
-                log.info("worker %s: draining: %d queued requests go back to the broker", self.name, len(self._queue))
-                pipe.send_multipart(pack(Draining()))
-                drain_deadline = time.monotonic() + self.config.drain_timeout_s
-            wait_ms = 0 if (self._queue and drain_deadline is None) else 100
+        while link.is_alive() and not self._stop.is_set():
+            wait_ms = 0 if self._queue else 100
             while pipe.poll(wait_ms):
                 self._take(pipe.recv_multipart(copy=False), pipe)
                 wait_ms = 0
             self._take_from_ranks()
-            if drain_deadline is not None:
-                self._hand_back(pipe, "worker draining")
-                if self._drain_acked or time.monotonic() > drain_deadline:
-                    log.info("worker %s: drained after serving %d requests", self.name, self.served)
-                    return
-            elif self._queue:
+            if self._queue and not self._stop.is_set():
                 queued = self._queue.popleft()
                 pipe.send_multipart(pack(self._serve_one(queued.dispatch, queued.frames, pipe)))
+        if self._stop.is_set():
+            self._leave(pipe)
+
+    def _leave(self, pipe: zmq.Socket) -> None:
+        """Stopping: no more work, and what was queued goes back to the broker now; the bye that follows (run's
+        finally) makes the broker requeue whatever it had sent on its way here."""
+        pipe.send_multipart(pack(Draining()))
+        handed_back = len(self._queue)
+        self._hand_back(pipe, "worker draining")
+        log.info("worker %s: stopping after serving %d requests; %d queued went back to the broker", self.name, self.served, handed_back)
 
     # ------------------------------------------------------------ messages from the link
     def _take(self, frames: list[Any], pipe: zmq.Socket) -> None:
@@ -214,8 +226,6 @@ class Worker:
             self._mappings.forget(message.digest)
         elif isinstance(message, ForgetRank):
             self._forget(message, pipe)
-        elif isinstance(message, DrainAck):
-            self._drain_acked = True
 
     def _take_from_ranks(self) -> None:
         """What ranks sent back on the data links: a rank that tore its side of a pair group down."""
@@ -274,7 +284,12 @@ class Worker:
             self._in_engine = None
         if failure is not None:
             return self._fail(dispatch, failure)
-        return self._done(dispatch, self._deliver_result(dispatch, tensors), ok=True)
+        try:
+            return self._done(dispatch, self._deliver_result(dispatch, tensors), ok=True)
+        except PlaneRefused as exc:
+            return self._fail(
+                dispatch, f"the data plane asked for cannot be had: {exc}; use data_plane='auto' (frames where a pair group cannot be had)"
+            )
 
     def _fail(self, dispatch: Dispatch, message: str) -> Done:
         """Tell the rank why its request could not be served."""
@@ -333,6 +348,11 @@ class Worker:
                 self._planes.forget(endpoint)
                 self._ranks.forget(endpoint)
                 return Delivery.UNREACHABLE
+            if self._stop.is_set() and time.monotonic() - self._stopping_since > self.config.drain_timeout_s:
+                log.error(
+                    "worker %s: stopping, and rank at %s took nothing for %.0f s (--drain-timeout): giving up on it", self.name, endpoint, waited
+                )
+                return Delivery.STALLED
             if waited > self.config.send_timeout_s:
                 log.error("worker %s: rank at %s took nothing for %.0f s; dropping its link", self.name, endpoint, waited)
                 self._planes.forget(endpoint)

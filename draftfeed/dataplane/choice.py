@@ -3,7 +3,9 @@
 ``auto`` on both sides picks NCCL only when it can work and pays: both processes on one machine (the same
 kernel boot id, not just the same hostname string), both holding CUDA tensors, NCCL present on both, and
 not one GPU (NCCL refuses two ranks on one device). Anything else is frames. ``frames`` on either side
-wins; ``gloo`` or ``nccl`` on one side forces that backend when the other side is ``auto`` or agrees.
+wins; ``gloo`` or ``nccl`` on one side forces that backend when the other side is ``auto`` or agrees. A forced
+plane that cannot be had (the sides force different ones, or NCCL without CUDA on both) is refused: the pair's
+requests fail with the reason, so that a forced setting never silently becomes another; only ``auto`` falls back.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ _MACHINE_ID = Path("/etc/machine-id")
 class PlaneChoice:
     plane: Plane
     reason: str
+    refused: bool = False  # a forced plane that cannot be had: the pair's requests fail with the reason
 
 
 def host_id() -> str:
@@ -66,19 +69,20 @@ def choose_plane(worker: DataPlaneOffer, rank: DataPlaneOffer | None) -> PlaneCh
             return PlaneChoice("frames", f"the {side} asks for frames")
     forced = {side: mode for side, mode in modes.items() if mode != "auto"}
     if len(set(forced.values())) > 1:
-        return PlaneChoice("frames", f"the worker asks for {worker.mode} and the rank for {rank.mode}; using frames")
+        return PlaneChoice("frames", f"the worker asks for {worker.mode} and the rank for {rank.mode}", refused=True)
     if "gloo" in forced.values():
         sides = " and ".join(forced)
         return PlaneChoice("gloo", f"the {sides} asked for gloo")
     asked = f"the {' and '.join(forced)} asked for nccl" if forced else "auto"
     if not forced and worker.host_id != rank.host_id:
         return PlaneChoice("frames", f"auto: the rank is on another machine ({rank.hostname}, worker on {worker.hostname})")
+    refused = bool(forced)
     for side, offer in (("worker", worker), ("rank", rank)):
         if not offer.device.startswith("cuda"):
-            return PlaneChoice("frames", f"{asked}, but the {side}'s supervision is on {offer.device}, not a CUDA device")
+            return PlaneChoice("frames", f"{asked}, but the {side}'s supervision is on {offer.device}, not a CUDA device", refused)
         if not offer.nccl:
-            return PlaneChoice("frames", f"{asked}, but torch on the {side} has no NCCL")
+            return PlaneChoice("frames", f"{asked}, but torch on the {side} has no NCCL", refused)
     if worker.gpu_uuid is not None and worker.gpu_uuid == rank.gpu_uuid:
-        return PlaneChoice("frames", f"{asked}, but worker and rank share one GPU ({worker.gpu_uuid}), where NCCL refuses two ranks")
+        return PlaneChoice("frames", f"{asked}, but worker and rank share one GPU ({worker.gpu_uuid}), where NCCL refuses two ranks", refused)
     where = "one machine" if worker.host_id == rank.host_id else f"{worker.hostname} and {rank.hostname}"
     return PlaneChoice("nccl", f"{asked}: both on {where} with CUDA (worker {worker.device}, rank {rank.device})")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import signal
 import sys
@@ -23,7 +24,7 @@ from draftfeed.bench import SCENARIO_NAMES
 from draftfeed.broker.settings import BrokerSettings
 from draftfeed.consumers.config import DEFAULT_DRAFT_LAYERS, DTYPES, ENGINES, WorkerConfig
 from draftfeed.launch.ready import announce_ready
-from draftfeed.schemas.errors import UsageError
+from draftfeed.schemas.errors import DraftfeedError, UsageError
 from draftfeed.schemas.messages import DataPlaneMode, SupervisionForm, Task
 from draftfeed.schemas.protocol import DEFAULT_BACKEND, DEFAULT_FRONTEND
 
@@ -43,6 +44,17 @@ def _default(settings: type, name: str) -> Any:
 
 
 BROKER = BrokerSettings()
+
+
+_ENDPOINT = re.compile(r"^(tcp://(\*|[A-Za-z0-9_.-]+|\[[0-9a-fA-F:]+\]):(\*|\d{1,5})|ipc://.+|inproc://.+)$")
+
+
+def _endpoint(text: str) -> str:
+    """A ZeroMQ endpoint: tcp://HOST:PORT (HOST * or an address; PORT * for a free one), ipc://PATH or inproc://NAME."""
+    if not _ENDPOINT.match(text):
+        hint = f"tcp://*:{text}" if text.isdigit() else "tcp://HOST:PORT"
+        raise argparse.ArgumentTypeError(f"{text!r} is not a ZeroMQ endpoint: write {hint} (or ipc://PATH)")
+    return text
 
 
 def _layer_ids(text: str) -> list[int]:
@@ -119,9 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--from-json", default=None, help="measure nothing: render --report from the JSON of an earlier run")
 
     status = _parser(commands, "status", help="print the broker's services, workers, ranks and queues")
-    status.add_argument("--broker", default=DEFAULT_STATUS_BROKER, help="the broker's rank (frontend) endpoint")
+    status.add_argument("--broker", type=_endpoint, default=DEFAULT_STATUS_BROKER, help="the broker's rank (frontend) endpoint")
     status.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the broker")
+    status.add_argument("--service", default=None, help="check this service: exit 1 unless it has a ready worker")
+    status.add_argument("--wait", type=float, default=0.0, help="with --service: wait up to this many seconds for a ready worker")
     _add_peer_key_flags(status, "rank")
 
     keys = _parser(commands, "keys", help="create CURVE keys for a secure deployment (docs/security.md)")
@@ -170,8 +184,8 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--log-level", default=argparse.SUPPRESS, type=str.upper, choices=LOG_LEVELS, help="logging level (default INFO)")
     broker = _parser(roles, "broker", parents=[common], help="route requests from training ranks to target workers")
-    broker.add_argument("--frontend", default=DEFAULT_FRONTEND, help="where training ranks connect (tcp://HOST:* picks a free port)")
-    broker.add_argument("--backend", default=DEFAULT_BACKEND, help="where workers connect")
+    broker.add_argument("--frontend", type=_endpoint, default=DEFAULT_FRONTEND, help="where training ranks connect (tcp://HOST:* picks a free port)")
+    broker.add_argument("--backend", type=_endpoint, default=DEFAULT_BACKEND, help="where workers connect")
     broker.add_argument("--name", default=None, help="the broker's name in logs and status (default HOST-PID)")
     broker.add_argument(
         "--heartbeat-interval",
@@ -229,7 +243,7 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
     )
 
     worker = _parser(roles, "worker", parents=[common], help="run a frozen target and serve its supervision")
-    worker.add_argument("--broker", required=True, help="the broker's worker (backend) endpoint, e.g. tcp://HOST:5556")
+    worker.add_argument("--broker", type=_endpoint, required=True, help="the broker's worker (backend) endpoint, e.g. tcp://HOST:5556")
     worker.add_argument("--target", required=True, help="the target model: a local folder or hub id that AutoModelForCausalLM loads")
     worker.add_argument(
         "--engine",
@@ -311,9 +325,29 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
     _add_peer_key_flags(worker, "worker")
 
 
-def _stop_on_signals(stop: Callable[[], None]) -> None:
+def _stop_on_signals(stop: Callable[[], None], what: str) -> None:
+    """SIGTERM or SIGINT: stop cleanly; a second one: exit at once (a scheduler's grace period is running out)."""
+    received: list[int] = []
+
+    def handle(sig: int, _frame: object) -> None:
+        if received:
+            print(f"draftfeed {what}: {signal.Signals(sig).name} again: exiting now", file=sys.stderr, flush=True)
+            os._exit(128 + sig)
+        received.append(sig)
+        stop()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop())
+        signal.signal(sig, handle)
+
+
+def _exit_on_signals() -> None:
+    """SIGTERM and SIGHUP end the process as Ctrl-C does, so that the children it started are stopped on the way out."""
+
+    def handle(sig: int, _frame: object) -> None:
+        raise SystemExit(128 + sig)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, handle)
 
 
 def run_broker(args: argparse.Namespace) -> int:
@@ -331,7 +365,7 @@ def run_broker(args: argparse.Namespace) -> int:
     )
     broker = Broker(args.frontend, args.backend, name=args.name, settings=settings, drain_timeout_s=args.drain_timeout, keys=_broker_keys(args))
     frontend, backend = broker.bind()
-    _stop_on_signals(broker.stop)
+    _stop_on_signals(broker.stop, "broker")
     announce_ready(role="broker", frontend=frontend, backend=backend)
     broker.run()
     return 0
@@ -392,16 +426,20 @@ def run_worker(args: argparse.Namespace) -> int:
 
     transformers.logging.disable_progress_bar()
     transformers.logging.set_verbosity_error()
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # its retries say nothing the one error line does not
     misplaced = "--target-layer-ids" if args.task == "eagle3" else "--aux-layer-ids"
     if (args.target_layer_ids if args.task == "eagle3" else args.aux_layer_ids) is not None:
         raise UsageError(f"{misplaced} does not apply to --task {args.task}")
     if not args.secure and (args.keys or args.key or args.broker_key):
         raise UsageError("--keys/--key/--broker-key given without --secure: add --secure to use them")
     keys = _peer_keys(args, "worker", required=True) if args.secure else None
+    _check_device(args.device)
     try:
         engine = load_engine(args.engine, args.target, args.device, args.dtype, dict(args.engine_option))
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from None
+    except OSError as exc:  # transformers could not find or fetch the target
+        raise UsageError(_target_problem(args.target, exc)) from None
     try:
         layer_ids = args.aux_layer_ids if args.task == "eagle3" else args.target_layer_ids
         task = load_task(args.task, engine, layer_ids, args.draft_layers, args.supervision)
@@ -426,7 +464,7 @@ def run_worker(args: argparse.Namespace) -> int:
             max_request_bytes=args.max_request_bytes,
         ),
     )
-    _stop_on_signals(worker.stop)
+    _stop_on_signals(worker.stop, "worker")
     try:
         worker.run(on_ready=lambda: announce_ready(role="worker", worker=worker.name, service=service))
     finally:
@@ -434,10 +472,38 @@ def run_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_device(device: str) -> None:
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as exc:
+        raise UsageError(f"--device {device}: {exc}") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        why = "torch here is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible to this process"
+        raise UsageError(f"--device {device}: {why}; use --device cpu on this machine")
+
+
+def _target_problem(target: str, exc: OSError) -> str:
+    """Why a target could not be loaded, in one line: a missing folder, or a hub id the hub could not give."""
+    path = Path(target)
+    if path.is_absolute() or target.startswith((".", "~")) or path.exists() or os.sep in target.strip(os.sep) and path.parent.exists():
+        if not path.expanduser().exists():
+            return f"--target {target}: no such folder; pass a folder holding the model (its config.json and weights), or a hub id"
+        return f"--target {target}: transformers cannot load a model from this folder: {str(exc).splitlines()[0]}"
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return (
+        f"--target {target}: not a local folder, and the hub could not give it ({first}); without network access, download the "
+        "model elsewhere and pass its local folder"
+    )
+
+
 def run_bench(args: argparse.Namespace) -> int:
     import tempfile
 
     from draftfeed.bench.harness import Row, format_table, run, to_json
+
+    _exit_on_signals()
 
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
@@ -459,16 +525,37 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    from draftfeed.launch.status import fetch_status, format_status
+    """Print the status; with --service, exit 1 unless the service has a ready worker (within --wait seconds)."""
+    import time
 
-    status = fetch_status(args.broker, args.timeout, keys=_peer_keys(args, "rank", required=False))
+    from draftfeed.launch.status import fetch_status, format_status, ready_workers
+
+    if args.wait and args.service is None:
+        raise UsageError("--wait goes with --service NAME: the service to wait for")
+    keys = _peer_keys(args, "rank", required=False)
+    deadline = time.monotonic() + args.wait
+    while True:
+        status = fetch_status(args.broker, args.timeout, keys=keys)
+        ready = ready_workers(status, args.service) if args.service is not None else None
+        if ready is None or ready > 0 or time.monotonic() >= deadline:
+            break
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
     print(json.dumps(status, indent=2) if args.json else format_status(status))
+    if ready == 0:
+        print(
+            f"draftfeed status: service {args.service!r} has no ready worker at {args.broker}" + (f" after {args.wait:g} s" if args.wait else ""),
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
 def run_demo(args: argparse.Namespace) -> int:
     from draftfeed.launch.demo import run_demo as demo
 
+    if args.workers < 1:
+        raise UsageError(f"--workers {args.workers}: the demo needs at least one worker to serve its rank")
+    _exit_on_signals()
     return demo(args)
 
 
@@ -506,6 +593,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"draftfeed {name}: {exc}", file=sys.stderr)
         return 2
+    except DraftfeedError as exc:  # no broker answered, a refused registration: not a bug, so no traceback
+        print(f"draftfeed {name}: {exc}", file=sys.stderr)
+        return 1
 
 
 def launch_main(argv: Sequence[str] | None = None) -> int:

@@ -2,36 +2,59 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import zmq
 
 from draftfeed.schemas.errors import RemoteTargetTimeout
 from draftfeed.schemas.frames import pack, unpack
-from draftfeed.schemas.messages import FRONTEND_OUTBOUND, StatusQuery, StatusReply
+from draftfeed.schemas.messages import FRONTEND_OUTBOUND, ErrorReply, StatusQuery, StatusReply
 from draftfeed.security.curve import PeerKeys, make_client
+from draftfeed.security.handshake import HandshakeWatch
 
 
 def fetch_status(broker: str, timeout_s: float = 10.0, keys: PeerKeys | None = None) -> dict[str, Any]:
-    """One status query on the broker's rank endpoint (with a rank's ``keys`` for a secure broker);
-    raises RemoteTargetTimeout if nobody answers."""
+    """One status query on the broker's rank endpoint (with a rank's ``keys`` for a secure broker); raises
+    RemoteTargetTimeout if nobody answers, saying why when the handshake tells (a secure broker, a refused key)."""
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if keys is not None:
         make_client(sock, keys.own, keys.broker)
+    watch = HandshakeWatch(sock, broker, "rank", secure=keys is not None)
     try:
         sock.connect(broker)
-        sock.send_multipart(pack(StatusQuery(request_id=0)))
-        deadline_ms = int(timeout_s * 1000)
-        while sock.poll(deadline_ms):
-            message, _ = unpack(sock.recv_multipart(), FRONTEND_OUTBOUND)
-            if isinstance(message, StatusReply):
-                return message.status
-        raise RemoteTargetTimeout(f"no status from a broker at {broker} within {timeout_s:.0f} s; is it running, and is that its frontend?")
+        sock.send_multipart(pack(StatusQuery(request_id=0)), flags=zmq.NOBLOCK)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(watch.monitor, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            events = dict(poller.poll(int(remaining * 1000)))
+            if watch.monitor in events:
+                watch.read()
+                if watch.verdict is not None:
+                    raise RemoteTargetTimeout(f"no status from the broker at {broker}: {watch.verdict}")
+            if sock in events:
+                message, _ = unpack(sock.recv_multipart(), FRONTEND_OUTBOUND)
+                if isinstance(message, StatusReply):
+                    return message.status
+                if isinstance(message, ErrorReply):
+                    raise RemoteTargetTimeout(f"the broker at {broker} answered: {message.message}")
+        raise RemoteTargetTimeout(
+            f"no status from a broker at {broker} within {timeout_s:g} s (--timeout): is it running, and is that its rank port (--frontend)?"
+        )
     finally:
+        watch.close()
         sock.close(linger=0)
         context.term()
+
+
+def ready_workers(status: dict[str, Any], service: str) -> int:
+    """The workers of ``service`` that take work now (registered, not draining)."""
+    workers = status["services"].get(service, {}).get("workers", [])
+    return sum(1 for worker in workers if worker["state"] != "draining")
 
 
 def format_status(status: dict[str, Any]) -> str:

@@ -26,6 +26,7 @@ import logging
 import os
 import threading
 import uuid
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ from draftfeed.schemas.messages import (
     PairClose,
     PairOpen,
     Result,
+    ServiceWorkers,
     StatusReply,
     Welcome,
     WorkerGone,
@@ -63,6 +65,7 @@ from draftfeed.schemas.messages import (
 )
 from draftfeed.schemas.protocol import DEFAULT_MAX_MESSAGE_BYTES
 from draftfeed.security.curve import DATA, PeerKeys, RoleGate, make_client, make_server, start_authenticator
+from draftfeed.security.handshake import HandshakeWatch
 
 log = logging.getLogger("draftfeed.producer")
 
@@ -119,6 +122,11 @@ class Connection:
         self.keys = keys
         self.max_result_bytes = max_result_bytes
         self._worker_keys: frozenset[bytes] = frozenset()  # the workers the broker vouches for (secure brokers)
+        self._backlog: deque[list[Any]] = deque()  # messages for a broker whose pipe is full (it is out of reach)
+        self.service_workers: int | None = None  # the ready workers of this rank's service, as the broker last said
+        self.services: dict[str, int] = {}  # every service of the broker, with its ready workers, at the welcome
+        self.has_workers = threading.Event()
+        self.goodbye_at: float | None = None  # when the broker last said goodbye (None: since a broker answered)
         self._authenticator = None
         self.pairs = PairReceivers(
             data_plane.device if data_plane is not None else "cpu",
@@ -134,12 +142,21 @@ class Connection:
         self._pipe.bind(pipe_endpoint)
         self._thread = threading.Thread(target=self._io_main, args=(pipe_endpoint,), name=f"draftfeed-io-{self.rank_id}", daemon=True)
         self._thread.start()
-        if not self._welcome.wait(connect_timeout_s) or self._broken is not None:
-            reason = self._broken or f"no broker answered at {broker} within {connect_timeout_s:.0f} s"
-            if keys is not None and self._broken is None:
-                reason = f"{reason} (with keys: check that broker.key is that broker's and that this rank's key is on its --rank-keys list)"
+        if not self._welcome.wait(min(5.0, connect_timeout_s)):
+            log.warning(
+                "draftfeed rank %s: no broker has answered at %s yet; waiting up to %.0f s (connect_timeout)", self.rank_id, broker, connect_timeout_s
+            )
+        if not self._welcome.wait(max(0.0, connect_timeout_s - 5.0)) or self._broken is not None:
+            error = self._broken if isinstance(self._broken, RemoteTargetError) else None
+            if error is None:
+                hint = (
+                    "with keys, a secure broker that cannot read this rank's handshake looks like this too: check broker.key"
+                    if keys is not None
+                    else "is `draftfeed launch broker` running there, and is that its rank port (--frontend)?"
+                )
+                error = RemoteTargetError(f"no broker answered at {broker} within {connect_timeout_s:.0f} s (connect_timeout): {hint}")
             self.close()
-            raise RemoteTargetError(f"cannot connect to the draftfeed broker: {reason}; is `draftfeed launch broker` running there?")
+            raise error
 
     # ------------------------------------------------------------ caller side
     def request(
@@ -190,6 +207,15 @@ class Connection:
 
     def broker_silent_s(self) -> float:
         return self.session.silent_s()
+
+    def describe_broker(self) -> str:
+        """The broker as this rank last heard it, in words: for waits and timeouts."""
+        silent = self.session.silent_s()
+        if self.goodbye_at is not None:
+            return f"the broker at {self.broker} shut down {self.session.clock() - self.goodbye_at:.0f} s ago and no broker has answered since"
+        if silent > self.session.window_s:
+            return f"the broker at {self.broker} has not answered for {silent:.0f} s (its liveness window is {self.session.window_s:.0f} s)"
+        return f"the broker was heard {silent:.1f} s ago"
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Say goodbye to the broker, stop the IO thread, fail whatever is still outstanding."""
@@ -249,9 +275,10 @@ class Connection:
                     self._hello.data_endpoint,
                 )
             pipe.connect(pipe_endpoint)
+            watch = HandshakeWatch(control, self.broker, "rank", secure=self.keys is not None)
             control.connect(self.broker)
             self._say_hello(control)
-            self._serve(control, data, pipe)
+            self._serve(control, data, pipe, watch)
             try:
                 control.send_multipart(pack(Bye()), flags=zmq.NOBLOCK)
                 control.close(linger=500)  # let the bye go out; the broker frees this rank's state at once
@@ -265,14 +292,28 @@ class Connection:
         finally:
             close_quietly(control, data, pipe)
 
-    def _serve(self, control: zmq.Socket, data: zmq.Socket, pipe: zmq.Socket) -> None:
+    def _serve(self, control: zmq.Socket, data: zmq.Socket, pipe: zmq.Socket, watch: HandshakeWatch | None) -> None:
         poller = zmq.Poller()
         for sock in (control, data, pipe):
             poller.register(sock, zmq.POLLIN)
+        if watch is not None:  # until the first welcome: a refused handshake is the reason no broker answers
+            poller.register(watch.monitor, zmq.POLLIN)
         clock = self.session.clock
         next_beat = clock() + self.session.interval_s
         while True:
             events = dict(poller.poll(max(0, int(min(next_beat - clock(), 0.05) * 1000))))
+            if watch is not None:
+                if watch.monitor in events:
+                    watch.read()
+                if watch.verdict is not None and not self._welcome.is_set():
+                    self._broken = RemoteTargetError(watch.verdict)
+                    self._welcome.set()
+                    watch.close()
+                    return
+                if self._welcome.is_set():
+                    poller.unregister(watch.monitor)
+                    watch.close()
+                    watch = None
             if data in events:
                 self._drain(data, self._on_data)
             if control in events:
@@ -280,12 +321,14 @@ class Connection:
             if pipe in events and not self._take_commands(pipe, control, data):
                 return
             for waiter in self.requests.due_again():
-                control.send_multipart(waiter.frames, copy=False)
+                self._send(control, waiter.frames)
             if clock() >= next_beat:
-                control.send_multipart(pack(Heartbeat()))
+                self._flush(control)
+                self._send(control, pack(Heartbeat()), droppable=True)
                 silence = self.session.silence()
                 if silence is not None and self.session.may_introduce():
-                    log.warning("draftfeed rank %s: broker %s %s; saying hello again", self.rank_id, self.broker, silence)
+                    if self.session.instance is not None:  # before any welcome, the constructor says what it waits for
+                        log.warning("draftfeed rank %s: broker %s %s; saying hello again", self.rank_id, self.broker, silence)
                     self._say_hello(control)
                 next_beat = clock() + self.session.interval_s
 
@@ -312,7 +355,7 @@ class Connection:
                 except zmq.Again:
                     pass  # the worker's link is full or gone: it learns from its own failed send
             elif command == _TO_BROKER:
-                control.send_multipart(frames[1:], copy=False)
+                self._send(control, frames[1:])
 
     def _send_as(self, waiter: Waiter, request_id: int, control: zmq.Socket) -> None:
         """Pack the request under ``request_id`` (kept for resending) and send it; one that cannot be packed fails."""
@@ -321,7 +364,28 @@ class Connection:
         except Exception as exc:
             self.requests.resolve(request_id, error=RemoteTargetError(f"request {request_id} could not be packed: {exc}"))
             return
-        control.send_multipart(waiter.frames, copy=False)
+        self._send(control, waiter.frames)
+
+    def _send(self, control: zmq.Socket, frames: list[Any], *, droppable: bool = False) -> None:
+        """Never block on a broker out of reach: a heartbeat or hello that cannot go now is dropped (the next one
+        goes), anything else waits in order behind what already waits."""
+        if self._backlog:
+            if not droppable:
+                self._backlog.append(frames)
+            return
+        try:
+            control.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            if not droppable:
+                self._backlog.append(frames)
+
+    def _flush(self, control: zmq.Socket) -> None:
+        while self._backlog:
+            try:
+                control.send_multipart(self._backlog[0], flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._backlog.popleft()
 
     def _drain(self, sock: zmq.Socket, handle: Callable[[list[Any]], None]) -> None:
         while True:
@@ -341,7 +405,7 @@ class Connection:
         with self._lock:
             hello = self._hello
         self.session.introducing()
-        control.send_multipart(pack(hello))
+        self._send(control, pack(hello), droppable=True)
 
     def _hello_again(self, control: zmq.Socket) -> None:
         if self.session.may_introduce():
@@ -356,16 +420,23 @@ class Connection:
         elif isinstance(message, Welcome):
             first = self.session.instance is None
             self.session.welcomed(message.instance, message.liveness)
+            self.goodbye_at = None
+            self.services = dict(message.services)
+            self._set_service_workers(message.services.get(self.service, 0))
             self._worker_keys = frozenset(key.encode() for key in message.worker_keys)
             if not message.resumed and not first:
                 self._resync(control, message.instance)
             self._welcome.set()
+        elif isinstance(message, ServiceWorkers):
+            if message.service == self.service:
+                self._set_service_workers(message.workers)
         elif isinstance(message, WorkerKeys):
             self._worker_keys = frozenset(key.encode() for key in message.keys)
         elif isinstance(message, WorkerGone):
             self.pairs.close_worker(message.worker, "the broker reports the worker gone")
         elif isinstance(message, Goodbye):
             log.warning("draftfeed rank %s: broker %s is shutting down; waiting for its successor", self.rank_id, message.instance)
+            self.goodbye_at = self.session.clock()
             self._say_hello(control)  # whatever hello went to the old instance is lost with it
         elif isinstance(message, ErrorReply):
             self._on_error(message, control)
@@ -387,10 +458,11 @@ class Connection:
             self.requests.busy(message.request_id)
             self.stats.busy_retries += 1
             log.info("draftfeed rank %s: %s", self.rank_id, message.message)
-        elif message.code in ("unreachable", "mismatch", "over_limit"):
-            log.error("draftfeed rank %s: %s", self.rank_id, message.message)
-            self._broken = RemoteTargetError(message.message)
-            self.requests.fail_all(RemoteTargetError(message.message))
+        elif message.code in ("unreachable", "mismatch", "over_limit", "wrong_port") or (message.request_id is None and not self._welcome.is_set()):
+            error = RemoteTargetError(f"the broker at {self.broker} refused this rank: {message.message}")
+            log.error("draftfeed rank %s: %s", self.rank_id, error)
+            self._broken = error
+            self.requests.fail_all(error)
             self._welcome.set()  # a rank still connecting raises this at once
         elif message.request_id is None:
             log.error("draftfeed rank %s: the broker reports: %s", self.rank_id, message.message)
@@ -400,6 +472,7 @@ class Connection:
     def _resync(self, control: zmq.Socket, instance: str) -> None:
         """A broker instance that holds nothing of this rank: send it the vocab mappings (the current one and any an
         unanswered request names), then every unanswered request, in order."""
+        self._backlog.clear()  # everything unanswered goes now, in order
         waiters = self.requests.unanswered()
         mappings = self.requests.mappings_to_resend(waiters)
         self.stats.resyncs += 1
@@ -411,7 +484,7 @@ class Connection:
             len(waiters),
         )
         for waiter in [*mappings, *waiters]:
-            control.send_multipart(waiter.frames, copy=False)
+            self._send(control, waiter.frames)
 
     def _send_behind_its_mapping(self, request_id: int, control: zmq.Socket) -> None:
         """The broker lacks the mapping this request names: send the mapping, then the request again."""
@@ -423,8 +496,15 @@ class Connection:
             self._resolve(request_id, error=RemoteTargetError(f"the broker lacks vocab mapping {waiter.mapping}, which this rank no longer holds"))
             return
         log.info("draftfeed rank %s: the broker lacks vocab mapping %s; sending it before request %d again", self.rank_id, waiter.mapping, request_id)
-        control.send_multipart(mapping.frames, copy=False)
-        control.send_multipart(waiter.frames, copy=False)
+        self._send(control, mapping.frames)
+        self._send(control, waiter.frames)
+
+    def _set_service_workers(self, workers: int) -> None:
+        self.service_workers = workers
+        if workers > 0:
+            self.has_workers.set()
+        else:
+            self.has_workers.clear()
 
     # ------------------------------------------------------------ answers from workers
     def _on_data(self, frames: list[Any]) -> None:

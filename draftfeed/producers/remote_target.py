@@ -25,7 +25,8 @@ from draftfeed.dataplane.tensor_codec import dtype_name, pack_tensors
 from draftfeed.producers.connection import Connection, ConnectionStats
 from draftfeed.producers.prefetch import prefetch
 from draftfeed.producers.requests import RequestKind
-from draftfeed.schemas.errors import BadRequest, RemoteTargetTimeout
+from draftfeed.producers.settings import RankSettings
+from draftfeed.schemas.errors import BadRequest, RemoteTargetError, RemoteTargetTimeout
 from draftfeed.schemas.frames import pack
 from draftfeed.schemas.messages import (
     DSparkTargetInfo,
@@ -37,10 +38,10 @@ from draftfeed.schemas.messages import (
     StatusQuery,
     Submit,
 )
-from draftfeed.schemas.protocol import DEFAULT_MAX_MESSAGE_BYTES
 from draftfeed.security.curve import PeerKeys
 
 log = logging.getLogger("draftfeed.producer")
+_DEFAULTS = RankSettings()
 Sup = TypeVar("Sup", bound=Supervision)
 Info = TypeVar("Info", Eagle3TargetInfo, DSparkTargetInfo)
 
@@ -73,36 +74,52 @@ class RemoteTarget(Generic[Sup, Info]):
         self,
         broker: str,
         service: str,
-        prefetch_depth: int = 2,
+        prefetch_depth: int = _DEFAULTS.prefetch_depth,
         *,
-        request_timeout: float = 600.0,
-        connect_timeout: float = 60.0,
+        request_timeout: float = _DEFAULTS.request_timeout,
+        connect_timeout: float = _DEFAULTS.connect_timeout,
+        wait_for_workers: float = _DEFAULTS.wait_for_workers,
         device: torch.device | str | None = None,
         data_endpoint: str | None = None,
-        wait_log_interval: float = 5.0,
-        data_plane: str = "auto",
+        wait_log_interval: float = _DEFAULTS.wait_log_interval,
+        data_plane: str = _DEFAULTS.data_plane,
         keys: PeerKeys | str | Path | None = None,
-        max_result_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_result_bytes: int = _DEFAULTS.max_result_bytes,
     ) -> None:
-        if prefetch_depth < 0:
-            raise ValueError(f"prefetch_depth must be 0 or more, got {prefetch_depth}")
+        settings = RankSettings.checked(
+            type(self).__name__,
+            prefetch_depth=prefetch_depth,
+            request_timeout=request_timeout,
+            connect_timeout=connect_timeout,
+            wait_for_workers=wait_for_workers,
+            wait_log_interval=wait_log_interval,
+            data_plane=data_plane,
+            max_result_bytes=max_result_bytes,
+            device=device,
+        )
+        self.settings = settings
         self.service = service
-        self.prefetch_depth = prefetch_depth
-        self.request_timeout = request_timeout
-        self.device = torch.device(device) if device is not None else None
-        self.wait_log_interval = wait_log_interval
-        offer = local_offer(data_plane, self.device)  # raises ValueError for an unknown data_plane
+        self.prefetch_depth = settings.prefetch_depth
+        self.request_timeout = settings.request_timeout
+        self.device = torch.device(settings.device) if settings.device is not None else None
+        self.wait_log_interval = settings.wait_log_interval
+        offer = local_offer(settings.data_plane, self.device)
         self._connection = Connection(
             broker,
             service,
-            max(prefetch_depth, 1),
+            max(settings.prefetch_depth, 1),
             task=self.TASK,
             data_endpoint=data_endpoint,
-            connect_timeout_s=connect_timeout,
+            connect_timeout_s=settings.connect_timeout,
             data_plane=offer,
             keys=PeerKeys.resolve(keys, "rank"),
-            max_result_bytes=max_result_bytes,
+            max_result_bytes=settings.max_result_bytes,
         )
+        try:
+            self._await_workers(settings.wait_for_workers)
+        except BaseException:
+            self._connection.close()
+            raise
         self._info: Info | None = None
         self._workers: list[str] = []
         self._forms: list[str] = []
@@ -110,6 +127,22 @@ class RemoteTarget(Generic[Sup, Info]):
         self._embeddings: dict[str, nn.Embedding] = {}
 
     # ------------------------------------------------------------ setup
+    def _await_workers(self, wait_s: float) -> None:
+        """A service no worker serves yet: say so, and wait up to ``wait_s`` (wait_for_workers) for its first one."""
+        connection = self._connection
+        if connection.has_workers.is_set():
+            return
+        served = ", ".join(f"{name} ({count} workers)" for name, count in connection.services.items() if name != self.service and count)
+        served = f"it serves {served}" if served else "it serves no service yet"
+        if wait_s <= 0:
+            raise RemoteTargetError(f"no worker serves service {self.service!r} at the broker at {connection.broker}: {served} (wait_for_workers=0)")
+        log.warning("draftfeed: no worker serves service %r yet (%s); waiting up to %g s (wait_for_workers)", self.service, served, wait_s)
+        if not connection.has_workers.wait(wait_s):
+            raise RemoteTargetError(
+                f"no worker of service {self.service!r} registered at the broker at {connection.broker} within {wait_s:g} s "
+                f"(wait_for_workers): {served}; start a worker with --service {self.service}, or raise wait_for_workers"
+            )
+
     def model_info(self) -> Info:
         """num_hidden_layers, hidden_size, vocab_size and the layer ids of the service's target (asked once)."""
         if self._info is None:
@@ -213,8 +246,9 @@ class RemoteTarget(Generic[Sup, Info]):
         )
 
     def _wait(self, future: Future, what: str) -> Any:
-        """The future's result; says every few seconds what it waits for; raises after request_timeout."""
-        deadline = time.monotonic() + self.request_timeout
+        """The future's result; says every few seconds what it waits for and why; raises after request_timeout."""
+        started = time.monotonic()
+        deadline = started + self.request_timeout
         while True:
             remaining = deadline - time.monotonic()
             try:
@@ -222,19 +256,27 @@ class RemoteTarget(Generic[Sup, Info]):
             except FutureTimeout:
                 if time.monotonic() >= deadline:
                     raise RemoteTargetTimeout(
-                        f"no answer with {what} from service {self.service!r} within {self.request_timeout:.0f} s "
-                        "(request_timeout): no worker of that service served it; check `draftfeed status`"
+                        f"no answer with {what} from service {self.service!r} within {self.request_timeout:.0f} s (request_timeout): "
+                        f"{self._why_no_answer()}; check `draftfeed status`"
                     ) from None
-                silent = self._connection.broker_silent_s()
-                broker = f"broker silent for {silent:.0f} s" if silent > 2 * self.wait_log_interval else "broker reachable"
                 log.warning(
-                    "draftfeed: waiting %.0f s for %s from service %r (%d batches in flight, %s)",
-                    self.request_timeout - remaining,
+                    "draftfeed: waiting %.0f s for %s from service %r (%d batches in flight): %s",
+                    time.monotonic() - started,
                     what,
                     self.service,
                     self.in_flight,
-                    broker,
+                    self._why_no_answer(),
                 )
+
+    def _why_no_answer(self) -> str:
+        """What is known of why no answer comes: the broker gone or silent, the service without workers, or neither."""
+        connection = self._connection
+        broker = connection.describe_broker()
+        if not broker.startswith("the broker was heard"):
+            return broker
+        if connection.service_workers == 0:
+            return f"no worker serves the service now ({broker})"
+        return f"its {connection.service_workers} workers have not answered ({broker})"
 
     def status(self) -> dict[str, Any]:
         """The broker's status document (services, workers, ranks, queues)."""
@@ -293,8 +335,8 @@ class RemoteEagle3Target(RemoteTarget[Eagle3Supervision, Eagle3TargetInfo]):
 
     def set_vocab_mapping(self, selected_token_ids: torch.Tensor, selected_token_mask: torch.Tensor) -> None:
         """Use a draft vocabulary: ``selected_token_ids`` int64 [Vd] (draft id -> target id), ``selected_token_mask`` bool [V]."""
-        ids = selected_token_ids.detach().to("cpu", torch.int64).contiguous()
-        mask = selected_token_mask.detach().to("cpu", torch.bool).contiguous()
+        ids = _host_tensor("selected_token_ids", selected_token_ids, torch.int64)
+        mask = _host_tensor("selected_token_mask", selected_token_mask, torch.bool)
         try:
             validate_vocab_mapping(ids, mask, self.model_info().vocab_size)
         except BadRequest as exc:
@@ -347,3 +389,15 @@ class RemoteDSparkTarget(RemoteTarget[DSparkSupervision, DSparkTargetInfo]):
     TASK = "dspark"
     SUPERVISION = DSparkSupervision
     INFO = DSparkTargetInfo
+
+
+def _host_tensor(name: str, value: Any, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor, list, tuple or numpy array as a contiguous CPU tensor of ``dtype``; anything else a TypeError."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", dtype).contiguous()
+    if isinstance(value, (list, tuple)) or hasattr(value, "__array__"):
+        try:
+            return torch.as_tensor(value).to(dtype).contiguous()
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise TypeError(f"set_vocab_mapping: {name} could not be read as a {dtype} tensor: {exc}") from None
+    raise TypeError(f"set_vocab_mapping: {name} must be a torch.Tensor (or a list of {dtype} values), got {type(value).__name__}")

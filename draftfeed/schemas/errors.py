@@ -34,3 +34,8 @@ class BadRequest(DraftfeedError, ValueError):
 class UsageError(DraftfeedError, ValueError):
     """An ordinary mistake in how draftfeed is called or set up (a flag, a key file, an address): the command line
     prints its text as one line and exits with code 2."""
+
+
+class CannotServe(DraftfeedError):
+    """A broker or worker cannot start or go on for a reason that is not a bug (no broker answered, registration
+    refused): the command line prints its text as one line and exits with code 1."""

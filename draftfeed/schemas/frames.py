@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,6 +53,18 @@ def unpack_raw(frames: Sequence[Any], accepts: Accepts) -> tuple[Any, bytes, lis
     except ValidationError as exc:
         raise MalformedMessage(f"invalid header: {_summarize(exc)}") from None
     return header, raw, list(frames[FIRST_TENSOR_FRAME:])
+
+
+def message_type(frames: Sequence[Any]) -> str | None:
+    """The ``type`` a draftfeed message's header names, without validating it; None if it names none."""
+    if len(frames) < FIRST_TENSOR_FRAME or _bytes(frames[0]) != SIGNATURE:
+        return None
+    try:
+        header = json.loads(_bytes(frames[1])[:MAX_HEADER_BYTES])
+    except (ValueError, UnicodeDecodeError):
+        return None
+    kind = header.get("type") if isinstance(header, dict) else None
+    return kind if isinstance(kind, str) else None
 
 
 def _summarize(exc: ValidationError) -> str:

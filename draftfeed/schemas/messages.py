@@ -18,7 +18,9 @@ RequestId = Annotated[int, Field(ge=0, lt=2**63)]
 RequestKind = Literal["eagle3", "dspark", "input_embeddings", "output_embeddings"]
 Token = Annotated[int, Field(ge=0, lt=2**63)]
 Seconds = Annotated[float, Field(gt=0, le=3600)]
-ErrorCode = Literal["refused", "unknown_peer", "forgotten", "unknown_mapping", "busy", "failed", "unreachable", "mismatch", "over_limit"]
+ErrorCode = Literal[
+    "refused", "unknown_peer", "forgotten", "unknown_mapping", "busy", "failed", "unreachable", "mismatch", "over_limit", "wrong_port"
+]
 # A vocab mapping's name: a digest of its tensors, which every request computed with it names.
 MappingDigest = Annotated[str, Field(min_length=8, max_length=128)]
 # How supervision travels from a worker to a rank (docs/data-planes.md): auto picks nccl between CUDA
@@ -216,10 +218,18 @@ class Welcome(Strict):
     # nothing of this rank (new, restarted, or it forgot the rank): the rank sends its mappings, then every
     # unanswered request, again.
     resumed: bool = False
-    services: list[str]
+    services: dict[Name, Annotated[int, Field(ge=0)]]  # every service it knows, with its ready workers
     liveness: Liveness
     # On a secure broker: the public keys of the workers of the rank's service, which the rank's data socket admits.
     worker_keys: list[PublicKey] = Field(default_factory=list, max_length=4096)
+
+
+class ServiceWorkers(Strict):
+    """The number of ready workers of this rank's service changed (a worker registered, left, died or drains)."""
+
+    type: Literal["service_workers"] = "service_workers"
+    service: Name
+    workers: Annotated[int, Field(ge=0)]
 
 
 class WorkerKeys(Strict):
@@ -241,6 +251,7 @@ class ModelInfoReply(Strict):
     workers: list[str] = Field(default_factory=list)
     supervision: list[SupervisionForm] = Field(default_factory=list)  # the forms the service's workers send
     logit_transform: LogitTransform | None = None
+    max_positions: Annotated[int, Field(gt=0)] | None = None  # the longest row the service's workers take
 
 
 class StatusReply(Strict):
@@ -260,7 +271,8 @@ class ErrorReply(Strict):
     # request's digest: send the mapping, then the request again; busy: the queue is full, send again later;
     # failed: the request failed on every worker it was tried on; unreachable: workers cannot reach the
     # rank's data socket, and the broker has dropped the rank; mismatch: the service serves another target
-    # than the rank checked; over_limit: the rank asks for more than the broker allows one rank (final).
+    # than the rank checked; over_limit: the rank asks for more than the broker allows one rank (final); wrong_port: a
+    # rank at the workers' port or a worker at the ranks' port (final; the message says which port to use).
     code: ErrorCode = "refused"
 
 
@@ -291,6 +303,8 @@ class Register(Strict):
     capacity: Annotated[int, Field(ge=1, le=64)]
     host: Name
     pid: Annotated[int, Field(ge=0)]
+    # The longest row this worker takes (its target's max_position_embeddings, or less); None: no limit known.
+    max_positions: Annotated[int, Field(gt=0)] | None = None
 
 
 # How a worker is finished with a ticket (Done.outcome). The rank has been answered: served (its result), failed
@@ -341,7 +355,7 @@ class WorkerHeartbeat(Strict):
 
 
 class Draining(Strict):
-    """The worker is stopping: send it no more work."""
+    """The worker is stopping: send it no more work (its bye follows, and requeues whatever it still held)."""
 
     type: Literal["draining"] = "draining"
 
@@ -352,12 +366,6 @@ class Registered(Strict):
     broker: Name
     instance: Name
     liveness: Liveness
-
-
-class DrainAck(Strict):
-    """Every dispatch to this worker came before this message; none follows."""
-
-    type: Literal["drain_ack"] = "drain_ack"
 
 
 class ForgetRank(Strict):
@@ -467,11 +475,12 @@ class Failure(Strict):
 
 FrontendInbound = Annotated[Hello | Submit | SetVocabMapping | ModelInfoQuery | StatusQuery | Heartbeat | Bye, Field(discriminator="type")]
 FrontendOutbound = Annotated[
-    Welcome | Ack | ModelInfoReply | StatusReply | ErrorReply | Heartbeat | Goodbye | WorkerGone | WorkerKeys, Field(discriminator="type")
+    Welcome | Ack | ModelInfoReply | StatusReply | ErrorReply | Heartbeat | Goodbye | WorkerGone | WorkerKeys | ServiceWorkers,
+    Field(discriminator="type"),
 ]
 BackendInbound = Annotated[Register | Done | WorkerHeartbeat | Draining | Bye, Field(discriminator="type")]
 BackendOutbound = Annotated[
-    Registered | Dispatch | VocabMapping | ForgetMapping | ForgetRank | DrainAck | ErrorReply | Heartbeat | Goodbye,
+    Registered | Dispatch | VocabMapping | ForgetMapping | ForgetRank | ErrorReply | Heartbeat | Goodbye,
     Field(discriminator="type"),
 ]
 DataInbound = Annotated[Result | Failure | PairOpen | PairClose, Field(discriminator="type")]
@@ -493,6 +502,7 @@ class Accepts:
         members = get_args(union)[0] if get_origin(union) is Annotated else union
         models = get_args(members) or (members,)
         self._by_type = {model.model_fields["type"].default.encode(): model for model in models}
+        self.types = frozenset(name.decode() for name in self._by_type)
 
     def validate_json(self, data: bytes) -> Any:
         if data.startswith(self._PREFIX):

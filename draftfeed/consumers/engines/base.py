@@ -31,6 +31,7 @@ class TargetShape:
     num_hidden_layers: int
     hidden_size: int
     vocab_size: int
+    max_positions: int | None = None  # the longest row the target takes (max_position_embeddings), None if unknown
 
     @classmethod
     def from_text_config(cls, text_config: object) -> TargetShape:
@@ -39,6 +40,7 @@ class TargetShape:
             num_hidden_layers=text_config.num_hidden_layers,  # type: ignore[attr-defined]
             hidden_size=text_config.hidden_size,  # type: ignore[attr-defined]
             vocab_size=text_config.vocab_size,  # type: ignore[attr-defined]
+            max_positions=getattr(text_config, "max_position_embeddings", None),
         )
 
 
