@@ -334,6 +334,7 @@ def _stop_on_signals(stop: Callable[[], None], what: str) -> None:
             print(f"draftfeed {what}: {signal.Signals(sig).name} again: exiting now", file=sys.stderr, flush=True)
             os._exit(128 + sig)
         received.append(sig)
+        print(f"draftfeed {what}: {signal.Signals(sig).name}: stopping (another one exits at once)", file=sys.stderr, flush=True)
         stop()
 
     for sig in (signal.SIGTERM, signal.SIGINT):

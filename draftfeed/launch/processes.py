@@ -94,11 +94,13 @@ def start(
     env: dict[str, str] | None = None,
     module: str = "draftfeed.launch",
     prefix: Sequence[str] = (),
+    ready_pattern: str | None = None,
 ) -> Process:
     """Run ``python -m MODULE ARGS`` (``draftfeed.launch`` by default) and wait for its ready line; raises with its log if it fails.
 
     ``prefix`` runs it through another command, e.g. ``["ip", "netns", "exec", "host1"]`` or ``["numactl", "-N", "0"]``;
-    that command must exec the process (its pid is the one signalled)."""
+    that command must exec the process (its pid is the one signalled). ``ready_pattern``: a line matching this regular
+    expression counts as ready too (for a process that will not get as far as its ready line)."""
     popen = subprocess.Popen(
         [*prefix, sys.executable, "-m", module, *args],
         stdout=subprocess.PIPE,
@@ -120,6 +122,8 @@ def start(
                 )
             if line.startswith(READY_PREFIX):
                 process.ready = json.loads(line[len(READY_PREFIX) :])
+                return process
+            if ready_pattern is not None and re.search(ready_pattern, line):
                 return process
     except queue.Empty:
         process.kill()

@@ -3,8 +3,9 @@
 A secure broker never answers a peer whose handshake it refused, so without this a wrong key looks like a broker
 that is not there. libzmq tells the client, though: a mechanism mismatch (one side CURVE, the other plaintext), an
 authentication refusal (status 400: the key is not on the broker's allow-list for that port), or a failed handshake
-without detail (with CURVE: the client holds another broker's public key). ``HandshakeWatch`` reads those events
-until a handshake succeeds and turns the last failure into a sentence that says what to change.
+without detail (the server closed it: a CURVE client that holds another broker's public key, or a plaintext client
+at a secure broker that closed before the mismatch was told). ``HandshakeWatch`` reads those events until a
+handshake succeeds; a mismatch or a refusal is a verdict at once, a failure without detail when it repeats.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from zmq.utils.monitor import recv_monitor_message
 _EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 _ALLOW_LIST = {"rank": "--rank-keys", "worker": "--worker-keys"}
 _OTHER_ROLE = {"rank": "worker", "worker": "rank"}
+REPEATS = 3  # failures without detail before they are the verdict (one can be a connection lost in passing)
 
 
 class HandshakeWatch:
@@ -30,13 +32,18 @@ class HandshakeWatch:
         self.monitor: zmq.Socket = sock.get_monitor_socket(_EVENTS)
         self.verdict: str | None = None
         self.succeeded = False
+        self._without_detail = 0
 
     def read(self) -> None:
         while self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)
             kind, value = event["event"], int(event["value"])
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.succeeded, self.verdict = True, None
+                self.succeeded, self.verdict, self._without_detail = True, None, 0
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                self._without_detail += 1
+                if self._without_detail >= REPEATS:
+                    self.verdict = self._explain(kind, value)
             else:
                 self.verdict = self._explain(kind, value)
 
@@ -53,8 +60,12 @@ class HandshakeWatch:
                 f"for this port (a {_OTHER_ROLE[self.role]}'s key is refused here too)"
             )
         if self.secure:
-            return f"the CURVE handshake with {where} failed: check that the broker.key this {self.role} uses is that broker's public key"
-        return f"the handshake with {where} failed (event {kind}, value {value})"
+            return (
+                f"the CURVE handshake with {where} failed: check that the broker.key this {self.role} uses is that broker's public "
+                "key, and that the broker runs with --secure"
+            )
+        keys = "keys= (or set DRAFTFEED_KEYS=DIR)" if self.role == "rank" else "--secure --keys DIR"
+        return f"{where} closes this {self.role}'s plaintext handshake: it is most likely secure (CURVE); pass {keys}, from `draftfeed keys generate`"
 
     def close(self) -> None:
         try:

@@ -1,0 +1,115 @@
+"""Processes stop as schedulers expect (issue 15): SIGTERM of the demo stops its children and removes its folder; a
+worker with nothing in hand leaves at once, also when no broker answers; a second SIGTERM exits immediately; and a
+waiting rank says what it waits for and why."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import FAST_LIVENESS, WORKER_ENV, Cluster, make_batch, wait_until
+
+from draftfeed import RemoteEagle3Target
+from draftfeed.launch import processes
+
+pytestmark = pytest.mark.timeout(180)
+SLOW = ["--engine", "fake_engines:FakeSlowEngine", "--service", "svc"]
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_sigterm_of_the_demo_stops_its_broker_and_workers_and_removes_its_folder():
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "draftfeed", "demo", "--steps", "100000", "--seq-len", "32"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **WORKER_ENV},
+        start_new_session=True,
+    )
+    try:
+        pids, folder = [], None
+        assert demo.stdout is not None
+        for line in demo.stdout:
+            if match := re.search(r"saved to (\S+)", line):
+                folder = Path(match.group(1)).parent
+            if match := re.search(r"\(?pid (\d+)", line):
+                pids.append(int(match.group(1)))
+            if line.startswith("step"):
+                break
+        assert len(pids) == 3 and folder is not None and folder.exists(), (pids, folder)
+        demo.send_signal(signal.SIGTERM)
+        assert demo.wait(60) == 128 + signal.SIGTERM
+        wait_until(lambda: all(gone(pid) for pid in pids), timeout_s=30, what="the demo's broker and workers to stop")
+        assert not folder.exists(), f"{folder} was left behind"
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait(10)
+
+
+def test_a_worker_that_no_broker_answers_leaves_at_once_on_sigterm(tiny_target):
+    worker = processes.start(
+        ["worker", "--broker", "tcp://127.0.0.1:9", "--target", str(tiny_target), "--register-timeout", "600"],
+        env=WORKER_ENV,
+        ready_timeout_s=60,
+        ready_pattern=r"registering with the broker at tcp://127.0.0.1:9",
+    )
+    try:
+        worker.signal(signal.SIGTERM)
+        assert worker.popen.wait(15) == 0
+        assert any("stopped before a broker answered" in line for line in worker.log_tail)
+    finally:
+        worker.kill()
+
+
+def test_a_worker_whose_broker_died_leaves_at_once_and_a_second_sigterm_ends_a_long_forward(tiny_target):
+    cluster = Cluster(*FAST_LIVENESS)
+    try:
+        idle = cluster.add_worker(tiny_target, *SLOW, "--name", "idle")
+        busy = cluster.add_worker(tiny_target, *SLOW, "--name", "busy", env={"FAKE_FORWARD_S": "120"})
+        with RemoteEagle3Target(cluster.frontend, "svc") as target:
+            target.model_info()
+            target.generate_batch_async(**make_batch(1, 4, 1000, seed=1))
+            target.generate_batch_async(**make_batch(1, 4, 1000, seed=2))
+            wait_until(lambda: all((cluster.worker_status(n) or {}).get("in_flight") for n in ("idle", "busy")), what="both workers busy")
+        wait_until(lambda: (cluster.worker_status("idle") or {}).get("in_flight") == 0, timeout_s=60, what="the idle worker done with its batch")
+        cluster.broker.kill()
+        idle.signal(signal.SIGTERM)
+        assert idle.popen.wait(15) == 0  # nothing in hand: it leaves at once, with no broker to answer
+        busy.signal(signal.SIGTERM)  # in the middle of a 120 s forward: it cannot stop yet
+        busy.wait_for_line(r"SIGTERM: stopping \(another one exits at once\)", timeout_s=10)
+        busy.signal(signal.SIGTERM)
+        assert busy.popen.wait(15) == 128 + signal.SIGTERM
+        busy.wait_for_line("SIGTERM again: exiting now", timeout_s=5)
+    finally:
+        cluster.stop()
+
+
+def test_a_waiting_rank_says_how_long_and_why(tiny_target, caplog):
+    cluster = Cluster(*FAST_LIVENESS)
+    try:
+        cluster.add_worker(tiny_target, *SLOW, "--name", "slow", env={"FAKE_FORWARD_S": "2.5"})
+        with caplog.at_level(logging.WARNING, logger="draftfeed.producer"):
+            with RemoteEagle3Target(cluster.frontend, "svc", wait_log_interval=0.5) as target:
+                target.generate_batch(**make_batch(1, 4, 1000, seed=3))
+        waits = [r.getMessage() for r in caplog.records if r.getMessage().startswith("draftfeed: waiting")]
+        assert waits, "no wait was logged"
+        assert re.match(
+            r"draftfeed: waiting [1-9]\d* s for supervision from service 'svc' \(1 batches in flight\): its 1 workers have not answered \(the broker was heard \d+\.\d s ago\)",
+            waits[-1],
+        ), waits[-1]
+    finally:
+        cluster.stop()
