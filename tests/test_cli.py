@@ -76,3 +76,16 @@ def test_status_of_a_running_broker(cluster):
     assert '"services"' in result.stdout
     table = run("-m", "draftfeed", "status", "--broker", cluster.frontend)
     assert table.stdout.startswith("broker ")
+
+
+def test_help_shows_every_default_with_its_source():
+    from draftfeed.broker.settings import BrokerSettings
+    from draftfeed.consumers.config import WorkerConfig
+
+    worker = run("-m", "draftfeed.launch", "worker", "--help").stdout
+    for text in ("--dtype {auto,float32,bfloat16,float16}", f"(default: {WorkerConfig.capacity})", "(default: auto)", "(default: probs)"):
+        assert text in " ".join(worker.split()), text
+    broker = " ".join(run("-m", "draftfeed.launch", "broker", "--help").stdout.split())
+    assert f"(default: {BrokerSettings.max_queued_per_rank})" in broker and f"(default: {BrokerSettings.heartbeat_interval_s})" in broker
+    status = " ".join(run("-m", "draftfeed", "status", "--help").stdout.split())
+    assert "(default: tcp://127.0.0.1:5555)" in status and "(default: 10.0)" in status

@@ -9,10 +9,14 @@ names goes to the worker before the request, if the worker does not hold it.
 
 from __future__ import annotations
 
+import logging
+
 from draftfeed.broker.mappings import MappingTable
 from draftfeed.broker.records import Outgoing, Pending, ServiceRecord, WorkerRecord
 from draftfeed.schemas.messages import dispatch_header, dispatch_rank_fields
 from draftfeed.schemas.protocol import SIGNATURE
+
+log = logging.getLogger("draftfeed.broker")
 
 
 def pick_worker(service: ServiceRecord, pending: Pending) -> WorkerRecord | None:
@@ -60,5 +64,6 @@ class Scheduler:
         if pending.request_json is None:
             pending.request_json = pending.request.model_dump_json().encode()
         header = dispatch_header(pending.ticket, rank.dispatch_fields, pending.request_json)
+        log.debug("broker: request %d of rank %s to worker %s (ticket %d)", pending.request.request_id, rank.hello.rank, worker.name, pending.ticket)
         out.append(Outgoing("backend", worker.peer, [SIGNATURE, header, *pending.frames]))
         return out
