@@ -36,6 +36,7 @@ class Chaos(threading.Thread):
         self.done: list[str] = []
         self.error: BaseException | None = None
         self._count = 0
+        self.starting: list[threading.Thread] = []  # replacements on their way up: joined before the cluster stops
 
     def live_workers(self) -> list[processes.Process]:
         return [w for w in self.cluster.workers if w.popen.poll() is None]
@@ -43,9 +44,11 @@ class Chaos(threading.Thread):
     def replace(self) -> None:
         self._count += 1
         name = f"spare-{self._count}"
-        threading.Thread(
+        starting = threading.Thread(
             target=lambda: self.cluster.add_worker(self.target, *SLOW, "--name", name, env={"FAKE_FORWARD_S": "0.03"}), daemon=True
-        ).start()
+        )
+        self.starting.append(starting)
+        starting.start()
 
     def run(self) -> None:
         try:
@@ -103,6 +106,8 @@ def test_three_ranks_get_every_batch_through_worker_churn_and_a_broker_restart(t
     finally:
         chaos.stop_now.set()
         chaos.join(30)
+        for starting in chaos.starting:
+            starting.join(60)  # a replacement not yet in cluster.workers would outlive the test otherwise
         for rank in ranks:
             rank.stop(timeout_s=5)
         cluster.stop()

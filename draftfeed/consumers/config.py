@@ -24,7 +24,7 @@ class WorkerConfig:
     connect_timeout_s: float = 5.0  # how long to reach a rank's data socket the first time
     register_timeout_s: float = 60.0  # how long to wait for the broker at start
     drain_timeout_s: float = 10.0  # on SIGTERM, how long to wait for the broker to confirm the drain
-    data_plane: str = "auto"  # auto | frames | nccl | gloo (docs/data-planes.md)
-    pair_timeout_s: float = 30.0  # a pair group's rendezvous and each transfer on it
+    data_plane: str = "auto"  # auto | frames | nccl | gloo | nixl (docs/data-planes.md)
+    pair_timeout_s: float = 30.0  # a pair group's rendezvous and each transfer on it (nixl: the open, each grant and each write)
     keys: PeerKeys | None = None  # CURVE to the broker and to ranks (docs/security.md)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # the largest frame and request this worker takes from the broker

@@ -1,12 +1,16 @@
-"""The worker's side of the data planes: per rank, frames or a pair group, and that group's life.
+"""The worker's side of the data planes: per rank, frames, a pair group or a nixl pair, and its life.
 
 For each rank it serves, the worker chooses a plane once (dataplane/choice.py, logged with the reason).
-A pair plane is opened without stopping work: the worker hosts a one-off TCPStore, tells the rank to
-join it (``pair_open`` on the rank's data socket) and builds its side of the group on a thread; answers
-go as frames until the group is ready. A group that fails is torn down (``pair_close`` to the rank), the
-answer in hand goes again as frames, and a new group, under a new generation, is opened after a backoff
-that doubles with each failure. A group is never used again after a failure: a send that failed part way
-leaves the two sides out of step.
+A pair plane is opened without stopping work; answers go as frames until it is ready:
+
+- a pair group (gloo, nccl): the worker hosts a one-off TCPStore, tells the rank to join it (``pair_open``
+  on the rank's data socket) and builds its side of the group on a thread;
+- a nixl pair: the worker starts its NIXL agent (nixl_senders.py) and sends ``nixl_open``; the rank's
+  ``nixl_ready`` brings its agent metadata, which the worker loads.
+
+A pair that fails is torn down (``pair_close`` to the rank), the answer in hand goes again as frames, and a
+new pair, under a new generation, is opened after a backoff that doubles with each failure. A pair is never
+used again after a failure: a send that failed part way leaves the two sides out of step.
 """
 
 from __future__ import annotations
@@ -19,13 +23,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from draftfeed.consumers.nixl_senders import NixlSender
 from draftfeed.dataplane.choice import PlaneChoice, choose_plane
+from draftfeed.dataplane.nixl_transport import NixlError
 from draftfeed.dataplane.pair_group import SENDER, DataPlaneError, PairGroup, host_store, join_store
 from draftfeed.net import local_address_towards
 from draftfeed.schemas.frames import pack
-from draftfeed.schemas.messages import DataPlaneOffer, PairClose, PairOpen, PairStatus
+from draftfeed.schemas.messages import DataPlaneOffer, NixlGrant, NixlOpen, NixlReady, PairClose, PairOpen, PairStatus
 
 log = logging.getLogger("draftfeed.worker")
 
@@ -36,6 +43,15 @@ class PlaneRefused(Exception):
 
 # Seconds before a failed pair group is opened again: doubles per failure, up to the second number.
 REOPEN_BACKOFF_S = (1.0, 60.0)
+
+
+@dataclass(frozen=True)
+class NixlLink:
+    """A ready nixl pair: where to write for this rank."""
+
+    sender: NixlSender
+    remote_agent: str
+    memory: str  # the rank's slots: DRAM or VRAM
 
 
 @dataclass
@@ -50,6 +66,9 @@ class _Pair:
     opening: threading.Thread | None = None
     opened: list[Any] = field(default_factory=list)  # the opening thread's PairGroup or exception
     reopen_at: float = 0.0
+    opening_until: float = 0.0  # a nixl pair: the rank's nixl_ready must come before this
+    nixl: NixlLink | None = None
+    grants: dict[int, NixlGrant] = field(default_factory=dict)  # want -> the rank's grant, until taken
     failures: int = 0
     sent_over_pair: int = 0
     fallbacks: int = 0
@@ -73,15 +92,17 @@ class PairPlanes:
     def __init__(self, worker: str, offer: DataPlaneOffer, send: Callable[[str, list[Any]], bool], timeout_s: float = 30.0) -> None:
         self.worker = worker
         self.offer = offer
+        self.nixl = NixlSender(worker, torch.device(offer.device))
+        self._next_want = 0
         self.timeout_s = timeout_s
         self._send = send  # (rank endpoint, frames) -> whether it went out, without blocking
         self._pairs: dict[str, _Pair] = {}
         self._lock = threading.Lock()
         self._next_generation = 0
 
-    def group_for(self, endpoint: str, rank: str, rank_offer: DataPlaneOffer | None) -> tuple[PairGroup, int] | None:
-        """The ready group to this rank and its generation, or None: send this answer as frames. Raises
-        PlaneRefused when the plane this pair was made to use cannot be had (the reason says why)."""
+    def group_for(self, endpoint: str, rank: str, rank_offer: DataPlaneOffer | None) -> tuple[PairGroup | NixlLink, int] | None:
+        """The ready group or nixl link to this rank and its generation, or None: send this answer as frames.
+        Raises PlaneRefused when the plane this pair was made to use cannot be had (the reason says why)."""
         pair = self._pairs.get(endpoint)
         if pair is None:
             pair = self._new_pair(endpoint, rank, rank_offer)
@@ -91,9 +112,59 @@ class PairPlanes:
             self._check_opening(pair)
         if pair.state == "down" and time.monotonic() >= pair.reopen_at:
             self._open(pair)
-        if pair.state == "ready" and pair.group is not None and pair.generation is not None:
-            return pair.group, pair.generation
+        if pair.state == "ready" and pair.generation is not None:
+            if pair.group is not None:
+                return pair.group, pair.generation
+            if pair.nixl is not None:
+                return pair.nixl, pair.generation
         return None
+
+    # ------------------------------------------------------------ nixl pairs
+    def nixl_ready(self, endpoint: str, message: NixlReady, frames: list[Any]) -> None:
+        """The rank's side of a nixl pair is up: load its agent metadata."""
+        pair = self._pairs.get(endpoint)
+        if pair is None or pair.generation != message.generation or pair.state != "opening" or pair.choice.plane != "nixl":
+            return
+        try:
+            if len(frames) != 1:
+                raise NixlError(f"nixl_ready carries {len(frames)} frames, not the one of agent metadata")
+            name = self.nixl.connect(frames[0].bytes if hasattr(frames[0], "bytes") else bytes(frames[0]))
+        except NixlError as exc:
+            self._tear_down(pair, f"the rank's agent could not be loaded: {exc}", tell_rank=True)
+            return
+        if name != message.agent:
+            self.nixl.disconnect(name)
+            self._tear_down(pair, f"the rank's agent metadata names {name!r}, not {message.agent!r}", tell_rank=True)
+            return
+        pair.nixl, pair.state = NixlLink(self.nixl, name, message.memory), "ready"
+        log.info("worker %s: nixl pair %d with rank %s is ready (its slots in %s)", self.worker, pair.generation, pair.rank, message.memory)
+
+    def granted(self, endpoint: str, message: NixlGrant, frames: list[Any]) -> None:
+        """A grant; with one frame, the metadata of a slot the rank registered since this pair opened: loaded now."""
+        pair = self._pairs.get(endpoint)
+        if pair is None or pair.generation != message.generation or pair.state != "ready":
+            return
+        if frames:
+            try:
+                self.nixl.connect(frames[0].bytes if hasattr(frames[0], "bytes") else bytes(frames[0]))
+            except NixlError as exc:
+                self._tear_down(pair, f"a new slot's metadata could not be loaded: {exc}", tell_rank=True)
+                return
+        pair.grants[message.want] = message
+
+    def take_grant(self, endpoint: str, generation: int, want: int) -> NixlGrant | None:
+        pair = self._pairs.get(endpoint)
+        if pair is None or pair.generation != generation:
+            return None
+        return pair.grants.pop(want, None)
+
+    def is_ready(self, endpoint: str, generation: int) -> bool:
+        pair = self._pairs.get(endpoint)
+        return pair is not None and pair.generation == generation and pair.state == "ready"
+
+    def next_want(self) -> int:
+        self._next_want += 1
+        return self._next_want
 
     def sent(self, endpoint: str) -> None:
         pair = self._pairs[endpoint]
@@ -138,6 +209,11 @@ class PairPlanes:
         for endpoint in list(self._pairs):
             self.forget(endpoint)
 
+    def shut_down(self) -> None:
+        """Close every pair and the NIXL agent (the worker is exiting)."""
+        self.close()
+        self.nixl.close()
+
     # ------------------------------------------------------------ internals
     def _new_pair(self, endpoint: str, rank: str, rank_offer: DataPlaneOffer | None) -> _Pair:
         choice = choose_plane(self.offer, rank_offer)
@@ -151,6 +227,9 @@ class PairPlanes:
         return pair
 
     def _open(self, pair: _Pair) -> None:
+        if pair.choice.plane == "nixl":
+            self._open_nixl(pair)
+            return
         generation = self._next_generation
         host = local_address_towards(pair.endpoint)
         try:
@@ -183,7 +262,25 @@ class PairPlanes:
         pair.opening.start()
         log.info("worker %s: opening %s pair group %d with rank %s", self.worker, backend, generation, pair.rank)
 
+    def _open_nixl(self, pair: _Pair) -> None:
+        try:
+            agent = self.nixl.name
+        except NixlError as exc:
+            self._backoff(pair, str(exc))
+            return
+        generation = self._next_generation
+        message = NixlOpen(worker=self.worker, generation=generation, agent=agent, timeout_s=self.timeout_s, reason=pair.choice.reason[:512])
+        if not self._send(pair.endpoint, pack(message)):
+            return  # the rank's link is busy or not up yet: try again with the next answer
+        self._next_generation += 1
+        pair.generation, pair.state, pair.opening_until = generation, "opening", time.monotonic() + self.timeout_s
+        log.info("worker %s: opening nixl pair %d with rank %s", self.worker, generation, pair.rank)
+
     def _check_opening(self, pair: _Pair) -> None:
+        if pair.choice.plane == "nixl":
+            if time.monotonic() > pair.opening_until:
+                self._tear_down(pair, f"the rank did not answer nixl_open within {self.timeout_s:.0f} s", tell_rank=True)
+            return
         if pair.opening is None or pair.opening.is_alive():
             return
         outcome = pair.opened[0] if pair.opened else RuntimeError("the opening thread ended without a result")
@@ -216,6 +313,10 @@ class PairPlanes:
         if pair.group is not None:
             pair.group.close()
         pair.group = None
+        if pair.nixl is not None:
+            pair.nixl.sender.disconnect(pair.nixl.remote_agent)  # the rank's agent is dropped with its pair
+            log.info("worker %s: dropped the NIXL agent of rank %s", pair.nixl.sender.worker, pair.rank)
+        pair.nixl, pair.grants = None, {}
         if pair.opening is not None:
             # Still joining: the thread ends at its timeout; whatever it built is closed then.
             opening, opened = pair.opening, pair.opened

@@ -5,8 +5,9 @@ owns the engine and the direct sockets to the ranks. The loop files everything t
 before it computes, so that a rank's departure or a re-registration takes effect on queued work at once.
 
 Supervision goes to each rank on the plane chosen for that pair (pair_planes.py): frames on the direct
-socket, or a header on the socket and the tensors on the pair's own torch.distributed group; a pair
-group that fails is torn down and the answer goes again as frames.
+socket, or a header on the socket and the tensors on the pair's own torch.distributed group, or (nixl)
+a header on the socket after the tensors were written into a slot the rank granted; a pair that fails is
+torn down and the answer goes again as frames.
 
 A request that cannot be served is answered with a failure that says why, and the worker serves on.
 An engine out of memory hands the request back to the broker, which gives it to another worker, and so
@@ -33,12 +34,13 @@ from draftfeed.consumers.broker_link import RESET, STOP, BrokerLink
 from draftfeed.consumers.config import WorkerConfig
 from draftfeed.consumers.engines.base import RETRYABLE_ERRORS
 from draftfeed.consumers.mappings import MissingMapping, WorkerMappings
-from draftfeed.consumers.pair_planes import PairPlanes, PlaneRefused
+from draftfeed.consumers.pair_planes import NixlLink, PairPlanes, PlaneRefused
 from draftfeed.consumers.rank_links import Delivery, RankLinks
 from draftfeed.consumers.tasks.base import Task
 from draftfeed.consumers.validation import validate_batch
 from draftfeed.dataplane.choice import local_offer
-from draftfeed.dataplane.pair_group import DataPlaneError, describe
+from draftfeed.dataplane.nixl_transport import NixlError, Region
+from draftfeed.dataplane.pair_group import DataPlaneError, PairGroup, describe
 from draftfeed.dataplane.tensor_codec import decode_tensors, pack_tensors
 from draftfeed.net import close_quietly, host_identity
 from draftfeed.schemas.errors import BadRequest, CannotServe, MalformedMessage
@@ -52,12 +54,17 @@ from draftfeed.schemas.messages import (
     Failure,
     ForgetMapping,
     ForgetRank,
+    NixlGrant,
+    NixlReady,
+    NixlWant,
     PairClose,
     Register,
     Result,
     VocabMapping,
     WorkerHeartbeat,
 )
+from draftfeed.schemas.protocol import nixl_notification
+from draftfeed.schemas.tensor_specs import packed_layout
 
 log = logging.getLogger("draftfeed.worker")
 
@@ -124,7 +131,7 @@ class Worker:
         self._ranks = ranks = RankLinks(context, hwm=self.config.capacity + 1, keys=self.config.keys)
         self._planes = PairPlanes(
             self.name,
-            local_offer(self.config.data_plane, self.task.engine.device),
+            local_offer(self.config.data_plane, self.task.engine.device, encrypted=self.config.keys is not None),
             send=lambda endpoint, frames: ranks.try_send(endpoint, frames) is Delivery.SENT,
             timeout_s=self.config.pair_timeout_s,
         )
@@ -152,7 +159,7 @@ class Worker:
             if link.is_alive():
                 pipe.send(STOP)
                 link.join(timeout=5)
-            self._planes.close()
+            self._planes.shut_down()
             self._ranks.close()
             close_quietly(pipe)
             context.term()
@@ -228,16 +235,21 @@ class Worker:
             self._forget(message, pipe)
 
     def _take_from_ranks(self) -> None:
-        """What ranks sent back on the data links: a rank that tore its side of a pair group down."""
+        """What ranks sent back on the data links: a rank that tore its side of a pair down, a nixl pair's
+        readiness, a nixl grant."""
         assert self._ranks is not None and self._planes is not None
         for endpoint, frames in self._ranks.incoming():
             try:
-                message, _ = unpack(frames, DATA_OUTBOUND)
+                message, extra = unpack(frames, DATA_OUTBOUND)
             except MalformedMessage as exc:
                 log.warning("worker %s: ignoring a malformed message from rank %s: %s", self.name, endpoint, exc)
                 continue
             if isinstance(message, PairClose):
                 self._planes.rank_closed(endpoint, message)
+            elif isinstance(message, NixlReady):
+                self._planes.nixl_ready(endpoint, message, extra)
+            elif isinstance(message, NixlGrant):
+                self._planes.granted(endpoint, message, extra)
 
     def _forget(self, message: ForgetRank, pipe: zmq.Socket) -> None:
         assert self._ranks is not None and self._planes is not None
@@ -311,7 +323,11 @@ class Worker:
         request, endpoint = dispatch.request, dispatch.reply_to
         fields = dict(request_id=request.request_id, token=request.token, kind=request.kind, worker=self.name)
         pair = self._planes.group_for(endpoint, dispatch.rank, dispatch.data_plane)
-        if pair is not None:
+        if pair is not None and isinstance(pair[0], NixlLink):
+            delivery = self._deliver_nixl(dispatch, tensors, pair[0], pair[1], fields)
+            if delivery is not None:
+                return delivery
+        elif pair is not None and isinstance(pair[0], PairGroup):
             group, generation = pair
             header = Result(tensors=describe(tensors), plane="pair", generation=generation, **fields)
             delivery = self._deliver(endpoint, pack(header))
@@ -328,6 +344,55 @@ class Worker:
                 group.close()
                 self._planes.failed(endpoint, f"{type(exc).__name__}: {exc}")
         return self._deliver(endpoint, pack_tensors(Result, tensors, **fields))
+
+    def _deliver_nixl(self, dispatch: Dispatch, tensors: dict[str, torch.Tensor], link: NixlLink, generation: int, fields: dict) -> Delivery | None:
+        """Ask the rank for a slot, write the answer into it, then send the header; None: send it as frames (no slot
+        was granted, or the pair failed and was torn down)."""
+        assert self._planes is not None
+        endpoint = dispatch.reply_to
+        specs = describe(tensors)
+        offsets, total = packed_layout(specs)
+        if total == 0:
+            return None
+        want = self._planes.next_want()
+        delivery = self._deliver(endpoint, pack(NixlWant(worker=self.name, generation=generation, want=want, nbytes=total)))
+        if delivery is not Delivery.SENT:
+            return delivery
+        grant = self._await_grant(endpoint, generation, want)
+        if grant is None:
+            return None
+        if grant.refused is not None:
+            log.debug("worker %s: rank %s granted no slot (%s); this answer goes as frames", self.name, dispatch.rank, grant.refused)
+            return None
+        try:
+            local = link.sender.stage(tensors, offsets, total)
+            remote = Region(grant.address, total, grant.device, "VRAM" if link.memory == "VRAM" else "DRAM")
+            link.sender.write(local, remote, link.remote_agent, nixl_notification(generation, grant.slot, want), self.config.pair_timeout_s)
+        except (NixlError, RuntimeError) as exc:
+            self._planes.failed(endpoint, str(exc))
+            return None
+        delivery = self._deliver(endpoint, pack(Result(tensors=specs, plane="nixl", generation=generation, slot=grant.slot, **fields)))
+        if delivery is Delivery.SENT:
+            self._planes.sent(endpoint)
+        return delivery
+
+    def _await_grant(self, endpoint: str, generation: int, want: int) -> NixlGrant | None:
+        """The rank's grant for ``want``, or None when the pair closes, the rank is gone, or --pair-timeout passes
+        (the pair is then torn down: a grant that comes later is never written to)."""
+        assert self._ranks is not None and self._planes is not None and self._link is not None
+        deadline = time.monotonic() + self.config.pair_timeout_s
+        forgets = self._link.forgets(endpoint)
+        while True:
+            self._take_from_ranks()
+            grant = self._planes.take_grant(endpoint, generation, want)
+            if grant is not None:
+                return grant
+            if not self._planes.is_ready(endpoint, generation) or self._link.forgets(endpoint) != forgets:
+                return None
+            if time.monotonic() > deadline:
+                self._planes.failed(endpoint, f"no nixl_grant within {self.config.pair_timeout_s:.0f} s")
+                return None
+            self._ranks.socket(endpoint).poll(50, zmq.POLLIN)
 
     def _deliver(self, endpoint: str, frames: list[Any]) -> Delivery:
         """Send to a rank, trying until it takes the message, the broker reports it gone (the link counts its

@@ -301,13 +301,13 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
         "--data-plane",
         default=_default(WorkerConfig, "data_plane"),
         choices=get_args(DataPlaneMode),
-        help="how supervision reaches ranks: auto (NCCL to CUDA ranks on this machine, frames otherwise), frames, nccl or gloo (docs/data-planes.md)",
+        help="how supervision reaches ranks: auto (NCCL to CUDA ranks on this machine, else NIXL where both sides have it, else frames), frames, nccl, gloo or nixl (docs/data-planes.md)",
     )
     worker.add_argument(
         "--pair-timeout",
         type=float,
         default=_default(WorkerConfig, "pair_timeout_s"),
-        help="seconds a pair group may take to build, and each transfer on it, before it is torn down and frames are used",
+        help="seconds a pair group or nixl pair may take to open, and each transfer on it, before it is torn down and frames are used",
     )
     worker.add_argument(
         "--drain-timeout",

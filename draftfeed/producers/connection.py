@@ -14,8 +14,8 @@ mappings, then every unanswered request, in order. A request refused because the
 (``unknown_mapping``) goes again behind that mapping. Each request is answered at most once: the first
 answer that echoes the request's random token resolves it; any later one is dropped and counted.
 
-Supervision a worker sends on a pair group (docs/data-planes.md) is received by pair_receivers.py. When
-such an answer is lost with its group, the rank asks for the request again under a new request id; the
+Supervision a worker sends on a pair group (docs/data-planes.md) is received by pair_receivers.py, on a
+nixl pair by nixl_receivers.py. When such an answer is lost with its group or pair, the rank asks for the request again under a new request id; the
 request answers to both ids, so whichever answer comes first (the worker's frames fallback, a requeue, or
 the new request) resolves it, and the rest are dropped as duplicates.
 """
@@ -38,6 +38,7 @@ from draftfeed.broker_session import BrokerSession
 from draftfeed.dataplane.tensor_codec import decode_tensors
 from draftfeed.logs import RateLimitedLog
 from draftfeed.net import bind, close_quietly, host_identity, is_loopback, local_address_towards
+from draftfeed.producers.nixl_receivers import NixlReceivers
 from draftfeed.producers.pair_receivers import PairReceivers
 from draftfeed.producers.requests import RequestKind, RequestTable, Waiter
 from draftfeed.schemas.errors import MalformedMessage, RemoteTargetError, RemoteTargetTimeout, TargetClosed
@@ -54,6 +55,8 @@ from draftfeed.schemas.messages import (
     Heartbeat,
     Hello,
     ModelInfoReply,
+    NixlOpen,
+    NixlWant,
     PairClose,
     PairOpen,
     Result,
@@ -87,7 +90,8 @@ class ConnectionStats:
     resyncs: int = 0
     busy_retries: int = 0
     received_over_pair: int = 0
-    lost_over_pair: int = 0  # answers lost with a failed pair group, asked for again
+    lost_over_pair: int = 0  # answers lost with a failed pair group or nixl pair, asked for again
+    received_over_nixl: int = 0
 
 
 class Connection:
@@ -105,6 +109,7 @@ class Connection:
         data_plane: DataPlaneOffer | None = None,
         keys: PeerKeys | None = None,
         max_result_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        nixl_pool_bytes: int = 4 << 30,
     ) -> None:
         self.broker, self.service, self.window, self.task = broker, service, window, task
         self.requests = RequestTable(window)
@@ -134,6 +139,16 @@ class Connection:
             self._on_pair_lost,
             self._on_pair_closed,
             self._on_pair_refused,
+            max_result_bytes,
+        )
+        self.nixl = NixlReceivers(
+            self.rank_id,
+            data_plane.device if data_plane is not None else "cpu",
+            nixl_pool_bytes,
+            self._on_nixl_result,
+            self._on_pair_lost,
+            self._on_pair_refused,
+            lambda identity, frames: self._tell_io_thread([_TO_WORKER, identity, *frames]),
             max_result_bytes,
         )
         pipe_endpoint = f"inproc://draftfeed-rank-{uuid.uuid4().hex}"
@@ -223,6 +238,8 @@ class Connection:
             self._tell_io_thread([_STOP])
         self._thread.join(timeout_s)
         self.pairs.close()
+        if not self._thread.is_alive():
+            self.nixl.close()  # the IO thread's: only once it has ended
         self.requests.fail_all(TargetClosed("the remote target was closed while this request was outstanding"))
         with self._lock:
             close_quietly(self._pipe)
@@ -301,7 +318,10 @@ class Connection:
         clock = self.session.clock
         next_beat = clock() + self.session.interval_s
         while True:
-            events = dict(poller.poll(max(0, int(min(next_beat - clock(), 0.05) * 1000))))
+            # A nixl header waiting for its notification: poll NIXL every millisecond until it comes.
+            longest = 0.001 if self.nixl.waiting else 0.05
+            events = dict(poller.poll(max(0, int(min(next_beat - clock(), longest) * 1000))))
+            self.nixl.poll()
             if watch is not None:
                 if watch.monitor in events:
                     watch.read()
@@ -434,6 +454,7 @@ class Connection:
             self._worker_keys = frozenset(key.encode() for key in message.keys)
         elif isinstance(message, WorkerGone):
             self.pairs.close_worker(message.worker, "the broker reports the worker gone")
+            self.nixl.close_worker(message.worker, "the broker reports the worker gone")
         elif isinstance(message, Goodbye):
             log.warning("draftfeed rank %s: broker %s is shutting down; waiting for its successor", self.rank_id, message.instance)
             self.goodbye_at = self.session.clock()
@@ -514,9 +535,19 @@ class Connection:
             return
         if isinstance(message, PairClose):
             self.pairs.worker_closed(message)
+            self.nixl.worker_closed(message)
             return
         if isinstance(message, Result) and message.plane == "pair":
             self.pairs.receive(message)  # always, even for an answer no longer awaited: the group stays in step
+            return
+        if isinstance(message, NixlOpen):
+            self.nixl.open(frames[0].bytes, message)
+            return
+        if isinstance(message, NixlWant):
+            self.nixl.want(frames[0].bytes, message)
+            return
+        if isinstance(message, Result) and message.plane == "nixl":
+            self.nixl.receive(message)
             return
         self._on_answer(message, lambda: decode_tensors(message.tensors, tensor_frames, max_message_bytes=self.max_result_bytes))
 
@@ -549,6 +580,10 @@ class Connection:
     # ------------------------------------------------------------ pair groups (receiver threads, IO thread)
     def _on_pair_result(self, header: Result, tensors: dict[str, Any]) -> None:
         self.stats.received_over_pair += 1
+        self._on_answer(header, lambda: tensors)
+
+    def _on_nixl_result(self, header: Result, tensors: dict[str, Any]) -> None:
+        self.stats.received_over_nixl += 1
         self._on_answer(header, lambda: tensors)
 
     def _on_pair_lost(self, header: Result, reason: str) -> None:

@@ -55,8 +55,11 @@ class RemoteTarget(Generic[Sup, Info]):
 
     ``data_plane`` says how supervision may reach this rank (docs/data-planes.md): ``"auto"`` (the default)
     takes NCCL from a worker on the same machine when both sides hold CUDA tensors (``device`` a CUDA
-    device here) and frames otherwise; ``"frames"``, ``"nccl"`` and ``"gloo"`` force one. The worker's
-    own setting and this one decide together; a pair that cannot use a group uses frames.
+    device here), NIXL where both sides have it installed (``pip install 'draftfeed[nixl]'``; not between
+    machines under ``keys``: NIXL traffic is not encrypted), and frames otherwise; ``"frames"``, ``"nccl"``,
+    ``"gloo"`` and ``"nixl"`` force one. The worker's own setting and this one decide together; a pair that
+    cannot use its plane for an answer sends it as frames. ``nixl_pool_bytes`` bounds the receive memory the
+    nixl plane registers; a batch you hold keeps its slot, which is reused only once its tensors are freed.
 
     ``keys`` connects to a ``--secure`` broker (docs/security.md): a ``PeerKeys``, or a folder from
     ``draftfeed keys generate`` (its rank.key_secret and broker.key); by default the folder named by
@@ -85,6 +88,7 @@ class RemoteTarget(Generic[Sup, Info]):
         data_plane: str = _DEFAULTS.data_plane,
         keys: PeerKeys | str | Path | None = None,
         max_result_bytes: int = _DEFAULTS.max_result_bytes,
+        nixl_pool_bytes: int = _DEFAULTS.nixl_pool_bytes,
     ) -> None:
         settings = RankSettings.checked(
             type(self).__name__,
@@ -95,6 +99,7 @@ class RemoteTarget(Generic[Sup, Info]):
             wait_log_interval=wait_log_interval,
             data_plane=data_plane,
             max_result_bytes=max_result_bytes,
+            nixl_pool_bytes=nixl_pool_bytes,
             device=device,
         )
         self.settings = settings
@@ -103,7 +108,8 @@ class RemoteTarget(Generic[Sup, Info]):
         self.request_timeout = settings.request_timeout
         self.device = torch.device(settings.device) if settings.device is not None else None
         self.wait_log_interval = settings.wait_log_interval
-        offer = local_offer(settings.data_plane, self.device)
+        rank_keys = PeerKeys.resolve(keys, "rank")
+        offer = local_offer(settings.data_plane, self.device, encrypted=rank_keys is not None)
         self._connection = Connection(
             broker,
             service,
@@ -112,8 +118,9 @@ class RemoteTarget(Generic[Sup, Info]):
             data_endpoint=data_endpoint,
             connect_timeout_s=settings.connect_timeout,
             data_plane=offer,
-            keys=PeerKeys.resolve(keys, "rank"),
+            keys=rank_keys,
             max_result_bytes=settings.max_result_bytes,
+            nixl_pool_bytes=settings.nixl_pool_bytes,
         )
         try:
             self._await_workers(settings.wait_for_workers)
@@ -303,8 +310,12 @@ class RemoteTarget(Generic[Sup, Info]):
         return self._connection.rank_id
 
     def data_planes(self) -> dict[str, str]:
-        """The open pair groups of this rank: worker name -> "backend generation"."""
-        return self._connection.pairs.planes()
+        """The open pair groups and nixl pairs of this rank: worker name -> "backend generation"."""
+        return self._connection.pairs.planes() | self._connection.nixl.planes()
+
+    def nixl_pool(self) -> dict[str, int]:
+        """The nixl plane's receive pool: open pairs, slots, bytes registered, slots your tensors still view, quarantined."""
+        return self._connection.nixl.stats()
 
     def pair_group(self, worker: str) -> PairOpen | None:
         """How the pair group with ``worker`` was opened (backend, generation, its rendezvous store), or None."""

@@ -8,6 +8,7 @@ from typing import Annotated
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
+from draftfeed.dataplane.choice import nixl_installed
 from draftfeed.schemas.messages import DataPlaneMode
 from draftfeed.schemas.protocol import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -25,6 +26,7 @@ class RankSettings(BaseModel):
     data_plane: DataPlaneMode = "auto"
     max_result_bytes: Annotated[StrictInt, Field(gt=0)] = DEFAULT_MAX_MESSAGE_BYTES
     device: str | None = None  # where supervision lands; None: the CPU, as received
+    nixl_pool_bytes: Annotated[StrictInt, Field(gt=0)] = 4 << 30  # the most receive memory the nixl plane registers (allocated as used)
 
     @classmethod
     def checked(cls, owner: str, **values: object) -> RankSettings:
@@ -44,6 +46,8 @@ class RankSettings(BaseModel):
         if device.type == "cuda" and not torch.cuda.is_available():
             why = "torch here is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
             raise ValueError(f"{owner}: device={self.device!r}, but {why}: pass device='cpu' (or None) on this machine")
+        if self.data_plane == "nixl" and not nixl_installed():
+            raise ValueError(f"{owner}: data_plane='nixl', but NIXL is not installed here: pip install 'draftfeed[nixl]', or use data_plane='auto'")
         if self.data_plane == "nccl" and device.type != "cuda":
             raise ValueError(
                 f"{owner}: data_plane='nccl' needs a CUDA device= to receive on, and this rank's device is {device}: "

@@ -24,8 +24,8 @@ ErrorCode = Literal[
 # A vocab mapping's name: a digest of its tensors, which every request computed with it names.
 MappingDigest = Annotated[str, Field(min_length=8, max_length=128)]
 # How supervision travels from a worker to a rank (docs/data-planes.md): auto picks nccl between CUDA
-# processes on one host and frames otherwise; the others force a plane.
-DataPlaneMode = Literal["auto", "frames", "nccl", "gloo"]
+# processes on one host, nixl where both sides have NIXL, and frames otherwise; the others force a plane.
+DataPlaneMode = Literal["auto", "frames", "nccl", "gloo", "nixl"]
 PairBackend = Literal["nccl", "gloo"]
 Generation = Annotated[int, Field(ge=0, lt=2**31)]
 
@@ -129,6 +129,9 @@ class DataPlaneOffer(Strict):
     device: Annotated[str, Field(max_length=32)] = "cpu"  # where supervision is produced (worker) or wanted (rank)
     gpu_uuid: Annotated[str, Field(max_length=64)] | None = None  # of that device, when it is CUDA
     nccl: bool = False  # torch here has NCCL and a CUDA device
+    nixl: bool = False  # the NIXL package is installed here
+    network: Annotated[str, Field(max_length=64)] = ""  # this process's network namespace (one machine may hold several)
+    encrypted: bool = False  # this side's data socket is CURVE (--secure): NIXL traffic would not be
 
 
 # ---------------------------------------------------------------- rank -> broker (frontend)
@@ -335,7 +338,7 @@ class PairStatus(Strict):
     """One (worker, rank) pair's data plane, as the worker reports it for ``draftfeed status``."""
 
     rank: Name
-    plane: Literal["frames", "nccl", "gloo"]
+    plane: Literal["frames", "nccl", "gloo", "nixl"]
     state: Literal["frames", "opening", "ready", "down"]
     reason: Annotated[str, Field(max_length=512)]
     generation: Generation | None = None
@@ -428,7 +431,9 @@ class ForgetMapping(Strict):
 # ---------------------------------------------------------------- worker -> rank (data socket)
 class Result(Strict):
     """Supervision. On plane ``frames`` the tensors follow as frames; on ``pair`` this header carries no
-    frames and the tensors follow on the pair group of ``generation``, in the order of ``tensors``."""
+    frames and the tensors follow on the pair group of ``generation``, in the order of ``tensors``; on
+    ``nixl`` the tensors were written into the rank's receive slot ``slot`` (granted to ``generation``), laid
+    out as schemas/tensor_specs.py packed_layout says."""
 
     type: Literal["result"] = "result"
     request_id: RequestId
@@ -436,8 +441,9 @@ class Result(Strict):
     kind: RequestKind
     worker: Name
     tensors: list[TensorSpec] = Field(max_length=16)
-    plane: Literal["frames", "pair"] = "frames"
+    plane: Literal["frames", "pair", "nixl"] = "frames"
     generation: Generation | None = None
+    slot: Annotated[int, Field(ge=0, lt=2**31)] | None = None
 
 
 class PairOpen(Strict):
@@ -463,6 +469,51 @@ class PairClose(Strict):
     reason: Annotated[str, Field(max_length=512)]
 
 
+class NixlOpen(Strict):
+    """The worker opens a nixl pair with this rank: answer with this rank's agent metadata (``nixl_ready``)."""
+
+    type: Literal["nixl_open"] = "nixl_open"
+    worker: Name
+    generation: Generation
+    agent: Name  # the worker's NIXL agent: notifications from it complete this pair's writes
+    timeout_s: Seconds  # the worker gives up on a write after this long
+    reason: Annotated[str, Field(max_length=512)]
+
+
+class NixlReady(Strict):
+    """The rank's side of a nixl pair is up: one frame follows, the rank's NIXL agent metadata."""
+
+    type: Literal["nixl_ready"] = "nixl_ready"
+    worker: Name
+    generation: Generation
+    agent: Name
+    memory: Literal["DRAM", "VRAM"]
+
+
+class NixlWant(Strict):
+    """The worker has an answer of ``nbytes`` for this rank: grant it a receive slot."""
+
+    type: Literal["nixl_want"] = "nixl_want"
+    worker: Name
+    generation: Generation
+    want: Annotated[int, Field(ge=0, lt=2**62)]
+    nbytes: Annotated[int, Field(ge=0, lt=2**40)]
+
+
+class NixlGrant(Strict):
+    """A receive slot for one want (or, with ``refused``, why there is none: that answer goes as frames). A slot
+    registered since the worker last loaded the rank's metadata comes with one frame: that slot's metadata."""
+
+    type: Literal["nixl_grant"] = "nixl_grant"
+    generation: Generation
+    want: Annotated[int, Field(ge=0, lt=2**62)]
+    slot: Annotated[int, Field(ge=0, lt=2**31)] = 0
+    address: Annotated[int, Field(ge=0, lt=2**64)] = 0
+    nbytes: Annotated[int, Field(ge=0, lt=2**40)] = 0
+    device: Annotated[int, Field(ge=0, lt=1024)] = 0
+    refused: Annotated[str, Field(max_length=512)] | None = None
+
+
 class Failure(Strict):
     """A request the worker could not serve, with the reason for the user."""
 
@@ -483,9 +534,9 @@ BackendOutbound = Annotated[
     Registered | Dispatch | VocabMapping | ForgetMapping | ForgetRank | ErrorReply | Heartbeat | Goodbye,
     Field(discriminator="type"),
 ]
-DataInbound = Annotated[Result | Failure | PairOpen | PairClose, Field(discriminator="type")]
+DataInbound = Annotated[Result | Failure | PairOpen | PairClose | NixlOpen | NixlWant, Field(discriminator="type")]
 # rank -> worker, back on the worker's connection to the rank's data socket
-DataOutbound = PairClose
+DataOutbound = Annotated[PairClose | NixlReady | NixlGrant, Field(discriminator="type")]
 
 
 class Accepts:

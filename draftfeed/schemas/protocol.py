@@ -12,7 +12,7 @@ Peers with another protocol version are rejected with an error that names both v
 from __future__ import annotations
 
 PROTOCOL_NAME = b"draftfeed"
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 SIGNATURE = PROTOCOL_NAME + b"/" + str(PROTOCOL_VERSION).encode()
 
 # Frame positions in a message, after any ROUTER identity frame has been taken off.
@@ -38,3 +38,21 @@ DEFAULT_BACKEND = "tcp://*:5556"
 # Tensors smaller than this are copied out of the received frame into fresh, aligned torch memory
 # (libzmq keeps very small messages inline and unaligned); larger ones are viewed in place.
 INLINE_COPY_BYTES = 1 << 16
+
+# On the nixl plane an answer's tensors lie end to end in one region, each starting at a multiple of this
+# (schemas/tensor_specs.py packed_layout), so that every dtype can be viewed in place.
+PACKED_ALIGNMENT = 64
+
+
+def nixl_notification(generation: int, slot: int, want: int) -> bytes:
+    """What a worker's NIXL write carries to the rank when it lands: which grant it fills."""
+    return f"{generation}:{slot}:{want}".encode()
+
+
+def parse_nixl_notification(raw: bytes) -> tuple[int, int, int] | None:
+    """(generation, slot, want) of a notification, or None for one that is not ours."""
+    try:
+        generation, slot, want = (int(part) for part in raw.decode().split(":"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return generation, slot, want

@@ -1,0 +1,99 @@
+"""The worker's NIXL agent and staging arena, shared by all its nixl pairs (pair_planes.py keeps their life).
+
+An answer's tensors are copied end to end into the arena (schemas/tensor_specs.py packed_layout) and written
+from there with one NIXL write into the slot the rank granted. The arena is registered once and grown (a new
+one registered, the old one dropped) only when an answer needs more: on the engine's device, so a GPU
+engine's answer goes from its GPU's memory, and a CUDA rank's slot is on its GPU (GPUDirect where UCX has it).
+One answer is written at a time (the compute loop's), so one arena serves all pairs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from draftfeed.dataplane.nixl_transport import NixlAgent, NixlError, Region
+
+log = logging.getLogger("draftfeed.worker")
+
+_ROUND = 1 << 20
+
+
+class NixlSender:
+    def __init__(self, worker: str, device: torch.device) -> None:
+        self.worker, self.device = worker, device
+        self.agent: NixlAgent | None = None
+        self._arena: np.ndarray | torch.Tensor | None = None
+        self._region: Region | None = None
+
+    @property
+    def name(self) -> str:
+        return self.ensure().name
+
+    def ensure(self) -> NixlAgent:
+        """The agent, started on first use; raises NixlError where NIXL cannot run."""
+        if self.agent is None:
+            self.agent = NixlAgent(f"draftfeed-worker-{self.worker}")
+        return self.agent
+
+    def connect(self, metadata: bytes) -> str:
+        return self.ensure().add_remote(metadata)
+
+    def disconnect(self, remote_agent: str) -> None:
+        if self.agent is not None:
+            self.agent.remove_remote(remote_agent)
+
+    def stage(self, tensors: Mapping[str, torch.Tensor], offsets: Sequence[int], total: int) -> Region:
+        """Copy the answer into the arena at ``offsets``; the region holding it."""
+        region, raw = self._room(total)
+        for tensor, offset in zip(tensors.values(), offsets):
+            flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            raw[offset : offset + flat.numel()].copy_(flat)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return Region(region.address, total, region.device, region.kind)
+
+    def write(self, local: Region, remote: Region, remote_agent: str, notification: bytes, timeout_s: float) -> None:
+        """Write and wait until NIXL says the bytes have landed; raises NixlError on an error or after ``timeout_s``."""
+        transfer = self.ensure().write(local, remote, remote_agent, notification)
+        deadline = time.monotonic() + timeout_s
+        pause = 1e-5
+        try:
+            while transfer.poll() == "PROC":
+                if time.monotonic() > deadline:
+                    raise NixlError(f"a NIXL write of {local.nbytes} bytes to {remote_agent} did not finish within {timeout_s:.0f} s")
+                time.sleep(pause)  # polling a transfer that UCX's progress thread moves, not synchronising peers
+                pause = min(pause * 2, 1e-3)
+            if transfer.state != "DONE":
+                raise NixlError(f"a NIXL write of {local.nbytes} bytes to {remote_agent} failed ({transfer.state})")
+        finally:
+            transfer.release()
+
+    def close(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
+        self.agent, self._arena, self._region = None, None, None
+
+    def _room(self, total: int) -> tuple[Region, torch.Tensor]:
+        if self._region is None or self._region.nbytes < total:
+            agent = self.ensure()
+            size = max(_ROUND, -(-total // _ROUND) * _ROUND)
+            if self._region is not None:
+                agent.deregister(self._region)
+            if self.device.type == "cuda":
+                arena: np.ndarray | torch.Tensor = torch.empty(size, dtype=torch.uint8, device=self.device)
+                region = Region(arena.data_ptr(), size, self.device.index or 0, "VRAM")
+            else:
+                arena = np.empty(size, dtype=np.uint8)
+                arena.fill(0)  # touch every page once
+                region = Region(arena.ctypes.data, size, 0, "DRAM")
+            agent.register(region)
+            self._arena, self._region = arena, region
+            log.info("worker %s: NIXL staging arena of %d MiB on %s", self.worker, size >> 20, self.device)
+        arena = self._arena
+        raw = arena if isinstance(arena, torch.Tensor) else torch.from_numpy(arena)
+        return self._region, raw
