@@ -1,11 +1,16 @@
-"""A worker whose pair-group sends fail on demand: ``python -m fake_pair_faults worker ...`` (tests/ on the path).
+"""A worker whose pair-group sends or NIXL writes fail on demand: ``python -m fake_pair_faults worker ...`` (tests/ on
+the path).
 
 ``FAKE_PAIR_FAULT=KIND:N`` makes the N-th send on a pair group send its first tensor and then
 - ``exit``: the worker process dies at once (a worker killed in the middle of a send), or
 - ``fail``: the send raises DataPlaneError, as a backend error or timeout would (a forced send failure).
 
+``FAKE_NIXL_FAULT=KIND:N`` makes the N-th NIXL write of the worker
+- ``exit``: land in the rank's slot, and then the worker dies before it sends the header (killed mid-answer), or
+- ``fail``: raise NixlError without writing, as a transfer in error or past its timeout does.
+
 A fake because neither fault can be caused on demand from outside at that exact point; everything else
-is the real worker.
+is the real worker, with the real NIXL.
 """
 
 from __future__ import annotations
@@ -19,7 +24,33 @@ from draftfeed.launch.cli import launch_main
 EXIT_CODE = 17
 
 
+def install_nixl() -> None:
+    from draftfeed.consumers.nixl_senders import NixlSender
+    from draftfeed.dataplane.nixl_transport import NixlError
+
+    kind, _, nth = os.environ["FAKE_NIXL_FAULT"].partition(":")
+    if kind not in ("exit", "fail"):
+        raise SystemExit(f"FAKE_NIXL_FAULT={os.environ['FAKE_NIXL_FAULT']!r}: expected exit:N or fail:N")
+    real_write = NixlSender.write
+    writes = [0]
+
+    def write(self: NixlSender, *args, **kwargs):
+        writes[0] += 1
+        if writes[0] != int(nth):
+            return real_write(self, *args, **kwargs)
+        if kind == "exit":
+            real_write(self, *args, **kwargs)
+            os._exit(EXIT_CODE)
+        raise NixlError(f"fake: NIXL write {writes[0]} failed")
+
+    NixlSender.write = write  # type: ignore[method-assign]
+
+
 def install() -> None:
+    if "FAKE_NIXL_FAULT" in os.environ:
+        install_nixl()
+    if "FAKE_PAIR_FAULT" not in os.environ:
+        return
     kind, _, nth = os.environ["FAKE_PAIR_FAULT"].partition(":")
     if kind not in ("exit", "fail"):
         raise SystemExit(f"FAKE_PAIR_FAULT={os.environ['FAKE_PAIR_FAULT']!r}: expected exit:N or fail:N")

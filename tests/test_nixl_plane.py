@@ -1,24 +1,33 @@
 """The nixl data plane end to end on CPU: real NIXL (UCX) agents in real broker, worker and rank processes.
 
 Supervision written by the worker into the rank's registered receive slots must equal frames and the
-in-process computation bit for bit; slots the user's tensors view are never written again; faults fall back
-to frames and the pair is rebuilt."""
+in-process computation bit for bit, for both tasks and every supervision form; slots the user's tensors view
+are never written again; the pool's bound is kept; faults fall back to frames and the pair is rebuilt."""
 
 from __future__ import annotations
 
+import gc
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-from conftest import Cluster, assert_supervision_equal, make_batch, reference_eagle3, wait_until
+from conftest import WORKER_ENV, Cluster, assert_supervision_equal, make_batch, reference_dspark, reference_eagle3, wait_until
+from fake_pair_faults import EXIT_CODE
+from reference import draft_vocab
 
-from draftfeed import RemoteEagle3Target
+from draftfeed import RemoteDSparkTarget, RemoteEagle3Target
 from draftfeed.dataplane.nixl_transport import unavailable
+from draftfeed.launch import processes
 
-pytestmark = [
-    pytest.mark.timeout(240),
-    pytest.mark.skipif(unavailable() is not None, reason=f"NIXL: {unavailable()}"),
-]
-SERVICE = "nixl"
+pytestmark = [pytest.mark.timeout(240), pytest.mark.skipif(unavailable() is not None, reason=f"NIXL: {unavailable()}")]
 VOCAB = 1000
+AUX = [1, 3, 4]
+DSPARK_IDS = [1, 3, 4, 6, 7]
+RANK_SCRIPT = str(Path(__file__).parent / "pair_rank.py")
 
 
 def pairs_of(cluster: Cluster, worker: str) -> dict[str, dict]:
@@ -26,43 +35,172 @@ def pairs_of(cluster: Cluster, worker: str) -> dict[str, dict]:
     return {pair["rank"]: pair for pair in (status or {}).get("pairs", [])}
 
 
-def nixl_ready(remote, cluster: Cluster, worker: str, model, aux) -> None:
+def await_nixl(remote, cluster: Cluster, worker: str) -> None:
     """Answers go as frames while the pair opens: ask until it is ready on both sides."""
     warm_up = make_batch(1, 8, VOCAB, seed=99)
 
     def ready() -> bool:
-        assert_supervision_equal(remote.generate_batch(**warm_up), reference_eagle3(model, warm_up, aux))
+        remote.generate_batch(**warm_up)
         return remote.data_planes().get(worker, "").startswith("nixl") and pairs_of(cluster, worker).get(remote.rank_id, {}).get("state") == "ready"
 
-    try:
-        wait_until(ready, what="the nixl pair, ready on both sides")
-    except AssertionError:
-        print("\n".join(next(w for w in cluster.workers if w.ready.get("worker") == worker).log_tail))
-        raise
+    wait_until(ready, what="the nixl pair, ready on both sides")
 
 
-def test_nixl_equals_frames_and_the_in_process_computation(tiny_target, tiny_model):
+def check(remote, model, seeds, expected_of, keep: bool = True) -> list:
+    """Iterate batches of these seeds; each answer must equal the in-process computation, in order. Returns the
+    answers (``keep``), or drops each once checked, as a training loop does."""
+    batches = [make_batch(3, 32, VOCAB, seed=seed) | {"seed": seed} for seed in seeds]
+    answers, count = [], 0
+    for batch, supervision in remote.iterate(batches):
+        assert batch["seed"] == seeds[count], "in the dataloader's order"
+        count += 1
+        expected = expected_of(batch)
+        if expected is not None:
+            assert_supervision_equal(supervision, expected)
+        if keep:
+            answers.append(supervision)
+        del supervision
+    assert count == len(seeds)
+    return answers
+
+
+@pytest.fixture(scope="module")
+def forms(tiny_target):
+    """One worker per task and form, each forcing nixl."""
     cluster = Cluster()
     try:
-        worker = cluster.add_worker(tiny_target, "--service", SERVICE, "--data-plane", "nixl")
-        name = worker.ready["worker"]
-        with (
-            RemoteEagle3Target(cluster.frontend, SERVICE, data_plane="auto") as over_nixl,
-            RemoteEagle3Target(cluster.frontend, SERVICE, data_plane="frames") as over_frames,
-        ):
-            aux = over_nixl.model_info().aux_layer_ids
-            nixl_ready(over_nixl, cluster, name, tiny_model, aux)
-            batches = [make_batch(3, 32, VOCAB, seed=seed) for seed in range(8)]
-            before = over_nixl.connection_stats.received_over_nixl
-            by_nixl = [s for _, s in over_nixl.iterate(batches)]
-            by_frames = [s for _, s in over_frames.iterate(batches)]
-            for batch, a, b in zip(batches, by_nixl, by_frames):
-                assert_supervision_equal(a, reference_eagle3(tiny_model, batch, aux))
-                for field, tensor in b.as_dict().items():
-                    assert torch.equal(a.as_dict()[field], tensor), field
-            assert over_nixl.connection_stats.received_over_nixl - before == len(batches)
-            assert over_frames.connection_stats.received_over_nixl == 0
-            pair = pairs_of(cluster, name)[over_nixl.rank_id]
-            assert pair["plane"] == "nixl" and pair["state"] == "ready" and pair["reason"].startswith("the worker asked for nixl: both have NIXL, on one machine")
+        for service, flags in {
+            "probs": [],
+            "hidden": ["--supervision", "hidden"],
+            "dspark": ["--task", "dspark"],
+        }.items():
+            cluster.add_worker(tiny_target, "--service", service, "--data-plane", "nixl", "--name", f"nixl-{service}", *flags)
+        yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.mark.parametrize("service", ["probs", "hidden", "hidden-mapped", "dspark"])
+def test_nixl_equals_frames_and_the_in_process_computation(forms, tiny_model, service):
+    mapping = draft_vocab(300) if service == "hidden-mapped" else None
+    service = service.removesuffix("-mapped")
+    cls = RemoteDSparkTarget if service == "dspark" else RemoteEagle3Target
+    worker = f"nixl-{service}"
+
+    def expected_of(batch):
+        if service == "dspark":
+            return reference_dspark(tiny_model, batch, DSPARK_IDS)
+        return reference_eagle3(tiny_model, batch, AUX) if mapping is None else None  # with a draft vocab: equal to frames
+
+    with cls(forms.frontend, service, data_plane="auto") as over_nixl, cls(forms.frontend, service, data_plane="frames") as over_frames:
+        for remote in (over_nixl, over_frames):
+            remote.model_info()
+            if mapping is not None:
+                remote.set_vocab_mapping(*mapping)
+        await_nixl(over_nixl, forms, worker)
+        seeds = list(range(10, 18))
+        before = over_nixl.connection_stats.received_over_nixl
+        by_nixl = check(over_nixl, tiny_model, seeds, expected_of)
+        by_frames = check(over_frames, tiny_model, seeds, expected_of)
+        for a, b in zip(by_nixl, by_frames):
+            for field, tensor in b.as_dict().items():
+                assert torch.equal(a.as_dict()[field], tensor), f"{field}: nixl and frames differ"
+        assert over_nixl.connection_stats.received_over_nixl - before == len(seeds), "every answer came over nixl"
+        assert over_frames.connection_stats.received_over_nixl == 0
+        pair = pairs_of(forms, worker)[over_nixl.rank_id]
+        assert pair["plane"] == "nixl" and pair["state"] == "ready"
+        assert pair["reason"].startswith("the worker asked for nixl: both have NIXL, on one machine")
+        assert pairs_of(forms, worker)[over_frames.rank_id]["reason"] == "the rank asks for frames"
+
+
+def test_a_held_batch_is_never_overwritten_and_the_pool_keeps_its_bound(forms, tiny_model, caplog):
+    caplog.set_level(logging.WARNING, logger="draftfeed.producer")
+    limit = 4 << 20  # room for about 8 answers of this size (448 KiB each, in slots of 64 KiB multiples)
+    with RemoteEagle3Target(forms.frontend, "probs", data_plane="nixl", nixl_pool_bytes=limit) as remote:
+        await_nixl(remote, forms, "nixl-probs")
+        held = check(remote, tiny_model, [500], lambda b: reference_eagle3(tiny_model, b, AUX))[0]
+        copy = {name: tensor.clone() for name, tensor in held.as_dict().items()}
+        before = remote.connection_stats.received_over_nixl
+        check(remote, tiny_model, list(range(501, 541)), lambda b: reference_eagle3(tiny_model, b, AUX), keep=False)
+        assert remote.connection_stats.received_over_nixl - before == 40, "the later answers reused the free slots"
+        for name, tensor in copy.items():
+            assert torch.equal(held.as_dict()[name], tensor), f"{name} of a held batch changed"
+        assert remote.nixl_pool()["taken"] >= 1 and remote.nixl_pool()["registered_bytes"] <= limit
+        # Hold every batch: the pool fills, later answers come as frames, still exact, and the log names the setting.
+        kept = check(remote, tiny_model, list(range(600, 620)), lambda b: reference_eagle3(tiny_model, b, AUX))
+        pool = remote.nixl_pool()
+        assert pool["registered_bytes"] <= limit, pool
+        assert remote.connection_stats.received_over_nixl - before < 60, "some answers came as frames once the pool was full"
+        assert any("nixl_pool_bytes=4194304" in r.getMessage() and "still viewed" in r.getMessage() for r in caplog.records)
+        del kept, held
+        gc.collect()
+        wait_until(lambda: remote.nixl_pool()["taken"] == 0, what="the slots freed with the tensors over them")
+        before = remote.connection_stats.received_over_nixl
+        check(remote, tiny_model, list(range(700, 705)), lambda b: reference_eagle3(tiny_model, b, AUX))
+        assert remote.connection_stats.received_over_nixl - before == 5, "nixl again once the slots were free"
+
+
+def add_faulty_worker(cluster: Cluster, target, fault: str, name: str) -> processes.Process:
+    worker = processes.start(
+        ["worker", "--broker", cluster.backend, "--target", str(target), "--service", "faults", "--data-plane", "nixl", "--name", name],
+        env={**WORKER_ENV, "FAKE_NIXL_FAULT": fault},
+        module="fake_pair_faults",
+    )
+    cluster.workers.append(worker)
+    return worker
+
+
+def test_a_failed_write_goes_as_frames_and_the_pair_is_rebuilt(fast_cluster, tiny_target, tiny_model):
+    worker = add_faulty_worker(fast_cluster, tiny_target, "fail:3", "w-flaky")
+    with RemoteEagle3Target(fast_cluster.frontend, "faults", data_plane="nixl") as remote:
+        await_nixl(remote, fast_cluster, "w-flaky")
+        check(remote, tiny_model, list(range(6)), lambda b: reference_eagle3(tiny_model, b, AUX))
+        pair = wait_until(lambda: pairs_of(fast_cluster, "w-flaky").get(remote.rank_id, {}).get("fallbacks"), what="the fallback in status")
+        assert pair == 1
+        seed = iter(range(100, 200))
+
+        def rebuilt() -> bool:
+            check(remote, tiny_model, [next(seed)], lambda b: reference_eagle3(tiny_model, b, AUX))
+            worker_side = pairs_of(fast_cluster, "w-flaky").get(remote.rank_id, {})
+            return remote.data_planes().get("w-flaky") == "nixl 1" and worker_side.get("state") == "ready"
+
+        wait_until(rebuilt, timeout_s=60, what="a new nixl pair, ready on both sides", poll_s=0.2)
+        before = remote.connection_stats.received_over_nixl
+        check(remote, tiny_model, list(range(200, 204)), lambda b: reference_eagle3(tiny_model, b, AUX))
+        assert remote.connection_stats.received_over_nixl == before + 4, "the rebuilt pair carries the answers"
+    assert worker.popen.poll() is None
+
+
+def test_a_worker_that_dies_after_its_write_loses_nothing(fast_cluster, tiny_target, tiny_model):
+    doomed = add_faulty_worker(fast_cluster, tiny_target, "exit:3", "w-doomed")
+    with RemoteEagle3Target(fast_cluster.frontend, "faults", data_plane="nixl", prefetch_depth=2) as remote:
+        remote.model_info()
+        fast_cluster.add_worker(tiny_target, "--service", "faults", "--data-plane", "nixl", "--name", "w-healthy")
+        check(remote, tiny_model, list(range(16)), lambda b: reference_eagle3(tiny_model, b, AUX))
+        assert doomed.popen.wait(timeout=30) == EXIT_CODE, "the fault killed the worker between its write and its header"
+        wait_until(lambda: "w-doomed" not in remote.data_planes(), timeout_s=10, what="the dead worker's pair closed")
+        assert remote.connection_stats.duplicates_dropped == 0
+        check(remote, tiny_model, list(range(16, 20)), lambda b: reference_eagle3(tiny_model, b, AUX))
+
+
+def test_a_killed_rank_makes_the_worker_drop_its_agent_and_others_are_served(fast_cluster, tiny_target, tiny_model):
+    worker = fast_cluster.add_worker(tiny_target, "--service", "faults", "--data-plane", "nixl", "--name", "w-survivor")
+    rank = subprocess.Popen(
+        [sys.executable, RANK_SCRIPT, fast_cluster.frontend, "faults", "nixl"], stdout=subprocess.PIPE, text=True, env={**os.environ, **WORKER_ENV}
+    )
+    try:
+        assert rank.stdout is not None
+        rank_name = rank.stdout.readline().split()[-1]
+        wait_until(lambda: pairs_of(fast_cluster, "w-survivor").get(rank_name, {}).get("sent_over_pair", 0) > 2, what="answers over nixl")
+        mark = worker.lines_seen
+        rank.kill()
+        rank.wait(timeout=10)
+        # The broker finds the rank dead within its liveness window (1 s here); the worker drops the rank's agent.
+        wait_until(lambda: rank_name not in pairs_of(fast_cluster, "w-survivor"), timeout_s=15, what="the dead rank's pair released")
+        worker.wait_for_line(f"dropped the NIXL agent of rank {rank_name}", timeout_s=5, after=mark)
+        with RemoteEagle3Target(fast_cluster.frontend, "faults", data_plane="nixl") as remote:
+            await_nixl(remote, fast_cluster, "w-survivor")
+            check(remote, tiny_model, list(range(8)), lambda b: reference_eagle3(tiny_model, b, AUX))
+    finally:
+        rank.kill()
+        rank.wait(timeout=10)

@@ -35,7 +35,7 @@ from draftfeed.schemas.tensor_specs import packed_layout
 
 log = logging.getLogger("draftfeed.producer")
 
-_ROUND = 1 << 20  # slots are whole MiB
+_ROUND = 1 << 16  # slots are whole multiples of 64 KiB
 _REUSE_SLACK = 1.25  # a free slot up to this much larger than the answer is reused
 
 
