@@ -2,10 +2,11 @@
 batches and, once done, checks every result against the in-process computation, here, under the workers' thread count.
 
     python -m rank_process --broker tcp://10.79.0.1:5555 --service svc --target DIR --batches 400 [--task dspark]
-        [--draft-vocab 300] [--form probs|hidden] [--seed 5000]
+        [--draft-vocab 300] [--form probs|hidden] [--seed 5000] [--data-plane auto|frames|nixl]
 
 Prints the ready line once set up, ``batch N`` after each batch, and at the end one ``RESULT {json}`` line:
-how many batches came, whether in order, the differences found (where and how large), or the error.
+how many batches came, whether in order, the differences found (where and how large), how many came over nixl,
+the rank's data endpoint, or the error.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def main() -> int:
     parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--draft-vocab", type=int, default=0)
     parser.add_argument("--seed", type=int, default=5000, help="the first batch's seed; each rank of a test its own")
+    parser.add_argument("--data-plane", default="auto")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -44,9 +46,10 @@ def main() -> int:
     mapping = draft_vocab(args.draft_vocab) if args.draft_vocab else None
     results = []
     error = None
+    planes = {}
     cls = RemoteEagle3Target if args.task == "eagle3" else RemoteDSparkTarget
     try:
-        with cls(args.broker, args.service, prefetch_depth=args.depth, wait_log_interval=1.0) as target:
+        with cls(args.broker, args.service, prefetch_depth=args.depth, wait_log_interval=1.0, data_plane=args.data_plane) as target:
             target.model_info()
             if mapping is not None:
                 target.set_vocab_mapping(*mapping)
@@ -54,9 +57,10 @@ def main() -> int:
             for index, (batch, supervision) in enumerate(target.iterate(batches)):
                 results.append((batch, supervision))
                 print(f"batch {index}", flush=True)
+            planes = {"over_nixl": target.connection_stats.received_over_nixl, "data_endpoint": target.data_endpoint}
     except Exception as exc:  # reported in the result line, for the test to show
         error = f"{type(exc).__name__}: {exc}"
-    print(f"RESULT {json.dumps(check(args, batches, mapping, results, error))}", flush=True)
+    print(f"RESULT {json.dumps(check(args, batches, mapping, results, error) | planes)}", flush=True)
     return 0
 
 

@@ -16,6 +16,7 @@ from fake_pair_faults import EXIT_CODE
 
 from draftfeed import RemoteEagle3Target
 from draftfeed.dataplane.choice import choose_plane, host_id, local_offer
+from draftfeed.dataplane.nixl_transport import unavailable
 from draftfeed.launch import processes
 from draftfeed.schemas.messages import DataPlaneOffer
 
@@ -55,8 +56,13 @@ def check_batches(remote: RemoteEagle3Target, model, seeds: list[int]) -> list[d
 
 
 # ---------------------------------------------------------------- the choice
-def offer(mode="auto", host="boot-a", device="cuda:0", gpu="GPU-0", nccl=True) -> DataPlaneOffer:
-    return DataPlaneOffer(mode=mode, host_id=host, hostname=f"name-of-{host}", device=device, gpu_uuid=gpu, nccl=nccl)
+def offer(mode="auto", host="boot-a", device="cuda:0", gpu="GPU-0", nccl=True, nixl=False, network="", encrypted=False) -> DataPlaneOffer:
+    return DataPlaneOffer(
+        mode=mode, host_id=host, hostname=f"name-of-{host}", device=device, gpu_uuid=gpu, nccl=nccl, nixl=nixl, network=network, encrypted=encrypted
+    )
+
+
+CPU = {"device": "cpu", "gpu": None, "nccl": False}
 
 
 @pytest.mark.parametrize(
@@ -76,12 +82,38 @@ def offer(mode="auto", host="boot-a", device="cuda:0", gpu="GPU-0", nccl=True) -
         (offer(mode="nccl"), offer(host="boot-b", gpu="GPU-1"), "nccl", "worker asked for nccl"),
         (offer(mode="nccl", device="cpu", gpu=None), offer(gpu="GPU-1"), "frames", "asked for nccl, but the worker's supervision is on cpu"),
         (offer(), None, "frames", "no data plane but frames"),
+        # NIXL: wherever both sides have it, unless NCCL serves the pair better or --secure keeps frames between machines.
+        (offer(**CPU, nixl=True), offer(**CPU, nixl=True), "nixl", "auto: both have NIXL, on one machine (worker cpu, rank cpu)"),
+        (offer(**CPU, nixl=True), offer(host="boot-b", **CPU, nixl=True), "nixl", "on name-of-boot-a and name-of-boot-b"),
+        (offer(nixl=True), offer(device="cuda:1", gpu="GPU-1", nixl=True), "nccl", "auto: both on one machine with CUDA"),
+        (offer(nixl=True), offer(nixl=True), "nixl", "auto: both have NIXL"),  # one GPU: NCCL refuses, NIXL does not
+        (offer(**CPU, nixl=True), offer(**CPU), "frames", "the rank has no NIXL (pip install 'draftfeed[nixl]')"),
+        (offer(**CPU, nixl=True), offer(host="boot-b", **CPU, nixl=True, encrypted=True), "frames", "auto under --secure between machines"),
+        (offer(**CPU, nixl=True, encrypted=True), offer(**CPU, nixl=True, encrypted=True), "nixl", "auto: both have NIXL, on one machine"),
+        (offer(mode="nixl", **CPU, nixl=True), offer(host="boot-b", **CPU, nixl=True, encrypted=True), "nixl", "the worker asked for nixl"),
+        (offer(mode="nixl", **CPU, nixl=True), offer(**CPU), "frames", "the worker asked for nixl, but the rank has no NIXL"),
+        (offer(mode="nixl", **CPU, nixl=True), offer(mode="gloo", **CPU), "frames", "the worker asks for nixl and the rank for gloo"),
+        # Network namespaces of one machine (containers, or tests/hosts.py) share its boot id: one machine, said so.
+        (
+            offer(**CPU, nixl=True, network="net:[1]"),
+            offer(**CPU, nixl=True, network="net:[2]"),
+            "nixl",
+            "on one machine, in separate network namespaces",
+        ),
+        (
+            offer(network="net:[1]"),
+            offer(device="cuda:1", gpu="GPU-1", network="net:[2]"),
+            "nccl",
+            "both on one machine, in separate network namespaces with CUDA",
+        ),
     ],
 )
 def test_the_plane_and_its_reason(worker, rank, plane, reason):
     choice = choose_plane(worker, rank)
     assert choice.plane == plane
     assert reason in choice.reason
+    forced = {worker.mode, rank.mode if rank else "auto"} - {"auto", "frames"}
+    assert choice.refused == (bool(forced) and plane == "frames" and "asks for frames" not in reason)
 
 
 def test_local_offer_on_this_machine_and_bad_modes():
@@ -89,10 +121,11 @@ def test_local_offer_on_this_machine_and_bad_modes():
     assert mine.host_id == host_id() and mine.device == "cpu" and mine.gpu_uuid is None
     if Path("/proc/sys/kernel/random/boot_id").exists():
         assert mine.host_id == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    assert choose_plane(local_offer("auto", "cpu"), local_offer("auto", "cpu")).plane == "frames"
-    with pytest.raises(ValueError, match="'carrier-pigeon' is not one of auto, frames, nccl, gloo"):
+    assert mine.nixl == (unavailable() is None) and mine.network == os.readlink("/proc/self/ns/net")
+    assert choose_plane(local_offer("auto", "cpu"), local_offer("auto", "cpu")).plane == ("nixl" if mine.nixl else "frames")
+    with pytest.raises(ValueError, match="'carrier-pigeon' is not one of auto, frames, nccl, gloo, nixl"):
         local_offer("carrier-pigeon", None)
-    with pytest.raises(ValueError, match="RemoteEagle3Target: data_plane='nvlink': input should be 'auto', 'frames', 'nccl' or 'gloo'"):
+    with pytest.raises(ValueError, match="RemoteEagle3Target: data_plane='nvlink': input should be 'auto', 'frames', 'nccl', 'gloo' or 'nixl'"):
         RemoteEagle3Target("tcp://127.0.0.1:1", SERVICE, data_plane="nvlink", connect_timeout=1)
 
 

@@ -435,6 +435,11 @@ def run_worker(args: argparse.Namespace) -> int:
         raise UsageError("--keys/--key/--broker-key given without --secure: add --secure to use them")
     keys = _peer_keys(args, "worker", required=True) if args.secure else None
     _check_device(args.device)
+    if args.data_plane == "nixl":
+        from draftfeed.dataplane.nixl_transport import unavailable
+
+        if (problem := unavailable()) is not None:
+            raise UsageError(f"--data-plane nixl: {problem}; or use --data-plane auto (NIXL where both sides have it, else frames)")
     try:
         engine = load_engine(args.engine, args.target, args.device, args.dtype, dict(args.engine_option))
     except (ValueError, TypeError) as exc:
