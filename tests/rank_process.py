@@ -1,4 +1,4 @@
-"""A training rank in a process of its own (on a host of tests/hosts.py, or beside others): iterates a fixed list of
+"""A training rank in a process of its own (on a host of draftfeed/bench/hosts.py, or beside others): iterates a fixed list of
 batches and, once done, checks every result against the in-process computation, here, under the workers' thread count.
 
     python -m rank_process --broker tcp://10.79.0.1:5555 --service svc --target DIR --batches 400 [--task dspark]

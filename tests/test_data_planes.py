@@ -93,7 +93,7 @@ CPU = {"device": "cpu", "gpu": None, "nccl": False}
         (offer(mode="nixl", **CPU, nixl=True), offer(host="boot-b", **CPU, nixl=True, encrypted=True), "nixl", "the worker asked for nixl"),
         (offer(mode="nixl", **CPU, nixl=True), offer(**CPU), "frames", "the worker asked for nixl, but the rank has no NIXL"),
         (offer(mode="nixl", **CPU, nixl=True), offer(mode="gloo", **CPU), "frames", "the worker asks for nixl and the rank for gloo"),
-        # Network namespaces of one machine (containers, or tests/hosts.py) share its boot id: one machine, said so.
+        # Network namespaces of one machine (containers, or draftfeed/bench/hosts.py) share its boot id: one machine, said so.
         (
             offer(**CPU, nixl=True, network="net:[1]"),
             offer(**CPU, nixl=True, network="net:[2]"),

@@ -1,4 +1,4 @@
-"""Supervision between hosts (network namespaces, tests/hosts.py) on both planes that cross machines: frames and
+"""Supervision between hosts (network namespaces, draftfeed/bench/hosts.py) on both planes that cross machines: frames and
 nixl (NIXL over UCX's tcp transport, as between machines without RDMA).
 
 Broker, workers and ranks each on a host of their own. A rank binds its data socket on the interface that
@@ -12,8 +12,8 @@ import json
 
 import pytest
 from conftest import WORKER_ENV
-from hosts import Hosts
 
+from draftfeed.bench.hosts import Hosts
 from draftfeed.dataplane.nixl_transport import unavailable
 from draftfeed.launch import processes
 

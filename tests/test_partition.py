@@ -1,6 +1,6 @@
 """A rank's host cut off from the network mid-run, longer than the liveness window, then back (issue 13).
 
-Broker, two workers and the rank each on a host of their own (network namespaces, tests/hosts.py). The broker
+Broker, two workers and the rank each on a host of their own (network namespaces, draftfeed/bench/hosts.py). The broker
 forgets the silent rank and tells the workers to; the rank, which kept running, notices the silence itself and
 says hello again to the same broker instance. Every batch must still arrive once, in order, equal to the
 in-process computation with the rank's own vocab mapping, for each form and task.
@@ -12,8 +12,8 @@ import json
 
 import pytest
 from conftest import WORKER_ENV
-from hosts import Hosts
 
+from draftfeed.bench.hosts import Hosts
 from draftfeed.launch import processes
 
 pytestmark = pytest.mark.timeout(300)

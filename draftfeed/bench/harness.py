@@ -48,10 +48,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def probe(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start ``python -m draftfeed.bench.probes ARGS`` with its stdout piped."""
+def probe(args: list[str], env: dict[str, str] | None = None, prefix: Sequence[str] = ()) -> subprocess.Popen:
+    """Start ``python -m draftfeed.bench.probes ARGS`` with its stdout piped (through ``prefix``: on another host)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "draftfeed.bench.probes", *args],
+        [*prefix, sys.executable, "-m", "draftfeed.bench.probes", *args],
         stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, **(env or {})},
@@ -69,10 +69,23 @@ def last_json(popen: subprocess.Popen, timeout: float = 300) -> dict:
 class Pipeline:
     """A broker and synthetic workers for one scenario; stopped on exit."""
 
-    def __init__(self, workers: int, tokens: int, compute_ms: float, capacity: int = 2, data_plane: str = "auto", keys: Path | None = None) -> None:
+    def __init__(
+        self,
+        workers: int,
+        tokens: int,
+        compute_ms: float,
+        capacity: int = 2,
+        data_plane: str = "auto",
+        keys: Path | None = None,
+        host: str = "127.0.0.1",
+        prefix: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """``host``, ``prefix``: the address the broker binds and the command that runs broker and workers on it
+        (another network namespace); ``env`` for the workers."""
         self.started: list[processes.Process] = []
         secure = ["--secure", "--keys", str(keys)] if keys is not None else []
-        self.broker = processes.start_broker(extra=["--log-level", "WARNING", *secure])
+        self.broker = processes.start_broker(host, extra=["--log-level", "WARNING", *secure], prefix=prefix)
         self.started.append(self.broker)
         for index in range(workers):
             self.started.append(
@@ -95,6 +108,8 @@ class Pipeline:
                         *(["--keys", str(keys)] if keys is not None else []),
                     ],
                     module="draftfeed.bench.synthetic",
+                    prefix=prefix,
+                    env=env,
                 )
             )
 

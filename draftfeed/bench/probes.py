@@ -9,6 +9,10 @@ COUNT batches of synthetic supervision through the pipeline and printing the rat
 ``rank ... DEPTH DATA_PLANE`` asks for that data plane (default auto).
 ``raw-gloo-recv BYTES COUNT`` hosts a pair group's store, prints its port, receives COUNT tensors of BYTES
 over gloo and prints the rate; ``raw-gloo-send PORT BYTES COUNT`` joins and sends (the pair plane's baseline).
+``raw-nixl-recv FILE BYTES COUNT`` registers BYTES with a NIXL agent, writes its metadata to FILE and prints the
+address, then waits for COUNT + 1 writes' notifications; ``raw-nixl-send FILE ADDRESS BYTES COUNT`` loads that metadata and
+writes BYTES into it COUNT + 1 times, one after another, each until NIXL reports it done (the nixl plane's baseline;
+the rate is the sender's, once each write has landed).
 ``raw-worker BACKEND COUNT`` and ``raw-rank FRONTEND COUNT WINDOW``: minimal peers in raw pyzmq around a real
 broker, so that the broker's own routing rate shows.
 Each prints one JSON line.
@@ -82,6 +86,7 @@ def rank(frontend: str, service: str, tokens: int, count: int, depth: int, data_
             del supervision
         elapsed = time.perf_counter() - started
         over_pair = target.connection_stats.received_over_pair
+        over_nixl = target.connection_stats.received_over_nixl
     print(
         json.dumps(
             {
@@ -90,6 +95,7 @@ def rank(frontend: str, service: str, tokens: int, count: int, depth: int, data_
                 "faults_per_msg": (_faults() - faults) / count,
                 "bytes": nbytes,
                 "received_over_pair": over_pair,
+                "received_over_nixl": over_nixl,
             }
         ),
         flush=True,
@@ -123,6 +129,52 @@ def raw_gloo_send(port: int, nbytes: int, count: int) -> None:
     for _ in range(count + 1):
         group.send(payload)
     group.close()
+
+
+def raw_nixl_recv(path: str, nbytes: int, count: int) -> None:
+    import numpy as np
+
+    from draftfeed.dataplane.nixl_transport import NixlAgent, Region
+
+    agent = NixlAgent("raw-nixl-recv")
+    buffer = np.ones(nbytes, dtype=np.uint8)
+    region = Region(buffer.ctypes.data, nbytes)
+    agent.register(region)
+    with open(path, "wb") as out:
+        out.write(agent.metadata())
+    print(json.dumps({"address": region.address}), flush=True)
+    seen = 0
+    deadline = time.monotonic() + 600
+    while seen < count + 1 and time.monotonic() < deadline:
+        seen += sum(len(messages) for messages in agent.notifications().values())
+        time.sleep(1e-4)  # polling for notifications, as the rank's IO loop does
+    print(json.dumps({"notifications": seen}), flush=True)
+    agent.close()
+
+
+def raw_nixl_send(path: str, address: int, nbytes: int, count: int) -> None:
+    import numpy as np
+
+    from draftfeed.dataplane.nixl_transport import NixlAgent, Region
+
+    agent = NixlAgent("raw-nixl-send")
+    with open(path, "rb") as source:
+        remote_agent = agent.add_remote(source.read())
+    buffer = np.zeros(nbytes, dtype=np.uint8)
+    local = Region(buffer.ctypes.data, nbytes)
+    agent.register(local)
+    remote = Region(address, nbytes)
+    started = 0.0
+    for index in range(count + 1):
+        if index == 1:
+            started = time.perf_counter()  # after one warm-up write
+        transfer = agent.write(local, remote, remote_agent, b"raw")
+        while transfer.poll() == "PROC":
+            pass
+        transfer.release()
+    elapsed = time.perf_counter() - started
+    print(json.dumps({"bytes_per_s": nbytes * count / elapsed, "seconds": elapsed}), flush=True)
+    agent.close()
 
 
 def raw_worker(backend: str, count: int) -> None:
@@ -220,6 +272,10 @@ def main(argv: list[str]) -> None:
         raw_gloo_recv(int(args[0]), int(args[1]))
     elif command == "raw-gloo-send":
         raw_gloo_send(int(args[0]), int(args[1]), int(args[2]))
+    elif command == "raw-nixl-recv":
+        raw_nixl_recv(args[0], int(args[1]), int(args[2]))
+    elif command == "raw-nixl-send":
+        raw_nixl_send(args[0], int(args[1]), int(args[2]), int(args[3]))
     elif command == "raw-worker":
         raw_worker(args[0], int(args[1]))
     elif command == "raw-rank":

@@ -11,6 +11,7 @@ _MODULES = {
     "codec": "codec",
     "data-plane": "data_plane",
     "pair-plane": "pair_plane",
+    "nixl": "nixl_plane",
     "encryption": "encryption",
     "broker": "broker",
     "overlap": "overlap",

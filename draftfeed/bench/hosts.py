@@ -1,4 +1,4 @@
-"""Hosts as network namespaces: several "machines" on one bridge, for tests of what crosses a network.
+"""Hosts as network namespaces: several "machines" on one bridge, for the tests and benchmarks of what crosses a network.
 
 Each host is a network namespace with one veth into a bridge namespace and an address on a private /24
 that exists only inside the namespaces made here. ``cut(host)`` sets the host's bridge port down (a
