@@ -79,10 +79,10 @@ def test_both_planes_cross_hosts_exact(hosts_available, tiny_target, task):
             started.append(broker)
             started += start_workers(hosts, broker, tiny_target, ["worker"], "--task", task)
             planes = ["frames"] if unavailable() is not None else ["frames", "nixl"]
-            ranks = {plane: start_rank(hosts, broker, tiny_target, plane, "--task", task, "--batches", "40", "--seed", "100") for plane in planes}
+            ranks = {plane: start_rank(hosts, broker, tiny_target, plane, "--task", task, "--batches", "24", "--seed", "100") for plane in planes}
             started += ranks.values()
             for plane, rank in ranks.items():
-                check_result(result_of(rank), hosts, plane, 40)
+                check_result(result_of(rank), hosts, plane, 24)
         finally:
             for process in started:
                 process.stop(timeout_s=5)
@@ -97,11 +97,11 @@ def test_rank_then_worker_partitioned_on_both_planes(hosts_available, tiny_targe
             broker = processes.start_broker(hosts.address("broker"), extra=LIVENESS, prefix=hosts.command("broker"))
             started.append(broker)
             started += start_workers(hosts, broker, tiny_target, ["worker-1", "worker-2"])
-            rank = start_rank(hosts, broker, tiny_target, plane, "--batches", "160", "--draft-vocab", "300")
+            rank = start_rank(hosts, broker, tiny_target, plane, "--batches", "100", "--draft-vocab", "300")
             started.append(rank)
             for host, after, forgotten in (
-                ("rank", 40, f"forgot rank {rank.ready['rank']} .*silent for"),
-                ("worker-1", 100, "forgot worker worker-1 .*silent for"),
+                ("rank", 30, f"forgot rank {rank.ready['rank']} .*silent for"),
+                ("worker-1", 65, "forgot worker worker-1 .*silent for"),
             ):
                 rank.wait_for_line(rf"^batch {after}$", timeout_s=120)
                 mark = broker.lines_seen
@@ -110,7 +110,7 @@ def test_rank_then_worker_partitioned_on_both_planes(hosts_available, tiny_targe
                     broker.wait_for_line(forgotten, timeout_s=30, after=mark)
                 finally:
                     hosts.restore(host)
-            check_result(result_of(rank), hosts, plane, 160)
+            check_result(result_of(rank), hosts, plane, 100)
         finally:
             for process in started:
                 process.stop(timeout_s=5)

@@ -204,3 +204,4 @@ def test_a_killed_rank_makes_the_worker_drop_its_agent_and_others_are_served(fas
     finally:
         rank.kill()
         rank.wait(timeout=10)
+        print("\n".join(worker.log_tail[-30:]))  # shown by pytest when the test fails

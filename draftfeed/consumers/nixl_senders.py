@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -57,8 +57,9 @@ class NixlSender:
             torch.cuda.synchronize(self.device)
         return Region(region.address, total, region.device, region.kind)
 
-    def write(self, local: Region, remote: Region, remote_agent: str, notification: bytes, timeout_s: float) -> None:
-        """Write and wait until NIXL says the bytes have landed; raises NixlError on an error or after ``timeout_s``."""
+    def write(self, local: Region, remote: Region, remote_agent: str, notification: bytes, timeout_s: float, gone: Callable[[], bool]) -> None:
+        """Write and wait until NIXL says the bytes have landed; raises NixlError on an error, after ``timeout_s``, or
+        as soon as ``gone()`` (the broker reported the rank gone: a write to a dead rank may never end)."""
         transfer = self.ensure().write(local, remote, remote_agent, notification)
         deadline = time.monotonic() + timeout_s
         pause = 1e-5
@@ -66,6 +67,8 @@ class NixlSender:
             while transfer.poll() == "PROC":
                 if time.monotonic() > deadline:
                     raise NixlError(f"a NIXL write of {local.nbytes} bytes to {remote_agent} did not finish within {timeout_s:.0f} s")
+                if gone():
+                    raise NixlError(f"the broker reported rank agent {remote_agent} gone during a NIXL write")
                 time.sleep(pause)  # polling a transfer that UCX's progress thread moves, not synchronising peers
                 pause = min(pause * 2, 1e-3)
             if transfer.state != "DONE":

@@ -319,18 +319,19 @@ class Worker:
 
     def _deliver_result(self, dispatch: Dispatch, tensors: dict[str, torch.Tensor]) -> Delivery:
         """Send the answer on the pair's group when it has a ready one, else (or when that fails) as frames."""
-        assert self._planes is not None
+        assert self._planes is not None and self._link is not None
         request, endpoint = dispatch.request, dispatch.reply_to
+        since = self._link.forgets(endpoint)  # a forget_rank from now on ends every wait of this delivery
         fields = dict(request_id=request.request_id, token=request.token, kind=request.kind, worker=self.name)
         pair = self._planes.group_for(endpoint, dispatch.rank, dispatch.data_plane)
         if pair is not None and isinstance(pair[0], NixlLink):
-            delivery = self._deliver_nixl(dispatch, tensors, pair[0], pair[1], fields)
+            delivery = self._deliver_nixl(dispatch, tensors, pair[0], pair[1], fields, since)
             if delivery is not None:
                 return delivery
         elif pair is not None and isinstance(pair[0], PairGroup):
             group, generation = pair
             header = Result(tensors=describe(tensors), plane="pair", generation=generation, **fields)
-            delivery = self._deliver(endpoint, pack(header))
+            delivery = self._deliver(endpoint, pack(header), since)
             if delivery is not Delivery.SENT:
                 return delivery  # the rank is gone or unreachable: _deliver has released its pair
             try:
@@ -343,9 +344,11 @@ class Worker:
                 log.exception("worker %s: sending on the pair group to %s failed", self.name, dispatch.rank)
                 group.close()
                 self._planes.failed(endpoint, f"{type(exc).__name__}: {exc}")
-        return self._deliver(endpoint, pack_tensors(Result, tensors, **fields))
+        return self._deliver(endpoint, pack_tensors(Result, tensors, **fields), since)
 
-    def _deliver_nixl(self, dispatch: Dispatch, tensors: dict[str, torch.Tensor], link: NixlLink, generation: int, fields: dict) -> Delivery | None:
+    def _deliver_nixl(
+        self, dispatch: Dispatch, tensors: dict[str, torch.Tensor], link: NixlLink, generation: int, fields: dict, since: int
+    ) -> Delivery | None:
         """Ask the rank for a slot, write the answer into it, then send the header; None: send it as frames (no slot
         was granted, or the pair failed and was torn down)."""
         assert self._planes is not None
@@ -355,51 +358,55 @@ class Worker:
         if total == 0:
             return None
         want = self._planes.next_want()
-        delivery = self._deliver(endpoint, pack(NixlWant(worker=self.name, generation=generation, want=want, nbytes=total)))
+        delivery = self._deliver(endpoint, pack(NixlWant(worker=self.name, generation=generation, want=want, nbytes=total)), since)
         if delivery is not Delivery.SENT:
             return delivery
-        grant = self._await_grant(endpoint, generation, want)
+        grant = self._await_grant(endpoint, generation, want, since)
         if grant is None:
             return None
         if grant.refused is not None:
             log.debug("worker %s: rank %s granted no slot (%s); this answer goes as frames", self.name, dispatch.rank, grant.refused)
             return None
+        assert self._link is not None
         try:
             local = link.sender.stage(tensors, offsets, total)
             remote = Region(grant.address, total, grant.device, "VRAM" if link.memory == "VRAM" else "DRAM")
-            link.sender.write(local, remote, link.remote_agent, nixl_notification(generation, grant.slot, want), self.config.pair_timeout_s)
+            notification = nixl_notification(generation, grant.slot, want)
+            link.sender.write(
+                local, remote, link.remote_agent, notification, self.config.pair_timeout_s, gone=lambda: self._link.forgets(endpoint) != since
+            )
         except (NixlError, RuntimeError) as exc:
             self._planes.failed(endpoint, str(exc))
             return None
-        delivery = self._deliver(endpoint, pack(Result(tensors=specs, plane="nixl", generation=generation, slot=grant.slot, **fields)))
+        delivery = self._deliver(endpoint, pack(Result(tensors=specs, plane="nixl", generation=generation, slot=grant.slot, **fields)), since)
         if delivery is Delivery.SENT:
             self._planes.sent(endpoint)
         return delivery
 
-    def _await_grant(self, endpoint: str, generation: int, want: int) -> NixlGrant | None:
+    def _await_grant(self, endpoint: str, generation: int, want: int, since: int) -> NixlGrant | None:
         """The rank's grant for ``want``, or None when the pair closes, the rank is gone, or --pair-timeout passes
         (the pair is then torn down: a grant that comes later is never written to)."""
         assert self._ranks is not None and self._planes is not None and self._link is not None
         deadline = time.monotonic() + self.config.pair_timeout_s
-        forgets = self._link.forgets(endpoint)
         while True:
             self._take_from_ranks()
             grant = self._planes.take_grant(endpoint, generation, want)
             if grant is not None:
                 return grant
-            if not self._planes.is_ready(endpoint, generation) or self._link.forgets(endpoint) != forgets:
+            if not self._planes.is_ready(endpoint, generation) or self._link.forgets(endpoint) != since:
                 return None
             if time.monotonic() > deadline:
                 self._planes.failed(endpoint, f"no nixl_grant within {self.config.pair_timeout_s:.0f} s")
                 return None
             self._ranks.socket(endpoint).poll(50, zmq.POLLIN)
 
-    def _deliver(self, endpoint: str, frames: list[Any]) -> Delivery:
+    def _deliver(self, endpoint: str, frames: list[Any], since: int | None = None) -> Delivery:
         """Send to a rank, trying until it takes the message, the broker reports it gone (the link counts its
-        ``forget_rank``), it was never reached within connect_timeout, or it took nothing for send_timeout."""
+        ``forget_rank``; ``since``: the count when this delivery began, default now), it was never reached within
+        connect_timeout, or it took nothing for send_timeout."""
         assert self._ranks is not None and self._planes is not None and self._link is not None
         started = time.monotonic()
-        forgets = self._link.forgets(endpoint)
+        forgets = self._link.forgets(endpoint) if since is None else since
         while True:
             delivery = self._ranks.try_send(endpoint, frames)
             if delivery is not Delivery.BLOCKED:

@@ -104,21 +104,29 @@ class NixlReceivers:
         extra: list[bytes] = []
         pair = self._pairs.get(message.worker)
         if pair is None or pair.opened.generation != message.generation or self._pool is None:
-            grant = grant.model_copy(update={"refused": f"no open nixl pair {message.generation} with worker {message.worker} here"})
-        elif message.nbytes > self.max_result_bytes:
+            reason = f"no open nixl pair {message.generation} with worker {message.worker} here"
+            self._send(identity, pack(grant.model_copy(update={"refused": reason})))
+            self._send(identity, pack(PairClose(worker=message.worker, generation=message.generation, reason=reason)))  # so it stops asking
+            return
+        if message.nbytes > self.max_result_bytes:
             grant = grant.model_copy(update={"refused": f"{message.nbytes} bytes is over this rank's max_result_bytes of {self.max_result_bytes}"})
         else:
             try:
                 slot = self._pool.grant((message.worker, message.generation, message.want), message.nbytes)
-            except PoolFull as exc:
+            except (PoolFull, NixlError) as exc:  # full, or the memory could not be registered
                 self._full.warning("full", "draftfeed rank %s: %s", self.rank, exc)
                 grant = grant.model_copy(update={"refused": str(exc)[:512]})
             else:
                 region = slot.region
                 grant = grant.model_copy(update={"slot": slot.index, "address": region.address, "nbytes": region.nbytes, "device": region.device})
                 if slot.index not in pair.known and self._agent is not None:
-                    extra = [self._agent.region_metadata(region)]
-                    pair.known.add(slot.index)
+                    try:
+                        extra = [self._agent.region_metadata(region)]
+                    except NixlError as exc:
+                        self._pool.quarantine(message.worker, message.generation)
+                        grant = NixlGrant(generation=message.generation, want=message.want, refused=str(exc)[:512])
+                    else:
+                        pair.known.add(slot.index)
         self._send(identity, pack(grant, extra))
 
     def receive(self, header: Result) -> None:
