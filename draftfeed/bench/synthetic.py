@@ -11,13 +11,14 @@ import logging
 import signal
 import sys
 import time
+from typing import get_args
 
 import torch
 
 from draftfeed.consumers.engines.base import TargetShape
 from draftfeed.consumers.worker import Worker, WorkerConfig
 from draftfeed.launch.ready import announce_ready
-from draftfeed.schemas.messages import Eagle3TargetInfo, LogitTransform
+from draftfeed.schemas.messages import DataPlaneMode, Eagle3TargetInfo, LogitTransform
 from draftfeed.security.curve import PeerKeys
 
 # An 8B target's shape (Llama-3.1-8B: H = 4096, 32 layers) with a 32k draft vocabulary:
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compute-ms", type=float, default=0.0)
     parser.add_argument("--capacity", type=int, default=2)
     parser.add_argument("--name", default=None)
-    parser.add_argument("--data-plane", default="auto", choices=["auto", "frames", "nccl", "gloo"])
+    parser.add_argument("--data-plane", default="auto", choices=get_args(DataPlaneMode))
     parser.add_argument("--keys", default=None, help="a folder from `draftfeed keys generate`: CURVE with its worker key")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)

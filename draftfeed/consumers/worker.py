@@ -355,7 +355,7 @@ class Worker:
         endpoint = dispatch.reply_to
         specs = describe(tensors)
         offsets, total = packed_layout(specs)
-        if total == 0:
+        if total < max(1, self.config.nixl_min_bytes):
             return None
         want = self._planes.next_want()
         delivery = self._deliver(endpoint, pack(NixlWant(worker=self.name, generation=generation, want=want, nbytes=total)), since)

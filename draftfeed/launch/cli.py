@@ -310,6 +310,12 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
         help="seconds a pair group or nixl pair may take to open, and each transfer on it, before it is torn down and frames are used",
     )
     worker.add_argument(
+        "--nixl-min-bytes",
+        type=int,
+        default=_default(WorkerConfig, "nixl_min_bytes"),
+        help="answers smaller than this go as frames on a nixl pair too (a slot's round trip costs more than copying them)",
+    )
+    worker.add_argument(
         "--drain-timeout",
         type=float,
         default=_default(WorkerConfig, "drain_timeout_s"),
@@ -466,6 +472,7 @@ def run_worker(args: argparse.Namespace) -> int:
             drain_timeout_s=args.drain_timeout,
             data_plane=args.data_plane,
             pair_timeout_s=args.pair_timeout,
+            nixl_min_bytes=args.nixl_min_bytes,
             keys=keys,
             max_request_bytes=args.max_request_bytes,
         ),
