@@ -42,6 +42,8 @@ def start_workers(hosts: Hosts, broker: processes.Process, target, names, *flags
             SERVICE,
             "--name",
             name,
+            "--nixl-min-bytes",
+            "0",  # the tiny target's answers are small: nixl for all of them
             *flags,
             env={**WORKER_ENV, **UCX_TCP},
             prefix=hosts.command(name),
