@@ -3,6 +3,7 @@ between them, and the faults a pair group must survive. Real broker, worker and 
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import subprocess
@@ -193,7 +194,7 @@ def test_two_ranks_two_workers_mixed_planes(tiny_target, tiny_model):
             )
         )
         # Which worker serves which batch is the broker's choice: go on until the gloo worker has used its group.
-        seed = iter(range(1000, 1100))
+        seed = itertools.count(1000)  # as many as the waits below take
         wait_until(
             lambda: check_batches(ranks["auto"], tiny_model, [next(seed)]) and ranks["auto"].connection_stats.received_over_pair > 0,
             timeout_s=60,

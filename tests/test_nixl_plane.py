@@ -28,6 +28,7 @@ VOCAB = 1000
 AUX = [1, 3, 4]
 DSPARK_IDS = [1, 3, 4, 6, 7]
 RANK_SCRIPT = str(Path(__file__).parent / "pair_rank.py")
+SMALL = ["--nixl-min-bytes", "0"]  # the tiny target's answers are under the default: nixl for all of them
 
 
 def pairs_of(cluster: Cluster, worker: str) -> dict[str, dict]:
@@ -74,7 +75,7 @@ def forms(tiny_target):
             "hidden": ["--supervision", "hidden"],
             "dspark": ["--task", "dspark"],
         }.items():
-            cluster.add_worker(tiny_target, "--service", service, "--data-plane", "nixl", "--name", f"nixl-{service}", *flags)
+            cluster.add_worker(tiny_target, "--service", service, "--data-plane", "nixl", "--name", f"nixl-{service}", *SMALL, *flags)
         yield cluster
     finally:
         cluster.stop()
@@ -142,7 +143,7 @@ def test_a_held_batch_is_never_overwritten_and_the_pool_keeps_its_bound(forms, t
 
 def add_faulty_worker(cluster: Cluster, target, fault: str, name: str) -> processes.Process:
     worker = processes.start(
-        ["worker", "--broker", cluster.backend, "--target", str(target), "--service", "faults", "--data-plane", "nixl", "--name", name],
+        ["worker", "--broker", cluster.backend, "--target", str(target), "--service", "faults", "--data-plane", "nixl", "--name", name, *SMALL],
         env={**WORKER_ENV, "FAKE_NIXL_FAULT": fault},
         module="fake_pair_faults",
     )
@@ -175,7 +176,7 @@ def test_a_worker_that_dies_after_its_write_loses_nothing(fast_cluster, tiny_tar
     doomed = add_faulty_worker(fast_cluster, tiny_target, "exit:3", "w-doomed")
     with RemoteEagle3Target(fast_cluster.frontend, "faults", data_plane="nixl", prefetch_depth=2) as remote:
         remote.model_info()
-        fast_cluster.add_worker(tiny_target, "--service", "faults", "--data-plane", "nixl", "--name", "w-healthy")
+        fast_cluster.add_worker(tiny_target, "--service", "faults", "--data-plane", "nixl", "--name", "w-healthy", *SMALL)
         check(remote, tiny_model, list(range(16)), lambda b: reference_eagle3(tiny_model, b, AUX))
         assert doomed.popen.wait(timeout=30) == EXIT_CODE, "the fault killed the worker between its write and its header"
         wait_until(lambda: "w-doomed" not in remote.data_planes(), timeout_s=10, what="the dead worker's pair closed")
@@ -184,7 +185,7 @@ def test_a_worker_that_dies_after_its_write_loses_nothing(fast_cluster, tiny_tar
 
 
 def test_a_killed_rank_makes_the_worker_drop_its_agent_and_others_are_served(fast_cluster, tiny_target, tiny_model):
-    worker = fast_cluster.add_worker(tiny_target, "--service", "faults", "--data-plane", "nixl", "--name", "w-survivor")
+    worker = fast_cluster.add_worker(tiny_target, "--service", "faults", "--data-plane", "nixl", "--name", "w-survivor", *SMALL)
     rank = subprocess.Popen(
         [sys.executable, RANK_SCRIPT, fast_cluster.frontend, "faults", "nixl"], stdout=subprocess.PIPE, text=True, env={**os.environ, **WORKER_ENV}
     )

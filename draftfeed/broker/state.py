@@ -367,8 +367,9 @@ class BrokerState:
             service.completions.append(self.clock())
         elif done.outcome == "failed":
             worker.failed += 1
-        waited_ms = 1000 * (self.clock() - pending.enqueued_at)
-        log.debug("broker: %s %s by worker %s, %.1f ms after it arrived", pending.describe(), done.outcome, worker.name, waited_ms)
+        if log.isEnabledFor(logging.DEBUG):  # describe() is not free, and this runs once per request
+            waited_ms = 1000 * (self.clock() - pending.enqueued_at)
+            log.debug("broker: %s %s by worker %s, %.1f ms after it arrived", pending.describe(), done.outcome, worker.name, waited_ms)
         out = self._complete(pending, service)
         if done.rank_unreachable and not pending.rank.gone:
             hello = pending.rank.hello

@@ -26,6 +26,6 @@ class WorkerConfig:
     drain_timeout_s: float = 10.0  # on SIGTERM, how long to wait for the broker to confirm the drain
     data_plane: str = "auto"  # auto | frames | nccl | gloo | nixl (docs/data-planes.md)
     pair_timeout_s: float = 30.0  # a pair group's rendezvous and each transfer on it (nixl: the open, each grant and each write)
-    nixl_min_bytes: int = 64 << 10  # a smaller answer goes as frames on a nixl pair too: its grant's round trip costs more than the copy
+    nixl_min_bytes: int = 1 << 20  # a smaller answer goes as frames on a nixl pair too: its grant's round trip costs more than the copy
     keys: PeerKeys | None = None  # CURVE to the broker and to ranks (docs/security.md)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # the largest frame and request this worker takes from the broker

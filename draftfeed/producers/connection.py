@@ -318,10 +318,12 @@ class Connection:
         clock = self.session.clock
         next_beat = clock() + self.session.interval_s
         while True:
-            # A nixl header waiting for its notification: poll NIXL every millisecond until it comes.
-            longest = 0.001 if self.nixl.waiting else 0.05
-            events = dict(poller.poll(max(0, int(min(next_beat - clock(), longest) * 1000))))
-            self.nixl.poll()
+            # A nixl header waiting for its notification: poll NIXL every millisecond until it comes. Only then: NIXL keeps
+            # notifications until asked, and asking progresses its connections, which is not free.
+            waiting = self.nixl.waiting
+            events = dict(poller.poll(max(0, int(min(next_beat - clock(), 0.001 if waiting else 0.05) * 1000))))
+            if waiting:
+                self.nixl.poll()
             if watch is not None:
                 if watch.monitor in events:
                     watch.read()
