@@ -128,7 +128,7 @@ class PairPlanes:
         try:
             if len(frames) != 1:
                 raise NixlError(f"nixl_ready carries {len(frames)} frames, not the one of agent metadata")
-            name = self.nixl.connect(frames[0].bytes if hasattr(frames[0], "bytes") else bytes(frames[0]))
+            name = self.nixl.connect(_bytes(frames[0]))
         except NixlError as exc:
             self._tear_down(pair, f"the rank's agent could not be loaded: {exc}", tell_rank=True)
             return
@@ -146,7 +146,7 @@ class PairPlanes:
             return
         if frames:
             try:
-                self.nixl.connect(frames[0].bytes if hasattr(frames[0], "bytes") else bytes(frames[0]))
+                self.nixl.connect(_bytes(frames[0]))
             except NixlError as exc:
                 self._tear_down(pair, f"a new slot's metadata could not be loaded: {exc}", tell_rank=True)
                 return
@@ -322,6 +322,11 @@ class PairPlanes:
             opening, opened = pair.opening, pair.opened
             threading.Thread(target=_close_when_built, args=(opening, opened), daemon=True).start()
         pair.opening, pair.opened, pair.store = None, [], None
+
+
+def _bytes(frame: Any) -> bytes:
+    """A received frame's bytes (a zmq.Frame, or bytes already)."""
+    return frame.bytes if hasattr(frame, "bytes") else bytes(frame)
 
 
 def _build(host: str, port: int, backend: str, generation: int, nonce: str, timeout_s: float, out: list[Any]) -> None:
