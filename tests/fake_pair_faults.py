@@ -31,19 +31,19 @@ def install_nixl() -> None:
     kind, _, nth = os.environ["FAKE_NIXL_FAULT"].partition(":")
     if kind not in ("exit", "fail"):
         raise SystemExit(f"FAKE_NIXL_FAULT={os.environ['FAKE_NIXL_FAULT']!r}: expected exit:N or fail:N")
-    real_write = NixlSender.write
+    real_post = NixlSender.post
     writes = [0]
 
-    def write(self: NixlSender, *args, **kwargs):
+    def post(self: NixlSender, *args, **kwargs):
         writes[0] += 1
         if writes[0] != int(nth):
-            return real_write(self, *args, **kwargs)
+            return real_post(self, *args, **kwargs)
         if kind == "exit":
-            real_write(self, *args, **kwargs)
+            real_post(self, *args, **kwargs).wait()
             os._exit(EXIT_CODE)
         raise NixlError(f"fake: NIXL write {writes[0]} failed")
 
-    NixlSender.write = write  # type: ignore[method-assign]
+    NixlSender.post = post  # type: ignore[method-assign]
 
 
 def install() -> None:

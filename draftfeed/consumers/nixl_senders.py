@@ -4,7 +4,8 @@ An answer's tensors are copied end to end into the arena (schemas/tensor_specs.p
 from there with one NIXL write into the slot the rank granted. The arena is registered once and grown (a new
 one registered, the old one dropped) only when an answer needs more: on the engine's device, so a GPU
 engine's answer goes from its GPU's memory, and a CUDA rank's slot is on its GPU (GPUDirect where UCX has it).
-One answer is written at a time (the compute loop's), so one arena serves all pairs.
+One answer is written at a time: the compute loop posts a write, sends its header and goes on to the next
+request, and waits for the write to land only before it stages the next answer, so one arena serves all pairs.
 """
 
 from __future__ import annotations
@@ -16,11 +17,44 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from draftfeed.dataplane.nixl_transport import NixlAgent, NixlError, Region
+from draftfeed.dataplane.nixl_transport import NixlAgent, NixlError, Region, Transfer
 
 log = logging.getLogger("draftfeed.worker")
 
 _ROUND = 1 << 20
+
+
+class Write:
+    """One posted write of the staged answer, until NIXL says its bytes have landed."""
+
+    def __init__(self, transfer: Transfer, nbytes: int, remote_agent: str, deadline: float, gone: Callable[[], bool]) -> None:
+        self.transfer, self.nbytes, self.remote_agent, self.deadline, self.gone = transfer, nbytes, remote_agent, deadline, gone
+
+    def done(self) -> bool:
+        """Whether it has landed, without waiting; raises NixlError on an error, past its deadline, or as soon as
+        ``gone()`` (the broker reported the rank gone: a write to a dead rank may never end). Released once it ends."""
+        try:
+            state = self.transfer.poll()
+            if state == "DONE":
+                self.transfer.release()
+                return True
+            if state != "PROC":
+                raise NixlError(f"a NIXL write of {self.nbytes} bytes to {self.remote_agent} failed ({state})")
+            if time.monotonic() > self.deadline:
+                raise NixlError(f"a NIXL write of {self.nbytes} bytes to {self.remote_agent} did not finish in time")
+            if self.gone():
+                raise NixlError(f"the broker reported rank agent {self.remote_agent} gone during a NIXL write")
+        except NixlError:
+            self.transfer.release()
+            raise
+        return False
+
+    def wait(self) -> None:
+        """Until it has landed; raises as ``done`` does."""
+        pause = 1e-5
+        while not self.done():
+            time.sleep(pause)  # polling a transfer that UCX's progress thread moves, not synchronising peers
+            pause = min(pause * 2, 1e-3)
 
 
 class NixlSender:
@@ -57,24 +91,10 @@ class NixlSender:
             torch.cuda.synchronize(self.device)
         return Region(region.address, total, region.device, region.kind)
 
-    def write(self, local: Region, remote: Region, remote_agent: str, notification: bytes, timeout_s: float, gone: Callable[[], bool]) -> None:
-        """Write and wait until NIXL says the bytes have landed; raises NixlError on an error, after ``timeout_s``, or
-        as soon as ``gone()`` (the broker reported the rank gone: a write to a dead rank may never end)."""
-        transfer = self.ensure().write(local, remote, remote_agent, notification)
-        deadline = time.monotonic() + timeout_s
-        pause = 1e-5
-        try:
-            while transfer.poll() == "PROC":
-                if time.monotonic() > deadline:
-                    raise NixlError(f"a NIXL write of {local.nbytes} bytes to {remote_agent} did not finish within {timeout_s:.0f} s")
-                if gone():
-                    raise NixlError(f"the broker reported rank agent {remote_agent} gone during a NIXL write")
-                time.sleep(pause)  # polling a transfer that UCX's progress thread moves, not synchronising peers
-                pause = min(pause * 2, 1e-3)
-            if transfer.state != "DONE":
-                raise NixlError(f"a NIXL write of {local.nbytes} bytes to {remote_agent} failed ({transfer.state})")
-        finally:
-            transfer.release()
+    def post(self, local: Region, remote: Region, remote_agent: str, notification: bytes, timeout_s: float, gone: Callable[[], bool]) -> Write:
+        """Start writing the staged answer; UCX's progress thread moves it. The arena must not be staged into again
+        until the write is done (``Write.wait``)."""
+        return Write(self.ensure().write(local, remote, remote_agent, notification), local.nbytes, remote_agent, time.monotonic() + timeout_s, gone)
 
     def close(self) -> None:
         if self.agent is not None:

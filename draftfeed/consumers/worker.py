@@ -34,6 +34,7 @@ from draftfeed.consumers.broker_link import RESET, STOP, BrokerLink
 from draftfeed.consumers.config import WorkerConfig
 from draftfeed.consumers.engines.base import RETRYABLE_ERRORS
 from draftfeed.consumers.mappings import MissingMapping, WorkerMappings
+from draftfeed.consumers.nixl_senders import Write
 from draftfeed.consumers.pair_planes import NixlLink, PairPlanes, PlaneRefused
 from draftfeed.consumers.rank_links import Delivery, RankLinks
 from draftfeed.consumers.tasks.base import Task
@@ -89,6 +90,7 @@ class Worker:
         self._planes: PairPlanes | None = None
         self._link: BrokerLink | None = None
         self._in_engine: int | None = None  # the ticket being computed (heartbeats say it)
+        self._writing: tuple[Write, str] | None = None  # the last nixl write posted, and its rank's endpoint
         self._stopping_since = 0.0
         self.served = 0
 
@@ -159,6 +161,7 @@ class Worker:
             if link.is_alive():
                 pipe.send(STOP)
                 link.join(timeout=5)
+            self._finish_write(block=True)
             self._planes.shut_down()
             self._ranks.close()
             close_quietly(pipe)
@@ -190,7 +193,8 @@ class Worker:
 
     def _serve(self, pipe: zmq.Socket, link: BrokerLink) -> None:
         while link.is_alive() and not self._stop.is_set():
-            wait_ms = 0 if self._queue else 100
+            self._finish_write(block=False)
+            wait_ms = 0 if self._queue else 1 if self._writing else 100
             while pipe.poll(wait_ms):
                 self._take(pipe.recv_multipart(copy=False), pipe)
                 wait_ms = 0
@@ -367,21 +371,41 @@ class Worker:
         if grant.refused is not None:
             log.debug("worker %s: rank %s granted no slot (%s); this answer goes as frames", self.name, dispatch.rank, grant.refused)
             return None
-        assert self._link is not None
+        self._finish_write(block=True)  # the last answer's write must have landed before the arena is staged into again
+        if not self._planes.is_ready(endpoint, generation):
+            return None  # that write failed and took this pair down
+        link_ = self._link
+        assert link_ is not None
         try:
             local = link.sender.stage(tensors, offsets, total)
             remote = Region(grant.address, total, grant.device, "VRAM" if link.memory == "VRAM" else "DRAM")
             notification = nixl_notification(generation, grant.slot, want)
-            link.sender.write(
-                local, remote, link.remote_agent, notification, self.config.pair_timeout_s, gone=lambda: self._link.forgets(endpoint) != since
-            )
+            gone = lambda: link_.forgets(endpoint) != since  # noqa: E731
+            self._writing = (link.sender.post(local, remote, link.remote_agent, notification, self.config.pair_timeout_s, gone), endpoint)
         except (NixlError, RuntimeError) as exc:
             self._planes.failed(endpoint, str(exc))
             return None
+        # The header goes now; the rank uses the slot only once the write's notification is there too.
         delivery = self._deliver(endpoint, pack(Result(tensors=specs, plane="nixl", generation=generation, slot=grant.slot, **fields)), since)
         if delivery is Delivery.SENT:
             self._planes.sent(endpoint)
         return delivery
+
+    def _finish_write(self, block: bool) -> None:
+        """Check on (or wait for) the last nixl write. One that failed takes its pair down (``pair_close``): the rank
+        gives up on its answer and asks again, and the pair is rebuilt after the backoff."""
+        if self._writing is None:
+            return
+        write, endpoint = self._writing
+        assert self._planes is not None
+        try:
+            if block:
+                write.wait()
+            elif not write.done():
+                return
+        except NixlError as exc:
+            self._planes.failed(endpoint, str(exc))
+        self._writing = None
 
     def _await_grant(self, endpoint: str, generation: int, want: int, since: int) -> NixlGrant | None:
         """The rank's grant for ``want``, or None when the pair closes, the rank is gone, or --pair-timeout passes
