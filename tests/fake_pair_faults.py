@@ -7,7 +7,9 @@ the path).
 
 ``FAKE_NIXL_FAULT=KIND:N`` makes the N-th NIXL write of the worker
 - ``exit``: land in the rank's slot, and then the worker dies before it sends the header (killed mid-answer), or
-- ``fail``: raise NixlError without writing, as a transfer in error or past its timeout does.
+- ``fail``: raise NixlError without writing, as a write that cannot start does, or
+- ``late``: count as posted (its header goes out) but move nothing and report an error when checked, as a write
+  that fails in flight does: no bytes land and no notification comes.
 
 A fake because neither fault can be caused on demand from outside at that exact point; everything else
 is the real worker, with the real NIXL.
@@ -24,13 +26,27 @@ from draftfeed.launch.cli import launch_main
 EXIT_CODE = 17
 
 
+class FakeFailedWrite:
+    """A posted write that failed in flight: nothing landed, no notification; checking it raises."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def done(self) -> bool:
+        from draftfeed.dataplane.nixl_transport import NixlError
+
+        raise NixlError(self.message)
+
+    wait = done
+
+
 def install_nixl() -> None:
     from draftfeed.consumers.nixl_senders import NixlSender
     from draftfeed.dataplane.nixl_transport import NixlError
 
     kind, _, nth = os.environ["FAKE_NIXL_FAULT"].partition(":")
-    if kind not in ("exit", "fail"):
-        raise SystemExit(f"FAKE_NIXL_FAULT={os.environ['FAKE_NIXL_FAULT']!r}: expected exit:N or fail:N")
+    if kind not in ("exit", "fail", "late"):
+        raise SystemExit(f"FAKE_NIXL_FAULT={os.environ['FAKE_NIXL_FAULT']!r}: expected exit:N, fail:N or late:N")
     real_post = NixlSender.post
     writes = [0]
 
@@ -41,6 +57,8 @@ def install_nixl() -> None:
         if kind == "exit":
             real_post(self, *args, **kwargs).wait()
             os._exit(EXIT_CODE)
+        if kind == "late":
+            return FakeFailedWrite(f"fake: NIXL write {writes[0]} failed in flight")
         raise NixlError(f"fake: NIXL write {writes[0]} failed")
 
     NixlSender.post = post  # type: ignore[method-assign]

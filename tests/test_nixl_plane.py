@@ -172,6 +172,17 @@ def test_a_failed_write_goes_as_frames_and_the_pair_is_rebuilt(fast_cluster, tin
     assert worker.popen.poll() is None
 
 
+def test_a_posted_write_that_fails_takes_the_pair_down_and_its_answer_is_asked_for_again(fast_cluster, tiny_target, tiny_model):
+    worker = add_faulty_worker(fast_cluster, tiny_target, "late:3", "w-late")
+    with RemoteEagle3Target(fast_cluster.frontend, "faults", data_plane="nixl") as remote:
+        await_nixl(remote, fast_cluster, "w-late")
+        check(remote, tiny_model, list(range(8)), lambda b: reference_eagle3(tiny_model, b, AUX))
+        wait_until(lambda: pairs_of(fast_cluster, "w-late").get(remote.rank_id, {}).get("fallbacks"), what="the torn-down pair in status")
+        assert remote.connection_stats.lost_over_pair >= 1, "the answer whose write failed was asked for again"
+        check(remote, tiny_model, list(range(8, 12)), lambda b: reference_eagle3(tiny_model, b, AUX))
+    assert worker.popen.poll() is None
+
+
 def test_a_worker_that_dies_after_its_write_loses_nothing(fast_cluster, tiny_target, tiny_model):
     doomed = add_faulty_worker(fast_cluster, tiny_target, "exit:3", "w-doomed")
     with RemoteEagle3Target(fast_cluster.frontend, "faults", data_plane="nixl", prefetch_depth=2) as remote:
