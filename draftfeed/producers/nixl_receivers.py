@@ -210,7 +210,7 @@ class NixlReceivers:
 
     def close(self) -> None:
         for worker in list(self._pairs):
-            self._close(worker, "the rank is closing")
+            self._close(worker, "the rank is closing", level=logging.DEBUG)
         if self._pool is not None:
             self._pool.close()
         if self._agent is not None:
@@ -244,14 +244,15 @@ class NixlReceivers:
             pair.received += 1
             self.on_result(waiting.header, tensors)
 
-    def _close(self, worker: str, reason: str, tell_worker: bool = False) -> None:
+    def _close(self, worker: str, reason: str, tell_worker: bool = False, level: int = logging.INFO) -> None:
         pair = self._pairs.pop(worker, None)
         if pair is None:
             return
         self._by_agent.pop(pair.opened.agent, None)
         self._filled = {(w, s) for w, s in self._filled if w != worker}
         quarantined = self._pool.quarantine(worker) if self._pool is not None else 0
-        log.info(
+        log.log(
+            level,
             "draftfeed rank %s: nixl pair %d with worker %s closed (%s); %d slots quarantined",
             self.rank,
             pair.opened.generation,
