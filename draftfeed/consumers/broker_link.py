@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import zmq
 
 from draftfeed.broker_session import BrokerSession
-from draftfeed.net import close_quietly
+from draftfeed.net import SendBacklog, close_quietly
 from draftfeed.schemas.errors import MalformedMessage
 from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import (
@@ -74,7 +74,7 @@ class BrokerLink(threading.Thread):
         self.failure: BaseException | None = None
         self.registrations = 0
         self._forgets: Counter[str] = Counter()
-        self._backlog: deque[list[Any]] = deque()  # messages for a broker whose pipe is full
+        self._backlog = SendBacklog()  # messages for a broker whose pipe is full
         self._watch: HandshakeWatch | None = None
         self._forgets_lock = threading.Lock()
 
@@ -153,25 +153,11 @@ class BrokerLink(threading.Thread):
                 next_beat = session.clock() + session.interval_s
 
     def _send(self, dealer: zmq.Socket, frames: list[Any], *, droppable: bool = False) -> None:
-        """Never block on a broker out of reach: a heartbeat that cannot go now is dropped, anything else waits in
-        order behind what already waits (a registration afresh drops it all: the broker requeued everything)."""
-        if self._backlog:
-            if not droppable:
-                self._backlog.append(frames)
-            return
-        try:
-            dealer.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            if not droppable:
-                self._backlog.append(frames)
+        """Never block on a broker out of reach (a registration afresh drops what waits: the broker requeued it all)."""
+        self._backlog.send(dealer, frames, droppable=droppable)
 
     def _flush(self, dealer: zmq.Socket) -> None:
-        while self._backlog:
-            try:
-                dealer.send_multipart(self._backlog[0], flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self._backlog.popleft()
+        self._backlog.flush(dealer)
 
     def _register(self, dealer: zmq.Socket) -> None:
         self.session.introducing()

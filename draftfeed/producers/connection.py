@@ -26,7 +26,6 @@ import logging
 import os
 import threading
 import uuid
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ import zmq
 from draftfeed.broker_session import BrokerSession
 from draftfeed.dataplane.tensor_codec import decode_tensors
 from draftfeed.logs import RateLimitedLog
-from draftfeed.net import bind, close_quietly, host_identity, is_loopback, local_address_towards
+from draftfeed.net import SendBacklog, bind, close_quietly, host_identity, is_loopback, local_address_towards
 from draftfeed.producers.nixl_receivers import NixlReceivers
 from draftfeed.producers.pair_receivers import PairReceivers
 from draftfeed.producers.requests import RequestKind, RequestTable, Waiter
@@ -127,7 +126,7 @@ class Connection:
         self.keys = keys
         self.max_result_bytes = max_result_bytes
         self._worker_keys: frozenset[bytes] = frozenset()  # the workers the broker vouches for (secure brokers)
-        self._backlog: deque[list[Any]] = deque()  # messages for a broker whose pipe is full (it is out of reach)
+        self._backlog = SendBacklog()  # messages for a broker whose pipe is full (it is out of reach)
         self.service_workers: int | None = None  # the ready workers of this rank's service, as the broker last said
         self.services: dict[str, int] = {}  # every service of the broker, with its ready workers, at the welcome
         self.has_workers = threading.Event()
@@ -389,25 +388,11 @@ class Connection:
         self._send(control, waiter.frames)
 
     def _send(self, control: zmq.Socket, frames: list[Any], *, droppable: bool = False) -> None:
-        """Never block on a broker out of reach: a heartbeat or hello that cannot go now is dropped (the next one
-        goes), anything else waits in order behind what already waits."""
-        if self._backlog:
-            if not droppable:
-                self._backlog.append(frames)
-            return
-        try:
-            control.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            if not droppable:
-                self._backlog.append(frames)
+        """Never block on a broker out of reach: a heartbeat or hello that cannot go now is dropped (the next one goes)."""
+        self._backlog.send(control, frames, droppable=droppable)
 
     def _flush(self, control: zmq.Socket) -> None:
-        while self._backlog:
-            try:
-                control.send_multipart(self._backlog[0], flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self._backlog.popleft()
+        self._backlog.flush(control)
 
     def _drain(self, sock: zmq.Socket, handle: Callable[[list[Any]], None]) -> None:
         while True:
