@@ -31,7 +31,7 @@ from draftfeed.dataplane.choice import PlaneChoice, choose_plane
 from draftfeed.dataplane.nixl_transport import NixlError
 from draftfeed.dataplane.pair_group import SENDER, DataPlaneError, PairGroup, host_store, join_store
 from draftfeed.net import local_address_towards
-from draftfeed.schemas.frames import pack
+from draftfeed.schemas.frames import frame_bytes, pack
 from draftfeed.schemas.messages import DataPlaneOffer, NixlGrant, NixlOpen, NixlReady, PairClose, PairOpen, PairStatus
 
 log = logging.getLogger("draftfeed.worker")
@@ -128,7 +128,7 @@ class PairPlanes:
         try:
             if len(frames) != 1:
                 raise NixlError(f"nixl_ready carries {len(frames)} frames, not the one of agent metadata")
-            name = self.nixl.connect(_bytes(frames[0]))
+            name = self.nixl.connect(frame_bytes(frames[0]))
         except NixlError as exc:
             self._tear_down(pair, f"the rank's agent could not be loaded: {exc}", tell_rank=True)
             return
@@ -146,7 +146,7 @@ class PairPlanes:
             return
         if frames:
             try:
-                self.nixl.connect(_bytes(frames[0]))
+                self.nixl.connect(frame_bytes(frames[0]))
             except NixlError as exc:
                 self._tear_down(pair, f"a new slot's metadata could not be loaded: {exc}", tell_rank=True)
                 return
@@ -322,11 +322,6 @@ class PairPlanes:
             opening, opened = pair.opening, pair.opened
             threading.Thread(target=_close_when_built, args=(opening, opened), daemon=True).start()
         pair.opening, pair.opened, pair.store = None, [], None
-
-
-def _bytes(frame: Any) -> bytes:
-    """A received frame's bytes (a zmq.Frame, or bytes already)."""
-    return frame.bytes if hasattr(frame, "bytes") else bytes(frame)
 
 
 def _build(host: str, port: int, backend: str, generation: int, nonce: str, timeout_s: float, out: list[Any]) -> None:

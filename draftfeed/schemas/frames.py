@@ -18,7 +18,8 @@ def pack(header: BaseModel, buffers: Sequence[Any] = ()) -> list[Any]:
     return [SIGNATURE, header.model_dump_json().encode(), *buffers]
 
 
-def _bytes(frame: Any) -> bytes:
+def frame_bytes(frame: Any) -> bytes:
+    """A received frame's bytes (a zmq.Frame, or bytes already)."""
     return frame.bytes if hasattr(frame, "bytes") else bytes(frame)
 
 
@@ -35,7 +36,7 @@ def unpack_raw(frames: Sequence[Any], accepts: Accepts) -> tuple[Any, bytes, lis
     """``unpack``, also returning the header's JSON as received (the broker forwards a request's without writing it again)."""
     if len(frames) < FIRST_TENSOR_FRAME:
         raise MalformedMessage(f"a draftfeed message has at least {FIRST_TENSOR_FRAME} frames; got {len(frames)}")
-    signature = _bytes(frames[0])
+    signature = frame_bytes(frames[0])
     if signature != SIGNATURE:
         if signature.startswith(PROTOCOL_NAME + b"/"):
             raise ProtocolVersionMismatch(
@@ -47,7 +48,7 @@ def unpack_raw(frames: Sequence[Any], accepts: Accepts) -> tuple[Any, bytes, lis
     size = header_frame.buffer.nbytes if hasattr(header_frame, "buffer") else len(header_frame)
     if size > MAX_HEADER_BYTES:
         raise MalformedMessage(f"header of {size} bytes is over the limit of {MAX_HEADER_BYTES} bytes")
-    raw = _bytes(header_frame)
+    raw = frame_bytes(header_frame)
     try:
         header = accepts.validate_json(raw)
     except ValidationError as exc:
@@ -57,10 +58,10 @@ def unpack_raw(frames: Sequence[Any], accepts: Accepts) -> tuple[Any, bytes, lis
 
 def message_type(frames: Sequence[Any]) -> str | None:
     """The ``type`` a draftfeed message's header names, without validating it; None if it names none."""
-    if len(frames) < FIRST_TENSOR_FRAME or _bytes(frames[0]) != SIGNATURE:
+    if len(frames) < FIRST_TENSOR_FRAME or frame_bytes(frames[0]) != SIGNATURE:
         return None
     try:
-        header = json.loads(_bytes(frames[1])[:MAX_HEADER_BYTES])
+        header = json.loads(frame_bytes(frames[1])[:MAX_HEADER_BYTES])
     except (ValueError, UnicodeDecodeError):
         return None
     kind = header.get("type") if isinstance(header, dict) else None
