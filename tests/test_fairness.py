@@ -81,6 +81,12 @@ def test_the_cap_stops_a_real_rank_at_connect():
         cluster.stop()
 
 
+def flooder_completed(cluster: Cluster, flooder: RemoteEagle3Target) -> int:
+    """The flooder's requests the broker has seen served."""
+    [record] = [r for r in cluster.status()["ranks"] if r["rank"] == flooder.rank_id]
+    return record["completed"]
+
+
 def test_a_light_rank_keeps_its_share_beside_a_flooding_one(tiny_target):
     """Real processes: a worker of capacity 1 at a big target's pace, a rank keeping 32 batches queued, and a
     rank asking one batch at a time. First-come-first-served would put each of the light rank's batches behind
@@ -106,13 +112,16 @@ def test_a_light_rank_keeps_its_share_beside_a_flooding_one(tiny_target):
         thread = threading.Thread(target=flood)
         thread.start()
         try:
-            light.model_info()
+            # The light rank's first batch sets up its link to the worker (its data plane among it), once per pair.
+            light.generate_batch(**make_batch(1, 8, vocab, seed=49_999))
             wait_until(lambda: flooder.in_flight >= 32 or not thread.is_alive(), what="the flooder's 32 batches in flight")
             assert thread.is_alive(), "the flooding rank stopped"
-            before = done[0]
+            # Counted where the batches are served (the broker's completions of the flooder), not where the flooder's
+            # training loop consumes them: its consumption lags its results by however much its thread is behind.
+            before = flooder_completed(cluster, flooder)
             for n in range(6):
                 light.generate_batch(**make_batch(1, 8, vocab, seed=50_000 + n))
-            during = done[0] - before
+            during = flooder_completed(cluster, flooder) - before
         finally:
             stop.set()
             thread.join(timeout=120)
@@ -120,6 +129,6 @@ def test_a_light_rank_keeps_its_share_beside_a_flooding_one(tiny_target):
             light.close()
         # Per light batch: one flooder batch in compute when it arrives, at most one ahead of it in the rotation.
         print(f"flooder batches during the light rank's 6: {during}")
-        assert during <= 6 * 2 + 4, f"the flooder finished {during} batches while the light rank finished 6"
+        assert during <= 6 * 2 + 2, f"the flooder finished {during} batches while the light rank finished 6"
     finally:
         cluster.stop()
