@@ -67,7 +67,7 @@ def refuse_submit(
             f"its prefetch window is {window}: wait for results before sending more"
         )
     positions = _positions(submit)
-    limit_positions = service.max_positions
+    limit_positions = service.max_positions if positions is not None else None
     if positions is not None and limit_positions is not None and positions > limit_positions:
         return "refused", (
             f"request {submit.request_id} has rows of {positions} positions; the target of service {service.name!r} takes at most "

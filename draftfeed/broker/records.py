@@ -34,7 +34,7 @@ def to_worker(peer: bytes, message: Any, frames: Iterable[Any] = ()) -> Outgoing
     return Outgoing("backend", peer, pack(message, list(frames)))
 
 
-@dataclass
+@dataclass(slots=True)
 class Pending:
     """A rank's request from its arrival until a worker reports it done."""
 

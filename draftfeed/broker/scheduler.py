@@ -20,11 +20,17 @@ log = logging.getLogger("draftfeed.broker")
 
 
 def pick_worker(service: ServiceRecord, pending: Pending) -> WorkerRecord | None:
-    """The worker for ``pending``, or None while no free worker may take it."""
-    candidates = [w for w in service.workers.values() if w.free_credits > 0 and w.peer not in pending.excluded]
-    if not candidates:
-        return None
-    return max(candidates, key=lambda w: (w.free_credits, -w.last_assigned))
+    """The worker for ``pending``, or None while no free worker may take it (one pass: this runs per request)."""
+    best: WorkerRecord | None = None
+    best_free = 0
+    excluded = pending.excluded
+    for worker in service.workers.values():
+        free = worker.free_credits
+        if free <= 0 or (excluded and worker.peer in excluded):
+            continue
+        if free > best_free or (free == best_free and best is not None and worker.last_assigned < best.last_assigned):
+            best, best_free = worker, free
+    return best
 
 
 class Scheduler:
@@ -39,20 +45,24 @@ class Scheduler:
             return []
         out: list[Outgoing] = []
         waiting: list[Pending] = []
-        while service.queue and any(w.free_credits > 0 for w in service.workers.values()):
-            pending = service.queue.pop()  # the next rank's oldest request, round-robin across ranks
+        queue, workers = service.queue, service.workers.values()
+        while queue and any(w.free_credits > 0 for w in workers):
+            pending = queue.pop()  # the next rank's oldest request, round-robin across ranks
             if pending.rank.gone:
                 continue
             worker = pick_worker(service, pending)
             if worker is None:
                 waiting.append(pending)  # every free worker has failed on this one; wait for another
                 continue
-            out.extend(self._assign(worker, pending))
-        service.queue.push_front(waiting)
+            self._assign(worker, pending, out)
+        if waiting:
+            queue.push_front(waiting)
         return out
 
-    def _assign(self, worker: WorkerRecord, pending: Pending) -> list[Outgoing]:
-        out = self.mappings.send_before(worker, pending)
+    def _assign(self, worker: WorkerRecord, pending: Pending, out: list[Outgoing]) -> None:
+        """Give ``pending`` to ``worker``: what to send (its mapping if the worker lacks it, then the dispatch) goes to ``out``."""
+        if pending.mapping is not None:
+            out.extend(self.mappings.send_before(worker, pending))
         pending.ticket = self._next_ticket
         self._next_ticket += 1
         worker.in_flight[pending.ticket] = pending
@@ -64,6 +74,6 @@ class Scheduler:
         if pending.request_json is None:
             pending.request_json = pending.request.model_dump_json().encode()
         header = dispatch_header(pending.ticket, rank.dispatch_fields, pending.request_json)
-        log.debug("broker: request %d of rank %s to worker %s (ticket %d)", pending.request.request_id, rank.hello.rank, worker.name, pending.ticket)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("broker: request %d of rank %s to worker %s (ticket %d)", pending.request.request_id, rank.hello.rank, worker.name, pending.ticket)
         out.append(Outgoing("backend", worker.peer, [SIGNATURE, header, *pending.frames]))
-        return out

@@ -172,7 +172,8 @@ class BrokerState:
             # does: a rank may rightly send its next request in between. Park it until that done.
             rank.parked.append(pending)
             return []
-        log.debug("broker: request %d of rank %s queued for service %r", submit.request_id, rank.hello.rank, service.name)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("broker: request %d of rank %s queued for service %r", submit.request_id, rank.hello.rank, service.name)
         return self._enqueue(pending, service)
 
     def _enqueue(self, pending: Pending, service: ServiceRecord) -> list[Outgoing]:

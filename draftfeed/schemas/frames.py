@@ -20,6 +20,8 @@ def pack(header: BaseModel, buffers: Sequence[Any] = ()) -> list[Any]:
 
 def frame_bytes(frame: Any) -> bytes:
     """A received frame's bytes (a zmq.Frame, or bytes already)."""
+    if type(frame) is bytes:
+        return frame
     return frame.bytes if hasattr(frame, "bytes") else bytes(frame)
 
 
@@ -46,7 +48,7 @@ def unpack_raw(frames: Sequence[Any], accepts: Accepts) -> tuple[Any, bytes, lis
         raise MalformedMessage(f"not a draftfeed message: first frame {signature[:32]!r} is not {SIGNATURE!r}")
     header_frame = frames[1]
     size = header_frame.buffer.nbytes if hasattr(header_frame, "buffer") else len(header_frame)
-    if size > MAX_HEADER_BYTES:
+    if size > MAX_HEADER_BYTES:  # before the header is copied out of its frame
         raise MalformedMessage(f"header of {size} bytes is over the limit of {MAX_HEADER_BYTES} bytes")
     raw = frame_bytes(header_frame)
     try:

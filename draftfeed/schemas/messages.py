@@ -552,15 +552,16 @@ class Accepts:
         self.adapter: TypeAdapter = TypeAdapter(union)
         members = get_args(union)[0] if get_origin(union) is Annotated else union
         models = get_args(members) or (members,)
-        self._by_type = {model.model_fields["type"].default.encode(): model for model in models}
+        # Each model's own validator, called directly (``model_validate_json`` is a Python wrapper around it).
+        self._by_type = {model.model_fields["type"].default.encode(): model.__pydantic_validator__ for model in models}
         self.types = frozenset(name.decode() for name in self._by_type)
 
     def validate_json(self, data: bytes) -> Any:
         if data.startswith(self._PREFIX):
-            model = self._by_type.get(data[9 : data.find(b'"', 9)])
-            if model is not None:
+            validator = self._by_type.get(data[9 : data.find(b'"', 9)])
+            if validator is not None:
                 try:
-                    return model.model_validate_json(data)
+                    return validator.validate_json(data)
                 except ValidationError:
                     pass  # the union's own validation says what is wrong
         return self.adapter.validate_json(data)
