@@ -75,5 +75,7 @@ class Scheduler:
             pending.request_json = pending.request.model_dump_json().encode()
         header = dispatch_header(pending.ticket, rank.dispatch_fields, pending.request_json)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("broker: request %d of rank %s to worker %s (ticket %d)", pending.request.request_id, rank.hello.rank, worker.name, pending.ticket)
+            log.debug(
+                "broker: request %d of rank %s to worker %s (ticket %d)", pending.request.request_id, rank.hello.rank, worker.name, pending.ticket
+            )
         out.append(Outgoing("backend", worker.peer, [SIGNATURE, header, *pending.frames]))
