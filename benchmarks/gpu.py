@@ -72,6 +72,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per batch (default 2048; 256 with --small)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--skip-pipeline", action="store_true", help="leave out the end-to-end processes")
+    parser.add_argument(
+        "--pipeline-forms", default="probs,hidden", help="supervision forms the end-to-end part runs, comma-separated (default: probs,hidden)"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     shape = "small" if args.small else "8b"
@@ -153,7 +156,9 @@ def main() -> None:
 
         # 4. end to end through broker, worker process and rank process
         if not args.skip_pipeline:
-            results["pipeline"] = {form: pipeline_rate(target, device, seq, form, 4 if args.small else 12, forward_s) for form in ("probs", "hidden")}
+            results["pipeline"] = {
+                form: pipeline_rate(target, device, seq, form, 4 if args.small else 12, forward_s) for form in args.pipeline_forms.split(",")
+            }
 
     text = json.dumps(results, indent=2)
     print(text)

@@ -19,7 +19,7 @@ from draftfeed.launch import processes
 pytestmark = pytest.mark.timeout(300)
 SERVICE = "svc"
 LIVENESS = ["--heartbeat-interval", "0.2", "--liveness", "5"]  # a peer silent for 1 s is dead
-CUTS = (40, 90, 140)  # batches after which the rank's host is cut off
+CUTS = (30, 60, 90)  # batches after which the rank's host is cut off
 
 
 @pytest.mark.parametrize(
@@ -65,7 +65,7 @@ def test_rank_partitioned_longer_than_the_liveness_window(hosts_available, tiny_
                     "--draft-vocab",
                     str(draft_vocab),
                     "--batches",
-                    "180",
+                    "120",
                 ],
                 module="rank_process",
                 env=WORKER_ENV,
