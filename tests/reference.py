@@ -27,6 +27,70 @@ def make_batch(batch_size: int, seq_len: int, vocab_size: int, seed: int, ragged
     return {"input_ids": input_ids * attention_mask, "attention_mask": attention_mask, "loss_mask": loss_mask}
 
 
+def make_packed_batch(docs: list[list[int]], pad: list[int], vocab_size: int, seed: int) -> dict[str, torch.Tensor]:
+    """Rows of several documents (``docs[row]`` their lengths) then ``pad[row]`` padding tokens, packed as NeMo packs
+    them: seq_lens zero-padded to the most documents a row has, the padding counted in the last document,
+    position_ids restarting at 0 in each document (and going on through the padding), doc_remaining the tokens left
+    in each position's document after it."""
+    generator = torch.Generator().manual_seed(seed)
+    seq = sum(docs[0]) + pad[0]
+    width = max(len(d) for d in docs)
+    input_ids = torch.randint(0, vocab_size, (len(docs), seq), generator=generator)
+    attention_mask = torch.zeros(len(docs), seq, dtype=torch.int64)
+    seq_lens = torch.zeros(len(docs), width, dtype=torch.int64)
+    position_ids = torch.zeros(len(docs), seq, dtype=torch.int64)
+    doc_remaining = torch.zeros(len(docs), seq, dtype=torch.int64)
+    for row, (lengths, padding) in enumerate(zip(docs, pad)):
+        assert sum(lengths) + padding == seq
+        attention_mask[row, : seq - padding] = 1
+        folded = [*lengths[:-1], lengths[-1] + padding]
+        seq_lens[row, : len(folded)] = torch.tensor(folded)
+        start = 0
+        for length in folded:
+            position_ids[row, start : start + length] = torch.arange(length)
+            doc_remaining[row, start : start + length] = torch.arange(length - 1, -1, -1)
+            start += length
+    loss_mask = attention_mask.clone()
+    loss_mask[:, :2] = 0
+    return {
+        "input_ids": input_ids * attention_mask,
+        "attention_mask": attention_mask,
+        "loss_mask": loss_mask,
+        "position_ids": position_ids,
+        "seq_lens": seq_lens,
+        "doc_remaining": doc_remaining,
+    }
+
+
+def block_causal_mask(batch: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, S, S] additive: query i sees key j when both are in the same document, j <= i and j is a real token;
+    the lowest value of ``dtype`` elsewhere."""
+    seq_lens, attention_mask = batch["seq_lens"], batch["attention_mask"]
+    batch_size, seq = attention_mask.shape
+    mask = torch.full((batch_size, 1, seq, seq), torch.finfo(dtype).min, dtype=dtype)
+    for row in range(batch_size):
+        start = 0
+        for length in seq_lens[row].tolist():
+            for i in range(start, start + length):
+                for j in range(start, i + 1):
+                    if attention_mask[row, j]:
+                        mask[row, 0, i, j] = 0
+            start += length
+    return mask
+
+
+def model_inputs(model, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the model is called with in-process: a packed batch gets its block-causal mask and position ids."""
+    if "seq_lens" not in batch:
+        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    return {"input_ids": batch["input_ids"], "attention_mask": block_causal_mask(batch, model.dtype), "position_ids": batch["position_ids"]}
+
+
+def packing_fields(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the supervision of a packed batch carries back as given."""
+    return {key: batch[key] for key in ("position_ids", "seq_lens", "doc_remaining") if key in batch}
+
+
 def zero_padding(tensor: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """The contract's padded positions: zeros, in every hidden state and in the logits."""
     return tensor.masked_fill(attention_mask.unsqueeze(-1) == 0, 0)
@@ -65,7 +129,7 @@ def reference_eagle3(
 
     handles = [layers[i].register_forward_hook(catch(i)) for i in aux_layer_ids]
     try:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        logits = model(**model_inputs(model, batch), use_cache=False).logits
     finally:
         for handle in handles:
             handle.remove()
@@ -83,6 +147,7 @@ def reference_eagle3(
         "input_ids": shift_left(batch["input_ids"]),
         "loss_mask": shifted_loss_mask,
         "attention_mask": mask,
+        **packing_fields(batch),
     }
 
 
@@ -113,7 +178,7 @@ def assert_supervision_equal(supervision, expected: dict[str, torch.Tensor]) -> 
 @torch.no_grad()
 def reference_dspark(model, batch, layer_ids):
     """The contract in-process: -1 is output_hidden_states[0], L-1 the post-norm output_hidden_states[L], i the output of layer i."""
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False, output_hidden_states=True)
+    out = model(**model_inputs(model, batch), use_cache=False, output_hidden_states=True)
     hidden = [zero_padding(h, batch["attention_mask"]) for h in out.hidden_states]
     last = len(hidden) - 2
 
@@ -130,6 +195,7 @@ def reference_dspark(model, batch, layer_ids):
         "input_ids": batch["input_ids"],
         "loss_mask": batch["loss_mask"],
         "attention_mask": batch["attention_mask"],
+        **packing_fields(batch),
     }
 
 

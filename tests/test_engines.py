@@ -133,6 +133,25 @@ def test_eagle3_probs_agree_with_hf(name, engines, hf_engine, vllm_target):
 
 
 @pytest.mark.parametrize("name", OTHER_ENGINES)
+def test_packed_rows_agree_with_hf(name, engines, hf_engine, vllm_target):
+    """Each document of a packed row runs as its own prompt; hf runs the row under its block-causal mask."""
+    from reference import make_packed_batch
+
+    from draftfeed.contract.packing import check_packing
+
+    engine = get_engine(engines, name, vllm_target)
+    batch = make_packed_batch([[10, 14, 20], [48]], pad=[4, 0], vocab_size=VOCAB, seed=13)
+    documents = check_packing(batch["attention_mask"], batch["position_ids"], batch["seq_lens"])
+    args = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None, documents)
+    got = load_task("eagle3", engine, AUX_IDS).compute(*args)
+    expected = load_task("eagle3", hf_engine, AUX_IDS).compute(*args)
+    worst = assert_hidden_close(got["aux_hidden_states"], expected["aux_hidden_states"], batch["attention_mask"], "aux_hidden_states")
+    probs_error = float((got["target_probs"] - expected["target_probs"]).abs().max())
+    assert probs_error <= PROBS_ATOL, probs_error
+    print(f"\n{name}, packed rows: aux rel {worst:.1e}, probs abs {probs_error:.1e}")
+
+
+@pytest.mark.parametrize("name", OTHER_ENGINES)
 def test_eagle3_hidden_form_agrees_with_hf(name, engines, hf_engine, vllm_target):
     engine = get_engine(engines, name, vllm_target)
     batch = padded_batch(seed=12)

@@ -79,6 +79,21 @@ def test_eagle3_supervision_equals_hf(engine, target):
     assert torch.equal(engine.output_embeddings(), hf.output_embeddings())
 
 
+def test_packed_rows_run_each_document_as_its_own_request_and_equal_hf(engine, target):
+    from reference import make_packed_batch
+
+    from draftfeed.contract.packing import check_packing
+
+    hf = load_engine("hf", str(target), "cpu", "float32")
+    batch = make_packed_batch([[7, 5, 9], [21]], pad=[3, 3], vocab_size=512, seed=5)
+    documents = check_packing(batch["attention_mask"], batch["position_ids"], batch["seq_lens"])
+    args = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None, documents)
+    expected = load_task("eagle3", hf, AUX_IDS).compute(*args)
+    got = load_task("eagle3", engine, AUX_IDS).compute(*args)
+    for name, tensor in expected.items():
+        assert torch.allclose(got[name].float(), tensor.float(), rtol=0, atol=1e-6), name
+
+
 def test_padding_and_empty_rows_are_zero(engine):
     engine.prepare([Capture(layer_ids=(1,), logits=True)])
     ids = torch.tensor([[5, 6, 7, 0], [0, 0, 0, 0]])

@@ -6,20 +6,28 @@ from collections.abc import Mapping
 
 import torch
 
+from draftfeed.contract.packing import SENT_KEYS, Documents, check_packing
 from draftfeed.contract.supervision import BATCH_KEYS
 from draftfeed.schemas.errors import BadRequest
 
 
-def validate_batch(tensors: Mapping[str, torch.Tensor], vocab_size: int) -> None:
-    """input_ids, attention_mask and loss_mask: [B, S] each, int64 (attention_mask may be bool), ids in vocab."""
+def validate_batch(tensors: Mapping[str, torch.Tensor], vocab_size: int, max_seq_len: int | None = None) -> Documents | None:
+    """input_ids, attention_mask and loss_mask: [B, S] each, int64 (attention_mask may be bool), ids in vocab, S at most
+    ``max_seq_len``; a packed batch also carries seq_lens (and position_ids), checked by the contract. Returns the
+    packed batch's documents, None for a batch that is not packed."""
     names = set(tensors)
-    if names != set(BATCH_KEYS):
+    if not set(BATCH_KEYS) <= names or not names <= set(BATCH_KEYS) | set(SENT_KEYS):
         missing = sorted(set(BATCH_KEYS) - names)
-        extra = sorted(names - set(BATCH_KEYS))
-        raise BadRequest(f"a batch carries exactly {', '.join(BATCH_KEYS)}; missing {missing}, unexpected {extra}")
+        extra = sorted(names - set(BATCH_KEYS) - set(SENT_KEYS))
+        raise BadRequest(f"a batch carries {', '.join(BATCH_KEYS)} (and {', '.join(SENT_KEYS)} when packed); missing {missing}, unexpected {extra}")
     input_ids = tensors["input_ids"]
     if input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
         raise BadRequest(f"input_ids must be [batch, sequence] with both at least 1; got shape {list(input_ids.shape)}")
+    if max_seq_len is not None and input_ids.shape[1] > max_seq_len:
+        raise BadRequest(
+            f"rows of {input_ids.shape[1]} positions are over this worker's limit of {max_seq_len} (--max-seq-len, by default the "
+            f"target's max_position_embeddings): send rows of {max_seq_len} tokens or less"
+        )
     for name in BATCH_KEYS:
         tensor = tensors[name]
         if tensor.shape != input_ids.shape:
@@ -35,3 +43,4 @@ def validate_batch(tensors: Mapping[str, torch.Tensor], vocab_size: int) -> None
         tensor = tensors[name]
         if tensor.dtype != torch.bool and not bool(((tensor == 0) | (tensor == 1)).all()):
             raise BadRequest(f"{name} must hold only 0 and 1")
+    return check_packing(tensors["attention_mask"], tensors.get("position_ids"), tensors.get("seq_lens"))

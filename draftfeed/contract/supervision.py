@@ -7,7 +7,7 @@ from typing import ClassVar, TypeVar
 
 import torch
 
-BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask")
+BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask")  # every batch; packed ones add contract/packing.py's keys
 S = TypeVar("S", bound="Supervision")
 
 
@@ -21,7 +21,8 @@ class Supervision:
         return type(self)(**{name: t.to(device, non_blocking=non_blocking) for name, t in self.as_dict().items()})
 
     def as_dict(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+        """Its tensors by name; the packing fields only for a packed batch."""
+        return {f.name: value for f in fields(self) if (value := getattr(self, f.name)) is not None}  # type: ignore[arg-type]
 
     @property
     def nbytes(self) -> int:
@@ -34,7 +35,8 @@ class Eagle3Supervision(Supervision):
 
     aux_hidden_states [B, S, 3H] model dtype, the 3 aux layers' outputs concatenated, not shifted;
     target_probs [B, S, Vd] float32; position_mask [B, S, 1] bool; input_ids and loss_mask [B, S] int64,
-    shifted left by one with a zero at the end; attention_mask [B, S] as sent, not shifted.
+    shifted left by one with a zero at the end; attention_mask [B, S] as sent, not shifted. For a packed batch
+    position_ids [B, S], seq_lens [B, D] and doc_remaining [B, S] as the rank gave them, not shifted (None otherwise).
     """
 
     aux_hidden_states: torch.Tensor
@@ -43,6 +45,9 @@ class Eagle3Supervision(Supervision):
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     attention_mask: torch.Tensor
+    position_ids: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    doc_remaining: torch.Tensor | None = None
 
     WIRE_FIELDS: ClassVar[tuple[str, ...]] = ("aux_hidden_states", "target_probs", "position_mask", "input_ids", "loss_mask")
 
@@ -51,12 +56,16 @@ class Eagle3Supervision(Supervision):
 class DSparkSupervision(Supervision):
     """DSpark supervision of one batch: target_hidden_states [B, S, len(ids) * H] (the captured layers in id
     order) and target_last_hidden_states [B, S, H] (post-norm), model dtype; input_ids, loss_mask and
-    attention_mask [B, S] as sent (DSpark shifts nothing)."""
+    attention_mask [B, S] as sent (DSpark shifts nothing); position_ids, seq_lens and doc_remaining as given for a
+    packed batch (None otherwise)."""
 
     target_hidden_states: torch.Tensor
     target_last_hidden_states: torch.Tensor
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     attention_mask: torch.Tensor
+    position_ids: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    doc_remaining: torch.Tensor | None = None
 
     WIRE_FIELDS: ClassVar[tuple[str, ...]] = ("target_hidden_states", "target_last_hidden_states")

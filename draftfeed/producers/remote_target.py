@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from draftfeed.contract.compact import CompactEagle3
+from draftfeed.contract.packing import PACKING_KEYS, SENT_KEYS, check_packing
 from draftfeed.contract.supervision import BATCH_KEYS, DSparkSupervision, Eagle3Supervision, Supervision
 from draftfeed.contract.vocab import mapping_digest, validate_vocab_mapping
 from draftfeed.dataplane.choice import local_offer
@@ -191,23 +192,43 @@ class RemoteTarget(Generic[Sup, Info]):
         return weight.to(self.device) if self.device is not None else weight
 
     # ------------------------------------------------------------ supervision
-    def generate_batch_async(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> Future:
+    def generate_batch_async(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        loss_mask: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        seq_lens: torch.Tensor | None = None,
+        doc_remaining: torch.Tensor | None = None,
+    ) -> Future:
         """Send one batch; the future yields its supervision. Blocks while the prefetch window is full.
 
-        The tensors are sent from their own memory: do not modify them until the future is done."""
+        A packed batch (several documents a row, as NeMo AutoModel packs them) gives ``seq_lens`` [B, max_docs] and
+        may give ``position_ids`` and ``doc_remaining`` [B, S]; attention then stays within each document
+        (docs/contract.md, "Packed rows"), and the supervision carries the three back as given. A packed batch that
+        does not add up is refused here with what is wrong. The tensors are sent from their own memory: do not modify
+        them until the future is done."""
         sent = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
         for name, tensor in sent.items():
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
             dtype_name(tensor.dtype)  # raises here, not on the IO thread, for a dtype the codec cannot carry
+        try:
+            packed = check_packing(attention_mask, position_ids, seq_lens, doc_remaining) is not None
+        except BadRequest as exc:
+            raise ValueError(f"generate_batch: {exc}") from None
+        given = {"position_ids": position_ids, "seq_lens": seq_lens, "doc_remaining": doc_remaining}
+        kept = {name: tensor for name, tensor in given.items() if tensor is not None}
+        if packed:  # the worker needs the documents; doc_remaining is the rank's alone
+            sent.update({name: kept[name].long() for name in SENT_KEYS if name in kept})
 
         self._before_submit()
 
         def finish(_reply: Any, received: dict[str, torch.Tensor]) -> Sup:
-            own = sent
+            own = {**sent, **kept}
             if self.device is not None:
                 received = {name: t.to(self.device, non_blocking=True) for name, t in received.items()}
-                own = {name: t.to(self.device, non_blocking=True) for name, t in sent.items()}
+                own = {name: t.to(self.device, non_blocking=True) for name, t in own.items()}
             return self.SUPERVISION(**{**own, **self._from_wire(received)})  # type: ignore[return-value]
 
         return self._submit(self.TASK, sent, finish)
@@ -219,22 +240,32 @@ class RemoteTarget(Generic[Sup, Info]):
         """The supervision fields from what the worker sent (on the IO thread)."""
         return {name: received[name] for name in self.SUPERVISION.WIRE_FIELDS}
 
-    def generate_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> Sup:
-        """Supervision of one batch, blocking."""
-        return self._wait(self.generate_batch_async(input_ids, attention_mask, loss_mask), "supervision")
+    def generate_batch(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        loss_mask: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        seq_lens: torch.Tensor | None = None,
+        doc_remaining: torch.Tensor | None = None,
+    ) -> Sup:
+        """Supervision of one batch, blocking (the packing arguments as for ``generate_batch_async``)."""
+        future = self.generate_batch_async(input_ids, attention_mask, loss_mask, position_ids, seq_lens, doc_remaining)
+        return self._wait(future, "supervision")
 
     def iterate(self, dataloader: Iterable[Mapping[str, Any]]) -> Iterator[tuple[Mapping[str, Any], Sup]]:
         """Yield ``(batch, supervision)`` in the dataloader's order, keeping ``prefetch_depth`` batches in flight.
 
-        Each batch is a mapping with input_ids, attention_mask and loss_mask; it is yielded as it came,
-        other keys included.
+        Each batch is a mapping with input_ids, attention_mask and loss_mask, and position_ids, seq_lens and
+        doc_remaining where it holds them (a packed batch); it is yielded as it came, other keys included.
         """
 
         def submit(batch: Mapping[str, Any]) -> Future:
             missing = [key for key in BATCH_KEYS if key not in batch]
             if missing:
                 raise KeyError(f"batch has no {', '.join(missing)}; iterate() needs {', '.join(BATCH_KEYS)} in every batch")
-            return self.generate_batch_async(*(batch[key] for key in BATCH_KEYS))
+            packing = {key: batch[key] for key in PACKING_KEYS if batch.get(key) is not None}
+            return self.generate_batch_async(*(batch[key] for key in BATCH_KEYS), **packing)
 
         return prefetch(dataloader, submit, lambda future: self._wait(future, "supervision"), self.prefetch_depth)
 

@@ -8,6 +8,7 @@ final hidden state is the final norm's output.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -15,6 +16,8 @@ from typing import Protocol
 import torch
 
 from draftfeed.contract.ops import zero_padding_
+from draftfeed.contract.packing import Documents
+from draftfeed.schemas.errors import BadRequest
 from draftfeed.schemas.messages import LogitTransform
 
 
@@ -85,11 +88,14 @@ class Engine(Protocol):
         """
         ...
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture) -> ForwardOutput:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture, documents: Documents | None = None) -> ForwardOutput:
         """One forward over the batch [B, S], returning what ``capture`` asks for, each [B, S, ...].
 
         Positions where ``attention_mask`` is 0 may hold anything; the tasks overwrite them
-        (``fill_padding``). Real positions must not depend on the other rows or on the padding.
+        (``fill_padding``). Real positions must not depend on the other rows or on the padding. A packed batch
+        comes with its ``documents`` (contract/packing.py): a real position must then depend on its own
+        document only, at the positions its document gives it. The tasks pass ``documents`` only for a packed
+        batch, so an engine that does not take packed rows needs no such parameter (the batch is refused).
         """
         ...
 
@@ -104,6 +110,27 @@ class Engine(Protocol):
     def close(self) -> None:
         """Release the engine's processes and memory; the engine is not used afterwards."""
         ...
+
+
+def forward_batch(
+    engine: Engine, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture, documents: Documents | None
+) -> ForwardOutput:
+    """``engine.forward``, with the documents of a packed batch; a packed batch for an engine that cannot take one
+    is refused (BadRequest), never computed as one causal sequence."""
+    if documents is None:
+        return engine.forward(input_ids, attention_mask, capture)
+    if "documents" not in inspect.signature(engine.forward).parameters:
+        raise BadRequest(f"engine {engine.name} does not take packed rows (seq_lens): send unpacked rows, or serve with --engine hf, vllm or sglang")
+    return engine.forward(input_ids, attention_mask, capture, documents=documents)
+
+
+def request_segments(attention_mask: torch.Tensor, documents: Documents | None) -> list[tuple[int, torch.Tensor]]:
+    """What an engine that runs one request per sequence (vllm, sglang) sends: (row, real positions) of each row, or
+    of each document of a packed row, leaving out those without a real token."""
+    if documents is not None:
+        return documents.segments(attention_mask)
+    rows = [(row, torch.nonzero(attention_mask[row], as_tuple=True)[0]) for row in range(attention_mask.shape[0])]
+    return [(row, positions) for row, positions in rows if len(positions)]
 
 
 def fill_padding(out: ForwardOutput, attention_mask: torch.Tensor) -> ForwardOutput:

@@ -10,6 +10,8 @@ from torch import nn
 
 from draftfeed.consumers.config import DTYPES
 from draftfeed.consumers.engines.base import Capture, ForwardOutput, TargetShape
+from draftfeed.contract.packing import Documents
+from draftfeed.schemas.errors import BadRequest
 from draftfeed.schemas.messages import LogitTransform
 
 
@@ -58,7 +60,50 @@ class HFEngine:
         """Nothing to release beyond what garbage collection frees."""
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture) -> ForwardOutput:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture, documents: Documents | None = None) -> ForwardOutput:
+        """One forward; a packed batch (``documents``) gets its block-causal mask and per-document position ids, or,
+        on a FlashAttention target (which takes no 4D mask), one forward per row packed by its position ids alone."""
+        if documents is not None and self.packs_by_position_ids:
+            return self._forward_rows_by_position_ids(input_ids, attention_mask, capture, documents)
+        extra: dict[str, torch.Tensor] = {}
+        if documents is not None:
+            extra["position_ids"] = documents.position_ids.to(self.device)
+            attention_mask = documents.additive_mask(attention_mask, self.dtype, self.device)
+        return self._forward(input_ids, attention_mask, capture, **extra)
+
+    @property
+    def packs_by_position_ids(self) -> bool:
+        """Whether packed rows go by position ids alone: FlashAttention kernels take no 4D mask; transformers finds
+        the documents from where the position ids restart, at batch size 1."""
+        return str(getattr(self.model.config, "_attn_implementation", "")).startswith("flash") or self.force_position_id_packing
+
+    # Tests set it to run the FlashAttention path's logic on targets that have no FlashAttention (SDPA packs the same way).
+    force_position_id_packing = False
+
+    def _forward_rows_by_position_ids(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture, documents: Documents
+    ) -> ForwardOutput:
+        """Row by row, without an attention mask: a padded position may only come after the real ones of its
+        document, since nothing else keeps a real token from attending to it."""
+        rows = []
+        for row in range(input_ids.shape[0]):
+            for start, end in documents.spans(row):
+                real = attention_mask[row, start:end].bool()
+                if bool(real[int(real.sum()) :].any()):
+                    raise BadRequest(
+                        f"row {row}: padding inside a document (not at its end), which this FlashAttention target cannot mask; "
+                        "pad only at the end of a row, or serve with an eager or SDPA attention"
+                    )
+            position_ids = documents.position_ids[row : row + 1].to(self.device)
+            rows.append(self._forward(input_ids[row : row + 1], None, capture, position_ids=position_ids))
+        return ForwardOutput(
+            layer_outputs={i: torch.cat([r.layer_outputs[i] for r in rows]) for i in capture.layer_ids},
+            embeddings=torch.cat([r.embeddings for r in rows]) if capture.embeddings else None,  # type: ignore[misc]
+            final_hidden=torch.cat([r.final_hidden for r in rows]) if capture.final_hidden else None,  # type: ignore[misc]
+            logits=torch.cat([r.logits for r in rows]) if capture.logits else None,  # type: ignore[misc]
+        )
+
+    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, capture: Capture, **extra: torch.Tensor) -> ForwardOutput:
         out = ForwardOutput()
         with ExitStack() as hooks:
             for layer_id in capture.layer_ids:
@@ -71,8 +116,9 @@ class HFEngine:
                 hooks.callback(self.final_norm.register_forward_hook(self._store_final(out)).remove)
             result = self.model(
                 input_ids=input_ids.to(self.device),
-                attention_mask=attention_mask.to(self.device),
+                attention_mask=attention_mask.to(self.device) if attention_mask is not None else None,
                 use_cache=False,
+                **extra,
                 # Without logits wanted, compute them for one position only (the lm_head over all is wasted work).
                 logits_to_keep=0 if capture.logits else 1,
             )

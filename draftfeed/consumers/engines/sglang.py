@@ -51,9 +51,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from draftfeed.consumers.engines.base import Capture, ForwardOutput, TargetShape
+from draftfeed.consumers.engines.base import Capture, ForwardOutput, TargetShape, request_segments
 from draftfeed.consumers.engines.hf import resolve_dtype
 from draftfeed.consumers.engines.packages import EnginePackage, import_engine_package, refuse_own_options
+from draftfeed.contract.packing import Documents
 from draftfeed.schemas.messages import LogitTransform
 
 log = logging.getLogger(__name__)
@@ -211,7 +212,7 @@ class SGLangEngine:
 
     # ---------------------------------------------------------------- forward
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture) -> ForwardOutput:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture, documents: Documents | None = None) -> ForwardOutput:
         if self._runner is None:
             raise RuntimeError("SGLangEngine.forward before prepare(): the task starts the engine")
         reason = refusal(capture, self.shape.num_hidden_layers)
@@ -222,10 +223,7 @@ class SGLangEngine:
         batch, seq = input_ids.shape
         hidden = self.shape.hidden_size
         out = ForwardOutput(layer_outputs={i: torch.zeros(batch, seq, hidden, dtype=self.dtype, device=self.device) for i in capture.layer_ids})
-        for row in range(batch):
-            positions = torch.nonzero(attention_mask[row], as_tuple=True)[0]
-            if not len(positions):
-                continue
+        for row, positions in request_segments(attention_mask, documents):  # a row, or a packed row's document, is one request
             aux, logits = self._extend(input_ids[row, positions].tolist(), want_logits=capture.logits)
             positions = positions.to(self.device)
             for i in capture.layer_ids:

@@ -12,7 +12,7 @@ plus residual), so:
 vLLM returns no logits. The final hidden state and the logits are rebuilt from id L with the target's
 own final norm and lm_head, loaded by transformers (``TargetHead``), and its logit scaling or soft-capping.
 
-Each row of a batch runs as its own prompt holding only its real tokens (attention_mask 1, in order);
+Each row of a batch (each document of a packed row) runs as its own prompt holding only its real tokens (attention_mask 1, in order);
 results go back to those positions, and padded positions are left for the task to fill.
 """
 
@@ -27,10 +27,11 @@ from typing import Any
 
 import torch
 
-from draftfeed.consumers.engines.base import Capture, ForwardOutput
+from draftfeed.consumers.engines.base import Capture, ForwardOutput, request_segments
 from draftfeed.consumers.engines.hf import resolve_dtype
 from draftfeed.consumers.engines.packages import EnginePackage, import_engine_package, refuse_own_options
 from draftfeed.consumers.engines.target_head import TargetHead
+from draftfeed.contract.packing import Documents
 
 log = logging.getLogger(__name__)
 
@@ -112,22 +113,21 @@ class VLLMEngine:
 
     # ---------------------------------------------------------------- forward
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture) -> ForwardOutput:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture, documents: Documents | None = None) -> ForwardOutput:
         if self._llm is None:
             raise RuntimeError("VLLMEngine.forward before prepare(): the task starts the engine")
         needed = capture_ids([capture], self.shape.num_hidden_layers)
         if not set(needed) <= set(self._ids):
             raise ValueError(f"capture ids {sorted(set(needed) - set(self._ids))} were not prepared")
         batch, seq = input_ids.shape
-        positions = [torch.nonzero(attention_mask[row], as_tuple=True)[0] for row in range(batch)]
-        rows = [row for row in range(batch) if len(positions[row])]
-        prompts = [{"prompt_token_ids": input_ids[row, positions[row]].tolist()} for row in rows]
+        segments = request_segments(attention_mask, documents)  # a row, or a packed row's document, is one prompt
+        prompts = [{"prompt_token_ids": input_ids[row, positions].tolist()} for row, positions in segments]
         captured = torch.zeros(len(self._ids), batch, seq, self.shape.hidden_size, dtype=self.dtype)
         if prompts:
             outputs = self._llm.generate(prompts, self._sampling, use_tqdm=False)
-            for row, prompt, output in zip(rows, prompts, outputs, strict=True):
+            for (row, positions), prompt, output in zip(segments, prompts, outputs, strict=True):
                 hidden = self._load(output, prompt["prompt_token_ids"])  # [n, len(ids), H]
-                captured[:, row, positions[row]] = hidden.permute(1, 0, 2).to(self.dtype)
+                captured[:, row, positions] = hidden.permute(1, 0, 2).to(self.dtype)
         captured = captured.to(self.device)
         by_id = dict(zip(self._ids, captured))
         out = ForwardOutput(layer_outputs={i: by_id[i + 1] for i in capture.layer_ids})

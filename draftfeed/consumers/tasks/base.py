@@ -7,6 +7,7 @@ from typing import Protocol
 import torch
 
 from draftfeed.consumers.engines.base import Engine, TargetShape
+from draftfeed.contract.packing import Documents
 from draftfeed.contract.vocab import VocabMap
 from draftfeed.schemas.messages import DSparkTargetInfo, Eagle3TargetInfo, LogitTransform, SupervisionForm
 from draftfeed.schemas.messages import Task as TaskName
@@ -26,7 +27,12 @@ class Task(Protocol):
         ...
 
     def compute(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, vocab: VocabMap | None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        loss_mask: torch.Tensor,
+        vocab: VocabMap | None,
+        documents: Documents | None = None,
     ) -> dict[str, torch.Tensor]:
-        """The supervision tensors of one validated batch, on the engine's device."""
+        """The supervision tensors of one validated batch (its documents when it is packed), on the engine's device."""
         ...

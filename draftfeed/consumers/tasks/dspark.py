@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from draftfeed.consumers.config import DEFAULT_DRAFT_LAYERS
-from draftfeed.consumers.engines.base import Capture, Engine, TargetShape, fill_padding
+from draftfeed.consumers.engines.base import Capture, Engine, TargetShape, fill_padding, forward_batch
+from draftfeed.contract.packing import Documents
 from draftfeed.contract.vocab import VocabMap
 from draftfeed.schemas.messages import DSparkTargetInfo
 
@@ -72,14 +73,19 @@ class DSparkTask:
 
     @torch.inference_mode()
     def compute(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, vocab: VocabMap | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        loss_mask: torch.Tensor,
+        vocab: VocabMap | None = None,
+        documents: Documents | None = None,
     ) -> dict[str, torch.Tensor]:
         """target_hidden_states [B, S, len(ids) * H] and target_last_hidden_states [B, S, H].
 
         input_ids and loss_mask are not shifted for DSpark, so the rank keeps its own copies; ``vocab``
         is not used (DSpark has no draft-vocab mapping).
         """
-        out = fill_padding(self.engine.forward(input_ids, attention_mask, self._capture), attention_mask)
+        out = fill_padding(forward_batch(self.engine, input_ids, attention_mask, self._capture, documents), attention_mask)
         assert out.final_hidden is not None
         last = self.shape.num_hidden_layers - 1
 
