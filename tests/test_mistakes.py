@@ -63,6 +63,9 @@ def test_endpoints_ports_levels_and_devices_are_checked(cluster_with_worker, tin
     taken = cluster_with_worker.frontend
     busy = draftfeed_cli("launch", "broker", "--frontend", taken, "--backend", "tcp://127.0.0.1:*")
     one_line(busy, 2, f"cannot listen on {taken} (--frontend)", "Address already in use", "choose another port")
+    for flag, value, words in (("--max-seq-len", "0", "at least 1"), ("--chunk-tokens", "-1", "or 0 to compute every batch whole")):
+        result = draftfeed_cli("launch", "worker", "--broker", "tcp://127.0.0.1:9", "--target", str(tiny_target), flag, value)
+        one_line(result, 2, f"{flag} {value}:", words)
     if not torch.cuda.is_available():
         cuda = draftfeed_cli("launch", "worker", "--broker", "tcp://127.0.0.1:9", "--target", str(tiny_target), "--device", "cuda:0")
         one_line(cuda, 2, "--device cuda:0:", "use --device cpu on this machine")

@@ -29,3 +29,7 @@ class WorkerConfig:
     nixl_min_bytes: int = 1 << 20  # a smaller answer goes as frames on a nixl pair too: its grant's round trip costs more than the copy
     keys: PeerKeys | None = None  # CURVE to the broker and to ranks (docs/security.md)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # the largest frame and request this worker takes from the broker
+    max_seq_len: int | None = None  # the longest row it takes; None: the target's max_position_embeddings
+    # EAGLE-3: a batch of more positions computes its vocab-sized step this many positions at a time (0: never). The
+    # default keeps that step's float32 logits near 4 GB for a 128k vocab, beside an 8B target on one H200.
+    chunk_tokens: int = 8192

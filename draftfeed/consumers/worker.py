@@ -106,8 +106,13 @@ class Worker:
             capacity=self.config.capacity,
             host=host_identity(),
             pid=os.getpid(),
-            max_positions=self.task.shape.max_positions,
+            max_positions=self.max_seq_len,
         )
+
+    @property
+    def max_seq_len(self) -> int | None:
+        """The longest row it takes: --max-seq-len, else the target's max_position_embeddings (None: no limit known)."""
+        return self.config.max_seq_len if self.config.max_seq_len is not None else self.task.shape.max_positions
 
     def stop(self) -> None:
         """Stop taking work, hand back what is queued and exit; an answer being delivered gets --drain-timeout more
@@ -462,9 +467,9 @@ class Worker:
             raise BadRequest(f"worker {self.name} serves {self.config.service!r}, not {dispatch.service!r}")
         tensors = decode_tensors(request.tensors, tensor_frames, max_message_bytes=self.config.max_request_bytes)
         if request.kind == self.task.name:
-            validate_batch(tensors, self.task.shape.vocab_size)
+            documents = validate_batch(tensors, self.task.shape.vocab_size, self.max_seq_len)
             vocab = self._mappings.get(request.mapping_digest)
-            return self.task.compute(tensors["input_ids"], tensors["attention_mask"], tensors["loss_mask"], vocab)
+            return self.task.compute(tensors["input_ids"], tensors["attention_mask"], tensors["loss_mask"], vocab, documents)
         if request.kind == "input_embeddings":
             return {"weight": self.task.engine.input_embeddings()}
         if request.kind == "output_embeddings":

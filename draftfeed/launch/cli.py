@@ -327,6 +327,19 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
         default=_default(WorkerConfig, "max_request_bytes"),
         help="largest request (and frame) this worker takes from the broker",
     )
+    worker.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=_default(WorkerConfig, "max_seq_len"),
+        help="the longest row this worker takes; longer ones are refused (default: the target's max_position_embeddings)",
+    )
+    worker.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=_default(WorkerConfig, "chunk_tokens"),
+        help="EAGLE-3: batches of more positions compute logits, probabilities and argmax this many positions at a time, "
+        "bounding that step's memory (0: never chunk)",
+    )
     worker.add_argument("--secure", action="store_true", help="CURVE to the broker and to ranks, with this worker's key (docs/security.md)")
     _add_peer_key_flags(worker, "worker")
 
@@ -425,6 +438,17 @@ def run_keys(args: argparse.Namespace) -> int:
 
 
 def run_worker(args: argparse.Namespace) -> int:
+    misplaced = "--target-layer-ids" if args.task == "eagle3" else "--aux-layer-ids"
+    if (args.target_layer_ids if args.task == "eagle3" else args.aux_layer_ids) is not None:
+        raise UsageError(f"{misplaced} does not apply to --task {args.task}")
+    if not args.secure and (args.keys or args.key or args.broker_key):
+        raise UsageError("--keys/--key/--broker-key given without --secure: add --secure to use them")
+    keys = _peer_keys(args, "worker", required=True) if args.secure else None
+    if args.max_seq_len is not None and args.max_seq_len < 1:
+        raise UsageError(f"--max-seq-len {args.max_seq_len}: give the longest row to take, at least 1 (or leave it out for the target's own limit)")
+    if args.chunk_tokens < 0:
+        raise UsageError(f"--chunk-tokens {args.chunk_tokens}: give positions per chunk, or 0 to compute every batch whole")
+    # The flags above are checked before torch and transformers load: a mistake there is one line at once.
     import transformers
 
     from draftfeed.consumers.engines import load_engine
@@ -434,12 +458,6 @@ def run_worker(args: argparse.Namespace) -> int:
     transformers.logging.disable_progress_bar()
     transformers.logging.set_verbosity_error()
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # its retries say nothing the one error line does not
-    misplaced = "--target-layer-ids" if args.task == "eagle3" else "--aux-layer-ids"
-    if (args.target_layer_ids if args.task == "eagle3" else args.aux_layer_ids) is not None:
-        raise UsageError(f"{misplaced} does not apply to --task {args.task}")
-    if not args.secure and (args.keys or args.key or args.broker_key):
-        raise UsageError("--keys/--key/--broker-key given without --secure: add --secure to use them")
-    keys = _peer_keys(args, "worker", required=True) if args.secure else None
     _check_device(args.device)
     if args.data_plane == "nixl":
         from draftfeed.dataplane.nixl_transport import unavailable
@@ -454,7 +472,7 @@ def run_worker(args: argparse.Namespace) -> int:
         raise UsageError(_target_problem(args.target, exc)) from None
     try:
         layer_ids = args.aux_layer_ids if args.task == "eagle3" else args.target_layer_ids
-        task = load_task(args.task, engine, layer_ids, args.draft_layers, args.supervision)
+        task = load_task(args.task, engine, layer_ids, args.draft_layers, args.supervision, args.chunk_tokens)
     except (ValueError, TypeError) as exc:  # a bad layer id, or an engine option the engine's package rejects
         engine.close()
         raise UsageError(str(exc)) from None
@@ -475,6 +493,8 @@ def run_worker(args: argparse.Namespace) -> int:
             nixl_min_bytes=args.nixl_min_bytes,
             keys=keys,
             max_request_bytes=args.max_request_bytes,
+            max_seq_len=args.max_seq_len,
+            chunk_tokens=args.chunk_tokens,
         ),
     )
     _stop_on_signals(worker.stop, "worker")

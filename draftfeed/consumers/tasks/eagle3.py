@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from draftfeed.consumers.engines.base import Capture, Engine, TargetShape, fill_padding
+from draftfeed.consumers.engines.base import Capture, Engine, TargetShape, fill_padding, forward_batch
+from draftfeed.consumers.tasks.chunked_head import argmax_in_chunks, probs_in_chunks
 from draftfeed.contract.ops import lm_head_logits, shift_left
+from draftfeed.contract.packing import Documents
 from draftfeed.contract.vocab import VocabMap
 from draftfeed.schemas.messages import Eagle3TargetInfo, LogitTransform, SupervisionForm
+
+log = logging.getLogger("draftfeed.worker")
 
 
 def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
@@ -77,11 +83,17 @@ def eagle3_from_forward(
 
 
 class Eagle3Task:
-    """EAGLE-3 supervision on top of any engine, sent in one of three forms (see SupervisionForm)."""
+    """EAGLE-3 supervision on top of any engine, sent in one of three forms (see SupervisionForm).
+
+    A batch of more than ``chunk_tokens`` positions (0: never) takes its logits from the final norm's output a
+    chunk at a time (chunked_head.py) instead of the engine's full-vocab logits, so its memory is bounded by the
+    chunk; a batch that fits one chunk is computed as before, bit for bit. An engine that cannot give the final
+    norm's output, or a target whose logits are not lm_head's, computes every batch whole (and says so at start).
+    """
 
     name = "eagle3"
 
-    def __init__(self, engine: Engine, aux_layer_ids: list[int] | None = None, supervision: SupervisionForm = "probs") -> None:
+    def __init__(self, engine: Engine, aux_layer_ids: list[int] | None = None, supervision: SupervisionForm = "probs", chunk_tokens: int = 0) -> None:
         self.engine = engine
         self.supervision = supervision
         layers = engine.shape.num_hidden_layers
@@ -91,8 +103,26 @@ class Eagle3Task:
             self.aux_layer_ids = check_aux_layer_ids(list(aux_layer_ids), layers, default=False)
         self._identity: VocabMap | None = None
         self._capture = Capture(layer_ids=tuple(self.aux_layer_ids), logits=True, final_hidden=supervision == "hidden")
-        engine.prepare([self._capture])
-        self.logit_transform = verified_logit_transform(engine) if supervision == "hidden" else engine.logit_transform
+        self._chunk_capture = Capture(layer_ids=tuple(self.aux_layer_ids), final_hidden=True)
+        self.chunk_tokens = chunk_tokens
+        if chunk_tokens:
+            try:
+                engine.prepare([self._capture, self._chunk_capture, Capture(final_hidden=True, logits=True)])
+            except ValueError as exc:
+                log.warning(
+                    "worker: --chunk-tokens off: engine %s cannot give the final norm's output (%s); every batch is computed whole", engine.name, exc
+                )
+                self.chunk_tokens = 0
+        if not self.chunk_tokens:
+            engine.prepare([self._capture])
+        needs_head = supervision == "hidden" or self.chunk_tokens
+        try:
+            self.logit_transform = verified_logit_transform(engine) if needs_head else engine.logit_transform
+        except ValueError:
+            if supervision == "hidden":
+                raise
+            log.warning("worker: --chunk-tokens off: this target's logits are not lm_head's on its final hidden state; every batch is computed whole")
+            self.chunk_tokens, self.logit_transform = 0, engine.logit_transform
 
     @property
     def shape(self) -> TargetShape:
@@ -113,10 +143,17 @@ class Eagle3Task:
 
     @torch.inference_mode()
     def compute(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, vocab: VocabMap | None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        loss_mask: torch.Tensor,
+        vocab: VocabMap | None,
+        documents: Documents | None = None,
     ) -> dict[str, torch.Tensor]:
         """Supervision tensors on the engine's device; the batch must already be validated."""
-        out = fill_padding(self.engine.forward(input_ids, attention_mask, self._capture), attention_mask)
+        if self.chunk_tokens and input_ids.numel() > self.chunk_tokens:
+            return self._compute_in_chunks(input_ids, attention_mask, loss_mask, vocab, documents)
+        out = fill_padding(forward_batch(self.engine, input_ids, attention_mask, self._capture, documents), attention_mask)
         assert out.logits is not None
         device = out.logits.device
         aux = [out.layer_outputs[i] for i in self.aux_layer_ids]
@@ -133,3 +170,31 @@ class Eagle3Task:
         if self.supervision == "probs-bf16":
             result["target_probs"] = result["target_probs"].to(torch.bfloat16)
         return result
+
+    def _compute_in_chunks(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, vocab: VocabMap | None, documents: Documents | None
+    ) -> dict[str, torch.Tensor]:
+        out = fill_padding(forward_batch(self.engine, input_ids, attention_mask, self._chunk_capture, documents), attention_mask)
+        final = out.final_hidden
+        assert final is not None
+        device = final.device
+        aux = torch.cat([out.layer_outputs[i] for i in self.aux_layer_ids], dim=-1)
+        out = None  # type: ignore[assignment]  # the layer outputs are in aux now
+        weight = self.engine.output_embeddings()
+        loss_mask = loss_mask.to(device)
+        if self.supervision == "hidden":
+            return {
+                "aux_hidden_states": aux,
+                "final_hidden_states": final,
+                "target_argmax": argmax_in_chunks(final, weight, self.logit_transform, self.chunk_tokens),
+                "input_ids": shift_left(input_ids.to(device)),
+                "loss_mask": shift_left(loss_mask),
+            }
+        probs, position_mask = probs_in_chunks(final, weight, self.logit_transform, vocab or self.identity_vocab(), loss_mask, self.chunk_tokens)
+        return {
+            "aux_hidden_states": aux,
+            "target_probs": probs.to(torch.bfloat16) if self.supervision == "probs-bf16" else probs,
+            "position_mask": position_mask,
+            "input_ids": shift_left(input_ids.to(device)),
+            "loss_mask": shift_left(loss_mask),
+        }
