@@ -17,6 +17,7 @@ _MODULES = {
     "overlap": "overlap",
     "scaling": "scaling",
     "real-target": "real_target",
+    "long-rows": "long_rows",
 }
 SCENARIO_NAMES = tuple(_MODULES)
 
