@@ -189,3 +189,16 @@ def test_the_flash_attention_path_packs_by_position_ids_alone(tiny_target):
     inside[0, 5] = 0  # padding in the middle of the first document
     with pytest.raises(BadRequest, match="row 0: padding inside a document"):
         engine.forward(batch["input_ids"], inside, capture, documents)
+
+
+def test_dspark_rows_over_the_targets_positions_are_refused_and_the_worker_checks_too(services, tiny_target):
+    from transformers import AutoConfig
+
+    limit = AutoConfig.from_pretrained(tiny_target).max_position_embeddings
+    with RemoteDSparkTarget(services.frontend, DSPARK) as target:
+        with pytest.raises(RemoteTargetError, match=rf"rows of {limit + 1} positions; the target of service '{DSPARK}' takes at most {limit}"):
+            target.generate_batch(**make_batch(1, limit + 1, 1000, seed=90, ragged=False))
+    # The worker refuses by itself what a broker that does not know its limit would pass on.
+    batch = make_batch(1, 65, 1000, seed=91, ragged=False)
+    with pytest.raises(BadRequest, match=r"rows of 65 positions are over this worker's limit of 64 \(--max-seq-len"):
+        validate_batch(batch, 1000, max_seq_len=64)
