@@ -130,10 +130,10 @@ def test_a_poison_batch_fails_after_max_attempts_and_other_ranks_are_unharmed(ti
                 spares += 1
                 cluster.add_worker(tiny_target, *CRASHING, "--name", f"spare-{spares}", env={"FAKE_FORWARD_S": "0.03"})
 
+    supervisor = threading.Thread(target=keep_two_workers, daemon=True)
     try:
         for index in range(2):
             cluster.add_worker(tiny_target, *CRASHING, "--name", f"w{index}", env={"FAKE_FORWARD_S": "0.03"})
-        supervisor = threading.Thread(target=keep_two_workers, daemon=True)
         supervisor.start()
         healthy = RankRun(cluster.frontend, batches(40, seed=9), depth=2)
         healthy.start()
@@ -153,4 +153,6 @@ def test_a_poison_batch_fails_after_max_attempts_and_other_ranks_are_unharmed(ti
         print(f"poison batch failed after {time.monotonic() - started:.1f} s; requeues by cause: {requeues}")
     finally:
         stop.set()
+        if supervisor.is_alive():
+            supervisor.join(60)  # a spare still starting must register before the broker goes, or it outlives the test
         cluster.stop()
