@@ -88,7 +88,8 @@ class Eagle3Task:
     A batch of more than ``chunk_tokens`` positions (0: never) takes its logits from the final norm's output a
     chunk at a time (chunked_head.py) instead of the engine's full-vocab logits, so its memory is bounded by the
     chunk; a batch that fits one chunk is computed as before, bit for bit. An engine that cannot give the final
-    norm's output, or a target whose logits are not lm_head's, computes every batch whole (and says so at start).
+    norm's output (said at start), or a target whose logits are not lm_head's (found at the first long batch), computes
+    every batch whole.
     """
 
     name = "eagle3"
@@ -115,14 +116,10 @@ class Eagle3Task:
                 self.chunk_tokens = 0
         if not self.chunk_tokens:
             engine.prepare([self._capture])
-        needs_head = supervision == "hidden" or self.chunk_tokens
-        try:
-            self.logit_transform = verified_logit_transform(engine) if needs_head else engine.logit_transform
-        except ValueError:
-            if supervision == "hidden":
-                raise
-            log.warning("worker: --chunk-tokens off: this target's logits are not lm_head's on its final hidden state; every batch is computed whole")
-            self.chunk_tokens, self.logit_transform = 0, engine.logit_transform
+        self.logit_transform = verified_logit_transform(engine) if supervision == "hidden" else engine.logit_transform
+        # The transform chunks are computed with: the verified one; checked at the first batch that needs chunks (a
+        # probe forward at start would cost every worker a forward that most never need).
+        self._chunk_transform: LogitTransform | None = self.logit_transform if supervision == "hidden" else None
 
     @property
     def shape(self) -> TargetShape:
@@ -151,7 +148,7 @@ class Eagle3Task:
         documents: Documents | None = None,
     ) -> dict[str, torch.Tensor]:
         """Supervision tensors on the engine's device; the batch must already be validated."""
-        if self.chunk_tokens and input_ids.numel() > self.chunk_tokens:
+        if self.chunk_tokens and input_ids.numel() > self.chunk_tokens and self._chunks_possible():
             return self._compute_in_chunks(input_ids, attention_mask, loss_mask, vocab, documents)
         out = fill_padding(forward_batch(self.engine, input_ids, attention_mask, self._capture, documents), attention_mask)
         assert out.logits is not None
@@ -171,6 +168,20 @@ class Eagle3Task:
             result["target_probs"] = result["target_probs"].to(torch.bfloat16)
         return result
 
+    def _chunks_possible(self) -> bool:
+        """Whether lm_head on the final norm's output gives this target's logits (checked once, on a probe batch);
+        if not, chunking is turned off and every batch is computed whole, as the worker then says."""
+        if self._chunk_transform is None:
+            try:
+                self._chunk_transform = verified_logit_transform(self.engine)
+            except ValueError:
+                log.warning(
+                    "worker: --chunk-tokens off: this target's logits are not lm_head's on its final hidden state; every batch is computed whole"
+                )
+                self.chunk_tokens = 0
+                return False
+        return True
+
     def _compute_in_chunks(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, vocab: VocabMap | None, documents: Documents | None
     ) -> dict[str, torch.Tensor]:
@@ -180,17 +191,18 @@ class Eagle3Task:
         device = final.device
         aux = torch.cat([out.layer_outputs[i] for i in self.aux_layer_ids], dim=-1)
         out = None  # type: ignore[assignment]  # the layer outputs are in aux now
-        weight = self.engine.output_embeddings()
+        weight, transform = self.engine.output_embeddings(), self._chunk_transform
+        assert transform is not None  # _chunks_possible() set it
         loss_mask = loss_mask.to(device)
         if self.supervision == "hidden":
             return {
                 "aux_hidden_states": aux,
                 "final_hidden_states": final,
-                "target_argmax": argmax_in_chunks(final, weight, self.logit_transform, self.chunk_tokens),
+                "target_argmax": argmax_in_chunks(final, weight, transform, self.chunk_tokens),
                 "input_ids": shift_left(input_ids.to(device)),
                 "loss_mask": shift_left(loss_mask),
             }
-        probs, position_mask = probs_in_chunks(final, weight, self.logit_transform, vocab or self.identity_vocab(), loss_mask, self.chunk_tokens)
+        probs, position_mask = probs_in_chunks(final, weight, transform, vocab or self.identity_vocab(), loss_mask, self.chunk_tokens)
         return {
             "aux_hidden_states": aux,
             "target_probs": probs.to(torch.bfloat16) if self.supervision == "probs-bf16" else probs,
