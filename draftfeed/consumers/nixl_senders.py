@@ -1,11 +1,13 @@
 """The worker's NIXL agent and staging arena, shared by all its nixl pairs (pair_planes.py keeps their life).
 
-An answer's tensors are copied end to end into the arena (schemas/tensor_specs.py packed_layout) and written
-from there with one NIXL write into the slot the rank granted. The arena is registered once and grown (a new
+An answer's tensors are copied end to end into an arena (schemas/tensor_specs.py packed_layout) and written
+from there with one NIXL write into the slot the rank granted. Each arena is registered once and grown (a new
 one registered, the old one dropped) only when an answer needs more: on the engine's device, so a GPU
 engine's answer goes from its GPU's memory, and a CUDA rank's slot is on its GPU (GPUDirect where UCX has it).
-One answer is written at a time: the compute loop posts a write, sends its header and goes on to the next
-request, and waits for the write to land only before it stages the next answer, so one arena serves all pairs.
+There are ``ARENAS`` arenas, taken in turn: the compute loop posts a write, sends its header and goes on; the next
+answer is staged into the other arena while the first is still being written, and an arena is staged into again
+only once the write from it has landed (the worker keeps the writes in flight in order, at most one per arena).
+Bound: ARENAS x the largest answer, on the engine's device.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from draftfeed.dataplane.nixl_transport import NixlAgent, NixlError, Region, Tra
 log = logging.getLogger("draftfeed.worker")
 
 _ROUND = 1 << 20
+ARENAS = 2  # answers staged or in flight at once: one being written while the next is staged
 
 
 class Write:
@@ -61,8 +64,8 @@ class NixlSender:
     def __init__(self, worker: str, device: torch.device) -> None:
         self.worker, self.device = worker, device
         self.agent: NixlAgent | None = None
-        self._arena: np.ndarray | torch.Tensor | None = None
-        self._region: Region | None = None
+        self._arenas: list[tuple[np.ndarray | torch.Tensor, Region] | None] = [None] * ARENAS
+        self._next = 0  # the arena the next answer is staged into
 
     @property
     def name(self) -> str:
@@ -82,8 +85,10 @@ class NixlSender:
             self.agent.remove_remote(remote_agent)
 
     def stage(self, tensors: Mapping[str, torch.Tensor], offsets: Sequence[int], total: int) -> Region:
-        """Copy the answer into the arena at ``offsets``; the region holding it."""
-        region, raw = self._room(total)
+        """Copy the answer into the next arena at ``offsets``; the region holding it. The write posted from that
+        arena before (ARENAS answers ago) must have landed."""
+        region, raw = self._room(self._next, total)
+        self._next = (self._next + 1) % ARENAS
         for tensor, offset in zip(tensors.values(), offsets):
             flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
             raw[offset : offset + flat.numel()].copy_(flat)
@@ -99,14 +104,15 @@ class NixlSender:
     def close(self) -> None:
         if self.agent is not None:
             self.agent.close()
-        self.agent, self._arena, self._region = None, None, None
+        self.agent, self._arenas = None, [None] * ARENAS
 
-    def _room(self, total: int) -> tuple[Region, torch.Tensor]:
-        if self._region is None or self._region.nbytes < total:
+    def _room(self, index: int, total: int) -> tuple[Region, torch.Tensor]:
+        held = self._arenas[index]
+        if held is None or held[1].nbytes < total:
             agent = self.ensure()
             size = max(_ROUND, -(-total // _ROUND) * _ROUND)
-            if self._region is not None:
-                agent.deregister(self._region)
+            if held is not None:
+                agent.deregister(held[1])
             if self.device.type == "cuda":
                 arena: np.ndarray | torch.Tensor = torch.empty(size, dtype=torch.uint8, device=self.device)
                 region = Region(arena.data_ptr(), size, self.device.index or 0, "VRAM")
@@ -115,8 +121,8 @@ class NixlSender:
                 arena.fill(0)  # touch every page once
                 region = Region(arena.ctypes.data, size, 0, "DRAM")
             agent.register(region)
-            self._arena, self._region = arena, region
-            log.info("worker %s: NIXL staging arena of %d MiB on %s", self.worker, size >> 20, self.device)
-        arena = self._arena
+            held = self._arenas[index] = (arena, region)
+            log.info("worker %s: NIXL staging arena %d of %d MiB on %s", self.worker, index, size >> 20, self.device)
+        arena, region = held
         raw = arena if isinstance(arena, torch.Tensor) else torch.from_numpy(arena)
-        return self._region, raw
+        return region, raw

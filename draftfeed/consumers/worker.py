@@ -34,7 +34,7 @@ from draftfeed.consumers.broker_link import RESET, STOP, BrokerLink
 from draftfeed.consumers.config import WorkerConfig
 from draftfeed.consumers.engines.base import RETRYABLE_ERRORS
 from draftfeed.consumers.mappings import MissingMapping, WorkerMappings
-from draftfeed.consumers.nixl_senders import Write
+from draftfeed.consumers.nixl_senders import ARENAS, Write
 from draftfeed.consumers.pair_planes import NixlLink, PairPlanes, PlaneRefused
 from draftfeed.consumers.rank_links import Delivery, RankLinks
 from draftfeed.consumers.tasks.base import Task
@@ -90,7 +90,8 @@ class Worker:
         self._planes: PairPlanes | None = None
         self._link: BrokerLink | None = None
         self._in_engine: int | None = None  # the ticket being computed (heartbeats say it)
-        self._writing: tuple[Write, str] | None = None  # the last nixl write posted, and its rank's endpoint
+        # The nixl writes in flight, oldest first, with their ranks' endpoints: at most one per staging arena.
+        self._writing: deque[tuple[Write, str]] = deque()
         self._stopping_since = 0.0
         self.served = 0
 
@@ -166,7 +167,8 @@ class Worker:
             if link.is_alive():
                 pipe.send(STOP)
                 link.join(timeout=5)
-            self._finish_write(block=True)
+            while self._writing:
+                self._finish_write(block=True)
             self._planes.shut_down()
             self._ranks.close()
             close_quietly(pipe)
@@ -376,9 +378,10 @@ class Worker:
         if grant.refused is not None:
             log.debug("worker %s: rank %s granted no slot (%s); this answer goes as frames", self.name, dispatch.rank, grant.refused)
             return None
-        self._finish_write(block=True)  # the last answer's write must have landed before the arena is staged into again
+        while len(self._writing) >= ARENAS:  # the write from the arena staged into next must have landed
+            self._finish_write(block=True)
         if not self._planes.is_ready(endpoint, generation):
-            return None  # that write failed and took this pair down
+            return None  # an earlier write failed and took this pair down
         link_ = self._link
         assert link_ is not None
         try:
@@ -386,7 +389,7 @@ class Worker:
             remote = Region(grant.address, total, grant.device, "VRAM" if link.memory == "VRAM" else "DRAM")
             notification = nixl_notification(generation, grant.slot, want)
             gone = lambda: link_.forgets(endpoint) != since  # noqa: E731
-            self._writing = (link.sender.post(local, remote, link.remote_agent, notification, self.config.pair_timeout_s, gone), endpoint)
+            self._writing.append((link.sender.post(local, remote, link.remote_agent, notification, self.config.pair_timeout_s, gone), endpoint))
         except (NixlError, RuntimeError) as exc:
             self._planes.failed(endpoint, str(exc))
             return None
@@ -397,20 +400,22 @@ class Worker:
         return delivery
 
     def _finish_write(self, block: bool) -> None:
-        """Check on (or wait for) the last nixl write. One that failed takes its pair down (``pair_close``): the rank
-        gives up on its answer and asks again, and the pair is rebuilt after the backoff."""
-        if self._writing is None:
-            return
-        write, endpoint = self._writing
+        """Check on the nixl writes in flight, oldest first, dropping those that have landed (``block``: wait for the
+        oldest). One that failed takes its pair down (``pair_close``): the rank gives up on its answer and asks
+        again, and the pair is rebuilt after the backoff."""
         assert self._planes is not None
-        try:
+        while self._writing:
+            write, endpoint = self._writing[0]
+            try:
+                if block:
+                    write.wait()
+                elif not write.done():
+                    return
+            except NixlError as exc:
+                self._planes.failed(endpoint, str(exc))
+            self._writing.popleft()
             if block:
-                write.wait()
-            elif not write.done():
                 return
-        except NixlError as exc:
-            self._planes.failed(endpoint, str(exc))
-        self._writing = None
 
     def _await_grant(self, endpoint: str, generation: int, want: int, since: int) -> NixlGrant | None:
         """The rank's grant for ``want``, or None when the pair closes, the rank is gone, or --pair-timeout passes
