@@ -79,8 +79,11 @@ def rank(frontend: str, service: str, tokens: int, count: int, depth: int, data_
     }
     with RemoteEagle3Target(frontend, service, prefetch_depth=depth, data_plane=data_plane) as target:
         target.model_info()
-        for _ in range(3):  # warm-up; a pair group is built meanwhile
-            nbytes = target.generate_batch(**batch).nbytes
+        nbytes = target.generate_batch(**batch).nbytes  # a pair group or nixl pair is built meanwhile
+        # Warm-up in the pattern measured (depth in flight), so that what a steady run reuses (nixl receive slots,
+        # allocator pages) exists before the clock starts, as the raw probes' one warm-up message makes it for them.
+        for _batch, supervision in target.iterate(batch for _ in range(depth + 3)):
+            del supervision
         faults = _faults()
         started = time.perf_counter()
         for _batch, supervision in target.iterate(batch for _ in range(count)):
