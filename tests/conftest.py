@@ -56,7 +56,7 @@ class Cluster:
         """A new broker on the endpoints of the last one (after that one was stopped or killed)."""
         old = self.broker.ready
         self.others.append(self.broker)
-        self.broker = processes.start(["broker", "--frontend", old["frontend"], "--backend", old["backend"], *self.broker_args])
+        self.broker = processes.start(["broker", "--frontend", old["frontend"], "--backend", old["backend"], "--http-port", "0", *self.broker_args])
         return self.broker
 
     @property

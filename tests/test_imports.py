@@ -29,6 +29,7 @@ def modules_after(code: str) -> set[str]:
     "what, code",
     [
         ("the broker", "import draftfeed.broker.broker"),
+        ("the broker's health and metrics", "import draftfeed.observe.http, draftfeed.observe.broker_metrics"),
         (
             "`draftfeed launch broker --help`",
             "from draftfeed.launch.cli import main\ntry:\n    main(['launch', 'broker', '--help'])\nexcept SystemExit:\n    pass",

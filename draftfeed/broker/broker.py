@@ -17,7 +17,7 @@ from draftfeed.broker.settings import BrokerSettings
 from draftfeed.broker.state import BrokerState
 from draftfeed.logs import RateLimitedLog
 from draftfeed.net import bind, close_quietly, is_loopback, recv_frames
-from draftfeed.schemas.errors import MalformedMessage, UsageError
+from draftfeed.schemas.errors import MalformedMessage, ProtocolVersionMismatch, UsageError
 from draftfeed.schemas.frames import message_type, pack, unpack, unpack_raw
 from draftfeed.schemas.messages import (
     BACKEND_INBOUND,
@@ -75,6 +75,9 @@ class Broker:
         self._bad_input = RateLimitedLog(log)
         self.keys = keys
         self._authenticator = None
+        # The status document as of the last heartbeat tick, for readers on other threads (the metrics endpoint).
+        self.published_status: dict[str, Any] | None = None
+        self.running = False  # bound and routing (until it drains)
 
     def bind(self) -> tuple[str, str]:
         self._frontend = self._router()
@@ -117,6 +120,14 @@ class Broker:
         sock.setsockopt(zmq.MAXMSGSIZE, self.state.settings.max_frame_bytes)
         return sock
 
+    def health(self) -> str | None:
+        """None while it routes; else why not (for ``/health``)."""
+        if not self.running:
+            return "the broker is not routing yet (binding its sockets) or has stopped"
+        if self.state.draining:
+            return "the broker is draining: it hands out no more work"
+        return None
+
     def stop(self) -> None:
         """Ask the loop to drain and exit (safe from a signal handler or another thread)."""
         self._stop.set()
@@ -134,6 +145,7 @@ class Broker:
         )
         next_tick = time.monotonic() + interval
         drain_deadline: float | None = None
+        self.published_status, self.running = self.state.status(), True
         try:
             while True:
                 if self._stop.is_set() and drain_deadline is None:
@@ -152,8 +164,10 @@ class Broker:
                     self._drain(self._backend, self._on_backend)
                 if time.monotonic() >= next_tick:
                     self._send(self.state.on_tick())
+                    self.published_status = self.state.status()
                     next_tick = time.monotonic() + interval
         finally:
+            self.running = False
             close_quietly(self._frontend, self._backend)
             if self._authenticator is not None:
                 self._authenticator.stop()
@@ -171,7 +185,8 @@ class Broker:
             try:
                 out.extend(handle(peer, body, key))
             except MalformedMessage as exc:
-                out.append(self._wrong_port(sock, peer, body) or self._rejection(sock, peer, str(exc)))
+                kind = "protocol_version" if isinstance(exc, ProtocolVersionMismatch) else "malformed"
+                out.append(self._wrong_port(sock, peer, body) or self._rejection(sock, peer, str(exc), kind))
             except Exception:  # a bug must not take the broker down with every rank's batches
                 log.exception("broker: error handling a message from %r", peer)
         self._send(out)
@@ -227,12 +242,14 @@ class Broker:
             )
             side = "backend"
         self.state.counters["rejected_messages"] += 1
+        self.state.rejections["wrong_port"] += 1
         self._bad_input.warning(f"port:{side}", "broker: a %r message at the wrong port: %s", kind, message)
         return Outgoing(side, peer, pack(ErrorReply(message=message, code="wrong_port")))
 
-    def _rejection(self, sock: zmq.Socket, peer: bytes, reason: str) -> Outgoing:
+    def _rejection(self, sock: zmq.Socket, peer: bytes, reason: str, kind: str = "malformed") -> Outgoing:
         side = "rank" if sock is self._frontend else "worker"
         self.state.counters["rejected_messages"] += 1
+        self.state.rejections[kind] += 1
         self._bad_input.warning(f"{side}:{reason[:40]}", "broker: rejected a message from %s %r: %s", side, peer[:64], reason)
         return Outgoing("frontend" if sock is self._frontend else "backend", peer, pack(ErrorReply(message=f"rejected by the broker: {reason}")))
 

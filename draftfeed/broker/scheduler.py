@@ -39,6 +39,11 @@ class Scheduler:
         self.draining = False
         self._next_ticket = 0
 
+    @property
+    def dispatched(self) -> int:
+        """Dispatches so far (each ticket is one)."""
+        return self._next_ticket
+
     def dispatch(self, service: ServiceRecord) -> list[Outgoing]:
         """Hand out as much of the service's queue as its workers' free credits take."""
         if self.draining or not service.queue:

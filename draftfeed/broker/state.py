@@ -95,6 +95,10 @@ class BrokerState:
         # of its own), died_in_engine (its worker died computing it: charged), retry (the engine could not run it:
         # charged), draining, missing_mapping, worker_registered_again.
         self.requeues: Counter[str] = Counter()
+        # Messages refused before any handler took them, by reason (malformed, wrong_port, protocol_version), and
+        # submits refused by a handler, by the error code the rank was sent.
+        self.rejections: Counter[str] = Counter()
+        self.refusals: Counter[str] = Counter()
         # Requests charged with a worker's death, by worker: a worker that comes back was frozen, not dead.
         self._death_charges: dict[bytes, list[Pending]] = {}
 
@@ -161,6 +165,7 @@ class BrokerState:
         refusal = refuse_submit(self.name, rank, submit, frames, self.settings, service, self.mappings)
         if refusal is not None:
             code, message = refusal
+            self.refusals[code] += 1
             return [to_rank(peer, ErrorReply(request_id=submit.request_id, message=message, code=code))]
         at_window = rank.outstanding >= rank.hello.window
         pending = Pending(rank, submit, frames, self.clock(), request_json=header_json)
@@ -519,5 +524,8 @@ class BrokerState:
             "liveness_window_s": self.settings.window_s,
             "counters": dict(self.counters),
             "requeues": dict(self.requeues),
+            "rejections": dict(self.rejections),
+            "refusals": dict(self.refusals),
+            "dispatched": self.scheduler.dispatched,
         }
         return status_document(broker, now, self.services, self.ranks)

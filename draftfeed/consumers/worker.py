@@ -44,6 +44,7 @@ from draftfeed.dataplane.nixl_transport import NixlError, Region
 from draftfeed.dataplane.pair_group import DataPlaneError, PairGroup, describe
 from draftfeed.dataplane.tensor_codec import decode_tensors, pack_tensors
 from draftfeed.net import close_quietly, host_identity
+from draftfeed.observe.worker_metrics import WorkerMetrics
 from draftfeed.schemas.errors import BadRequest, CannotServe, MalformedMessage
 from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import (
@@ -94,6 +95,22 @@ class Worker:
         self._writing: deque[tuple[Write, str]] = deque()
         self._stopping_since = 0.0
         self.served = 0
+        self.metrics = WorkerMetrics(self.name, config.service)
+        self.metrics.watch(
+            in_flight=lambda: len(self._queue) + (self._in_engine is not None),
+            registered=lambda: float(self._link is not None and self._link.is_alive() and self._link.registered.is_set()),
+        )
+
+    def health(self) -> str | None:
+        """None while it can serve (registered with a broker, not stopping); else why not (for ``/health``)."""
+        if self._stop.is_set():
+            return "the worker is stopping"
+        link = self._link
+        if link is None or not link.is_alive():
+            return "the worker is not running yet (loading its engine) or has lost its broker link"
+        if not link.registered.is_set():
+            return f"not registered with a broker at {self.config.broker} yet"
+        return None
 
     def registration(self) -> Register:
         return Register(
@@ -208,7 +225,9 @@ class Worker:
             self._take_from_ranks()
             if self._queue and not self._stop.is_set():
                 queued = self._queue.popleft()
-                pipe.send_multipart(pack(self._serve_one(queued.dispatch, queued.frames, pipe)))
+                done = self._serve_one(queued.dispatch, queued.frames, pipe)
+                self.metrics.answered(done.outcome)
+                pipe.send_multipart(pack(done))
         if self._stop.is_set():
             self._leave(pipe)
 
@@ -284,8 +303,10 @@ class Worker:
         request = dispatch.request
         self._in_engine = dispatch.ticket
         pipe.send_multipart(pack(self._stats()))
+        started = time.perf_counter()
         try:
             tensors = self._compute(dispatch, tensor_frames)
+            self.metrics.computed(time.perf_counter() - started)
         except MissingMapping as exc:
             log.info(
                 "worker %s: request %d of %s names a mapping it lacks (%s): handed back for it", self.name, request.request_id, dispatch.rank, exc
@@ -335,9 +356,12 @@ class Worker:
         since = self._link.forgets(endpoint)  # a forget_rank from now on ends every wait of this delivery
         fields = dict(request_id=request.request_id, token=request.token, kind=request.kind, worker=self.name)
         pair = self._planes.group_for(endpoint, dispatch.rank, dispatch.data_plane)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         if pair is not None and isinstance(pair[0], NixlLink):
             delivery = self._deliver_nixl(dispatch, tensors, pair[0], pair[1], fields, since)
             if delivery is not None:
+                if delivery is Delivery.SENT:
+                    self.metrics.delivered("nixl", nbytes)
                 return delivery
         elif pair is not None and isinstance(pair[0], PairGroup):
             group, generation = pair
@@ -348,6 +372,7 @@ class Worker:
             try:
                 group.send(tensors)
                 self._planes.sent(endpoint)
+                self.metrics.delivered(group.backend, nbytes)
                 return Delivery.SENT
             except DataPlaneError as exc:
                 self._planes.failed(endpoint, str(exc))  # the rank drops what it got; frames follow
@@ -355,7 +380,10 @@ class Worker:
                 log.exception("worker %s: sending on the pair group to %s failed", self.name, dispatch.rank)
                 group.close()
                 self._planes.failed(endpoint, f"{type(exc).__name__}: {exc}")
-        return self._deliver(endpoint, pack_tensors(Result, tensors, **fields), since)
+        delivery = self._deliver(endpoint, pack_tensors(Result, tensors, **fields), since)
+        if delivery is Delivery.SENT:
+            self.metrics.delivered("frames", nbytes)
+        return delivery
 
     def _deliver_nixl(
         self, dispatch: Dispatch, tensors: dict[str, torch.Tensor], link: NixlLink, generation: int, fields: dict, since: int

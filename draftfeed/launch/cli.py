@@ -26,7 +26,7 @@ from draftfeed.consumers.config import DEFAULT_DRAFT_LAYERS, DTYPES, ENGINES, Wo
 from draftfeed.launch.ready import announce_ready
 from draftfeed.schemas.errors import DraftfeedError, UsageError
 from draftfeed.schemas.messages import DataPlaneMode, SupervisionForm, Task
-from draftfeed.schemas.protocol import DEFAULT_BACKEND, DEFAULT_FRONTEND
+from draftfeed.schemas.protocol import DEFAULT_BACKEND, DEFAULT_BROKER_HTTP_PORT, DEFAULT_FRONTEND, DEFAULT_HTTP_HOST, DEFAULT_WORKER_HTTP_PORT
 
 if TYPE_CHECKING:  # imported where used: the CLI starts without loading pyzmq's auth or torch
     from draftfeed.security.curve import BrokerKeys, PeerKeys
@@ -187,6 +187,7 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
     broker.add_argument("--frontend", type=_endpoint, default=DEFAULT_FRONTEND, help="where training ranks connect (tcp://HOST:* picks a free port)")
     broker.add_argument("--backend", type=_endpoint, default=DEFAULT_BACKEND, help="where workers connect")
     broker.add_argument("--name", default=None, help="the broker's name in logs and status (default HOST-PID)")
+    _add_http_flags(broker, DEFAULT_BROKER_HTTP_PORT)
     broker.add_argument(
         "--heartbeat-interval",
         type=float,
@@ -342,6 +343,18 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
     )
     worker.add_argument("--secure", action="store_true", help="CURVE to the broker and to ranks, with this worker's key (docs/security.md)")
     _add_peer_key_flags(worker, "worker")
+    _add_http_flags(worker, DEFAULT_WORKER_HTTP_PORT)
+
+
+def _add_http_flags(parser: argparse.ArgumentParser, port: int) -> None:
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help=f"serve GET /health and GET /metrics (Prometheus) on this port (default {port}; taken by another process, the "
+        "default is skipped with a warning, a port given here is an error); 0 turns it off",
+    )
+    parser.add_argument("--http-host", default=DEFAULT_HTTP_HOST, help="the address /health and /metrics listen on")
 
 
 def _stop_on_signals(stop: Callable[[], None], what: str) -> None:
@@ -371,7 +384,10 @@ def _exit_on_signals() -> None:
 
 
 def run_broker(args: argparse.Namespace) -> int:
+    from prometheus_client import CollectorRegistry
+
     from draftfeed.broker.broker import Broker
+    from draftfeed.observe.broker_metrics import BrokerCollector
 
     settings = BrokerSettings(
         heartbeat_interval_s=args.heartbeat_interval,
@@ -385,10 +401,35 @@ def run_broker(args: argparse.Namespace) -> int:
     )
     broker = Broker(args.frontend, args.backend, name=args.name, settings=settings, drain_timeout_s=args.drain_timeout, keys=_broker_keys(args))
     frontend, backend = broker.bind()
+    registry = CollectorRegistry()
+    registry.register(BrokerCollector(lambda: broker.published_status))
+    observer = _observe(args, DEFAULT_BROKER_HTTP_PORT, broker.health, lambda: registry)
     _stop_on_signals(broker.stop, "broker")
-    announce_ready(role="broker", frontend=frontend, backend=backend)
-    broker.run()
+    announce_ready(role="broker", frontend=frontend, backend=backend, http_port=observer.port if observer else None)
+    try:
+        broker.run()
+    finally:
+        if observer is not None:
+            observer.close()
     return 0
+
+
+def _observe(args: argparse.Namespace, default_port: int, health: Callable[[], str | None], registry: Callable[[], Any]) -> Any:
+    """The /health and /metrics server of --http-port, None when it is 0 (or the default port is taken)."""
+    port = default_port if args.http_port is None else args.http_port
+    if port == 0:
+        return None
+    if not 0 < port < 65536:
+        raise UsageError(f"--http-port {port}: give a port from 1 to 65535, or 0 to turn health and metrics off")
+    from draftfeed.observe.http import ObserveServer
+
+    try:
+        return ObserveServer(args.http_host, port, health, registry)
+    except UsageError as exc:
+        if args.http_port is not None:
+            raise
+        logging.getLogger("draftfeed.observe").warning("health and metrics are off: %s (several on one machine need --http-port each)", exc)
+        return None
 
 
 def _broker_keys(args: argparse.Namespace) -> BrokerKeys | None:
@@ -448,7 +489,23 @@ def run_worker(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-seq-len {args.max_seq_len}: give the longest row to take, at least 1 (or leave it out for the target's own limit)")
     if args.chunk_tokens < 0:
         raise UsageError(f"--chunk-tokens {args.chunk_tokens}: give positions per chunk, or 0 to compute every batch whole")
-    # The flags above are checked before torch and transformers load: a mistake there is one line at once.
+    # The flags above are checked before torch and transformers load: a mistake there is one line at once. Health
+    # answers from now on: not ready while the engine loads.
+    serving: list[Any] = []
+    observer = _observe(
+        args,
+        DEFAULT_WORKER_HTTP_PORT,
+        lambda: serving[0].health() if serving else "the worker is loading its engine",
+        lambda: serving[0].metrics.registry if serving else None,
+    )
+    try:
+        return _serve_worker(args, keys, serving, observer.port if observer is not None else None)
+    finally:
+        if observer is not None:
+            observer.close()
+
+
+def _serve_worker(args: argparse.Namespace, keys: Any, serving: list[Any], http_port: int | None) -> int:
     import transformers
 
     from draftfeed.consumers.engines import load_engine
@@ -497,9 +554,10 @@ def run_worker(args: argparse.Namespace) -> int:
             chunk_tokens=args.chunk_tokens,
         ),
     )
+    serving.append(worker)
     _stop_on_signals(worker.stop, "worker")
     try:
-        worker.run(on_ready=lambda: announce_ready(role="worker", worker=worker.name, service=service))
+        worker.run(on_ready=lambda: announce_ready(role="worker", worker=worker.name, service=service, http_port=http_port))
     finally:
         engine.close()
     return 0

@@ -134,9 +134,15 @@ def start(
 
 
 def start_broker(host: str = "127.0.0.1", extra: Sequence[str] = (), **kwargs: object) -> Process:
-    """A broker on free ports of ``host``; its endpoints are in ``ready['frontend']`` and ``ready['backend']``."""
-    return start(["broker", "--frontend", f"tcp://{host}:*", "--backend", f"tcp://{host}:*", *extra], **kwargs)  # type: ignore[arg-type]
+    """A broker on free ports of ``host``; its endpoints are in ``ready['frontend']`` and ``ready['backend']``. Its
+    health and metrics endpoint is off unless ``extra`` names ``--http-port``: local runs start several processes."""
+    return start(["broker", "--frontend", f"tcp://{host}:*", "--backend", f"tcp://{host}:*", *_http_off(extra)], **kwargs)  # type: ignore[arg-type]
 
 
 def start_worker(backend: str, target: str, *extra: str, **kwargs: object) -> Process:
-    return start(["worker", "--broker", backend, "--target", target, *extra], **kwargs)  # type: ignore[arg-type]
+    """A worker of ``target``; its health and metrics endpoint is off unless ``extra`` names ``--http-port``."""
+    return start(["worker", "--broker", backend, "--target", target, *_http_off(extra)], **kwargs)  # type: ignore[arg-type]
+
+
+def _http_off(extra: Sequence[str]) -> list[str]:
+    return list(extra) if "--http-port" in extra else [*extra, "--http-port", "0"]

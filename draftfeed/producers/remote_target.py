@@ -23,6 +23,8 @@ from draftfeed.contract.supervision import BATCH_KEYS, DSparkSupervision, Eagle3
 from draftfeed.contract.vocab import mapping_digest, validate_vocab_mapping
 from draftfeed.dataplane.choice import local_offer
 from draftfeed.dataplane.tensor_codec import dtype_name, pack_tensors
+from draftfeed.observe.http import ObserveServer
+from draftfeed.observe.rank_metrics import RankMetrics
 from draftfeed.producers.connection import Connection, ConnectionStats
 from draftfeed.producers.prefetch import prefetch
 from draftfeed.producers.requests import RequestKind
@@ -39,6 +41,7 @@ from draftfeed.schemas.messages import (
     StatusQuery,
     Submit,
 )
+from draftfeed.schemas.protocol import DEFAULT_HTTP_HOST
 from draftfeed.security.curve import PeerKeys
 
 log = logging.getLogger("draftfeed.producer")
@@ -90,6 +93,7 @@ class RemoteTarget(Generic[Sup, Info]):
         keys: PeerKeys | str | Path | None = None,
         max_result_bytes: int = _DEFAULTS.max_result_bytes,
         nixl_pool_bytes: int = _DEFAULTS.nixl_pool_bytes,
+        metrics_port: int | None = _DEFAULTS.metrics_port,
     ) -> None:
         settings = RankSettings.checked(
             type(self).__name__,
@@ -102,6 +106,7 @@ class RemoteTarget(Generic[Sup, Info]):
             max_result_bytes=max_result_bytes,
             nixl_pool_bytes=nixl_pool_bytes,
             device=device,
+            metrics_port=metrics_port,
         )
         self.settings = settings
         self.service = service
@@ -123,10 +128,14 @@ class RemoteTarget(Generic[Sup, Info]):
             max_result_bytes=settings.max_result_bytes,
             nixl_pool_bytes=settings.nixl_pool_bytes,
         )
+        self.metrics = RankMetrics(self.rank_id, service, lambda: self.in_flight, lambda: self._connection.stats)
+        self._observer: ObserveServer | None = None
         try:
+            if settings.metrics_port is not None:
+                self._observer = ObserveServer(DEFAULT_HTTP_HOST, settings.metrics_port, self._health, lambda: self.metrics.registry, "metrics_port")
             self._await_workers(settings.wait_for_workers)
         except BaseException:
-            self._connection.close()
+            self.close()
             raise
         self._info: Info | None = None
         self._workers: list[str] = []
@@ -229,7 +238,9 @@ class RemoteTarget(Generic[Sup, Info]):
             if self.device is not None:
                 received = {name: t.to(self.device, non_blocking=True) for name, t in received.items()}
                 own = {name: t.to(self.device, non_blocking=True) for name, t in own.items()}
-            return self.SUPERVISION(**{**own, **self._from_wire(received)})  # type: ignore[return-value]
+            supervision = self.SUPERVISION(**{**own, **self._from_wire(received)})
+            self.metrics.received(sum(t.numel() * t.element_size() for t in received.values()))
+            return supervision  # type: ignore[return-value]
 
         return self._submit(self.TASK, sent, finish)
 
@@ -251,7 +262,14 @@ class RemoteTarget(Generic[Sup, Info]):
     ) -> Sup:
         """Supervision of one batch, blocking (the packing arguments as for ``generate_batch_async``)."""
         future = self.generate_batch_async(input_ids, attention_mask, loss_mask, position_ids, seq_lens, doc_remaining)
-        return self._wait(future, "supervision")
+        return self._wait_supervision(future)
+
+    def _wait_supervision(self, future: Future) -> Sup:
+        """A batch's supervision, the time the caller waited for it counted (draftfeed_rank_wait_seconds)."""
+        started = time.monotonic()
+        supervision = self._wait(future, "supervision")
+        self.metrics.waited(time.monotonic() - started)
+        return supervision
 
     def iterate(self, dataloader: Iterable[Mapping[str, Any]]) -> Iterator[tuple[Mapping[str, Any], Sup]]:
         """Yield ``(batch, supervision)`` in the dataloader's order, keeping ``prefetch_depth`` batches in flight.
@@ -267,7 +285,7 @@ class RemoteTarget(Generic[Sup, Info]):
             packing = {key: batch[key] for key in PACKING_KEYS if batch.get(key) is not None}
             return self.generate_batch_async(*(batch[key] for key in BATCH_KEYS), **packing)
 
-        return prefetch(dataloader, submit, lambda future: self._wait(future, "supervision"), self.prefetch_depth)
+        return prefetch(dataloader, submit, self._wait_supervision, self.prefetch_depth)
 
     # ------------------------------------------------------------ plumbing
     # The vocab mapping this rank's batches are computed with (its digest; None: the identity), named by every batch.
@@ -360,6 +378,15 @@ class RemoteTarget(Generic[Sup, Info]):
     def close(self) -> None:
         """Release the sockets and the IO thread; outstanding requests fail with TargetClosed."""
         self._connection.close()
+        if getattr(self, "_observer", None) is not None:
+            self._observer.close()
+            self._observer = None
+
+    def _health(self) -> str | None:
+        """None while a broker is heard and the service has a worker (for ``/health`` of metrics_port)."""
+        if not self._connection.has_workers.is_set():
+            return f"service {self.service!r} has no worker yet"
+        return None
 
     def __enter__(self):
         return self

@@ -27,6 +27,8 @@ class RankSettings(BaseModel):
     max_result_bytes: Annotated[StrictInt, Field(gt=0)] = DEFAULT_MAX_MESSAGE_BYTES
     device: str | None = None  # where supervision lands; None: the CPU, as received
     nixl_pool_bytes: Annotated[StrictInt, Field(gt=0)] = 4 << 30  # the most receive memory the nixl plane registers (allocated as used)
+    # Serve GET /health and GET /metrics (Prometheus) on this port, on every interface; None: not served.
+    metrics_port: Annotated[StrictInt, Field(gt=0, lt=65536)] | None = None
 
     @classmethod
     def checked(cls, owner: str, **values: object) -> RankSettings:

@@ -34,6 +34,11 @@ MAX_TENSORS_PER_MESSAGE = 64
 
 DEFAULT_FRONTEND = "tcp://*:5555"
 DEFAULT_BACKEND = "tcp://*:5556"
+# Health and metrics over HTTP (GET /health, GET /metrics): the broker's and a worker's default ports, on every
+# interface. Several workers on one machine each need a port of their own; 0 turns the endpoint off.
+DEFAULT_HTTP_HOST = "0.0.0.0"
+DEFAULT_BROKER_HTTP_PORT = 8555
+DEFAULT_WORKER_HTTP_PORT = 8556
 
 # Tensors smaller than this are copied out of the received frame into fresh, aligned torch memory
 # (libzmq keeps very small messages inline and unaligned); larger ones are viewed in place.

@@ -1,0 +1,59 @@
+"""A rank's metrics: how long its training loop waited for supervision, what it received, what it asked again."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+# From a batch already there (prefetch doing its job) to a worker that is far behind.
+WAIT_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# The connection's counters of requests asked for again or dropped answers, by what happened (ConnectionStats fields).
+RETRIES = {
+    "lost_over_pair": "an answer lost with its pair group or nixl pair, asked for again",
+    "busy_retries": "a request sent again after the broker said its service was busy",
+    "resyncs": "a full resend after the broker had forgotten the rank",
+}
+
+
+class RankMetrics:
+    """Its own registry, so that several remote targets in one process never share counters."""
+
+    def __init__(self, rank: str, service: str, outstanding: Callable[[], float], stats: Callable[[], Any]) -> None:
+        self.registry = CollectorRegistry()
+        self._labels = {"rank": rank, "service": service}
+        names = list(self._labels)
+        self._wait = Histogram(
+            "draftfeed_rank_wait_seconds",
+            "seconds the training loop waited for each batch's supervision",
+            names,
+            buckets=WAIT_BUCKETS,
+            registry=self.registry,
+        )
+        self._batches = Counter("draftfeed_rank_batches_received", "batches of supervision received", names, registry=self.registry)
+        self._bytes = Counter("draftfeed_rank_supervision_bytes", "supervision bytes received", names, registry=self.registry)
+        gauge = Gauge("draftfeed_rank_requests_outstanding", "requests sent and not yet answered", names, registry=self.registry)
+        gauge.labels(**self._labels).set_function(outstanding)
+        self.registry.register(_Retries(self._labels, stats))
+
+    def waited(self, seconds: float) -> None:
+        self._wait.labels(**self._labels).observe(seconds)
+
+    def received(self, nbytes: int) -> None:
+        self._batches.labels(**self._labels).inc()
+        self._bytes.labels(**self._labels).inc(nbytes)
+
+
+class _Retries(Collector):
+    def __init__(self, labels: dict[str, str], stats: Callable[[], Any]) -> None:
+        self._labels, self._stats = labels, stats
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        stats = self._stats()
+        family = CounterMetricFamily("draftfeed_rank_retries", "requests asked for again, by why", labels=[*self._labels, "why"])
+        for why in RETRIES:
+            family.add_metric([*self._labels.values(), why], getattr(stats, why))
+        yield family

@@ -1,0 +1,43 @@
+"""A worker's metrics: what it computed, how long its forwards took, and what it sent on which plane."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Forward times from a tiny target on a CPU to a long row of a large target on a GPU.
+FORWARD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class WorkerMetrics:
+    """Its own registry (so that several workers in one process never share counters)."""
+
+    def __init__(self, worker: str, service: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"worker": worker, "service": service}
+        names = list(labels)
+        self._requests = Counter("draftfeed_worker_requests", "requests answered, by outcome", [*names, "outcome"], registry=self.registry)
+        self._forward = Histogram(
+            "draftfeed_worker_forward_seconds", "seconds each request spent computing", names, buckets=FORWARD_BUCKETS, registry=self.registry
+        )
+        self._bytes = Counter(
+            "draftfeed_worker_supervision_bytes", "supervision bytes delivered to ranks, by data plane", [*names, "plane"], registry=self.registry
+        )
+        self._in_flight = Gauge("draftfeed_worker_in_flight", "requests queued at the worker or computing", names, registry=self.registry)
+        self._registered = Gauge("draftfeed_worker_registered", "1 while registered with a broker", names, registry=self.registry)
+        self._labels = labels
+
+    def watch(self, in_flight: Callable[[], float], registered: Callable[[], float]) -> None:
+        """Gauges read when scraped: the worker's queue and its registration."""
+        self._in_flight.labels(**self._labels).set_function(in_flight)
+        self._registered.labels(**self._labels).set_function(registered)
+
+    def computed(self, seconds: float) -> None:
+        self._forward.labels(**self._labels).observe(seconds)
+
+    def answered(self, outcome: str) -> None:
+        self._requests.labels(**self._labels, outcome=outcome).inc()
+
+    def delivered(self, plane: str, nbytes: int) -> None:
+        self._bytes.labels(**self._labels, plane=plane).inc(nbytes)

@@ -1,0 +1,154 @@
+"""GET /health and GET /metrics of a real broker, worker and rank, scraped after a known run: values, not names."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+
+import pytest
+from conftest import WORKER_ENV, make_batch, raw_peer, wait_until
+from prometheus_client.parser import text_string_to_metric_families
+
+from draftfeed import RemoteEagle3Target
+from draftfeed.contract.supervision import Eagle3Supervision
+from draftfeed.launch import processes
+from draftfeed.schemas.protocol import SIGNATURE
+
+pytestmark = pytest.mark.timeout(180)
+SERVICE = "observed"
+BATCHES = 5
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def samples(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of /metrics by (name, sorted labels)."""
+    status, text = get(port, "/metrics")
+    assert status == 200, text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def value(port: int, name: str, **labels: str) -> float | None:
+    """The sum of the samples called ``name`` whose labels include ``labels``."""
+    found = [v for (n, have), v in samples(port).items() if n == name and set(labels.items()) <= set(have)]
+    return sum(found) if found else None
+
+
+@pytest.fixture(scope="module")
+def observed(tiny_target):
+    broker_port, worker_port = free_port(), free_port()
+    broker = processes.start_broker(extra=["--http-port", str(broker_port), "--http-host", "127.0.0.1", "--heartbeat-interval", "0.2"])
+    worker = None
+    try:
+        worker = processes.start_worker(
+            broker.ready["backend"],
+            str(tiny_target),
+            "--service",
+            SERVICE,
+            "--name",
+            "observed-0",
+            "--http-port",
+            str(worker_port),
+            "--http-host",
+            "127.0.0.1",
+            env=WORKER_ENV,
+        )
+        yield broker, broker_port, worker, worker_port
+    finally:
+        if worker is not None:
+            worker.stop()
+        broker.stop()
+
+
+def test_health_and_metrics_of_a_known_run(observed):
+    broker, broker_port, worker, worker_port = observed
+    assert broker.ready["http_port"] == broker_port and worker.ready["http_port"] == worker_port
+    assert get(broker_port, "/health") == (200, json.dumps({"status": "ready"}))
+    assert get(worker_port, "/health") == (200, json.dumps({"status": "ready"}))
+    assert get(broker_port, "/nothing")[0] == 404
+    rank_port = free_port()
+    with RemoteEagle3Target(broker.ready["frontend"], SERVICE, metrics_port=rank_port) as target:
+        wire_bytes = 0
+        for seed in range(BATCHES):
+            supervision = target.generate_batch(**make_batch(2, 16, 1000, seed=seed))
+            wire_bytes += sum(getattr(supervision, f).numel() * getattr(supervision, f).element_size() for f in Eagle3Supervision.WIRE_FIELDS)
+        rank = {"rank": target.rank_id}
+        assert get(rank_port, "/health")[0] == 200
+        assert value(rank_port, "draftfeed_rank_batches_received_total", **rank) == BATCHES
+        assert value(rank_port, "draftfeed_rank_supervision_bytes_total", **rank) == wire_bytes
+        assert value(rank_port, "draftfeed_rank_wait_seconds_count", **rank) == BATCHES
+        assert value(rank_port, "draftfeed_rank_requests_outstanding", **rank) == 0
+        assert value(rank_port, "draftfeed_rank_retries_total", **rank, why="busy_retries") == 0
+        # The broker publishes its numbers once per heartbeat interval (0.2 s here).
+        wait_until(lambda: value(broker_port, "draftfeed_broker_requests_routed_total") == BATCHES, what="5 routed requests in the broker's metrics")
+        worker_labels = {"service": SERVICE, "worker": "observed-0"}
+        assert value(broker_port, "draftfeed_broker_worker_served_total", **worker_labels) == BATCHES
+        assert value(broker_port, "draftfeed_broker_worker_in_flight", **worker_labels) == 0
+        assert value(broker_port, "draftfeed_broker_ready_workers", service=SERVICE) == 1
+        assert value(broker_port, "draftfeed_broker_queue_depth", service=SERVICE) == 0
+        assert value(broker_port, "draftfeed_broker_rank_outstanding", service=SERVICE, **rank) == 0
+    assert value(worker_port, "draftfeed_worker_requests_total", outcome="served") == BATCHES
+    assert value(worker_port, "draftfeed_worker_forward_seconds_count") == BATCHES
+    assert value(worker_port, "draftfeed_worker_supervision_bytes_total", plane="frames") == wire_bytes  # small answers go as frames
+    assert value(worker_port, "draftfeed_worker_registered") == 1
+
+
+def test_a_rejected_message_is_counted_by_reason(observed):
+    broker, broker_port, _worker, _worker_port = observed
+    before = value(broker_port, "draftfeed_broker_messages_rejected_total", reason="malformed") or 0
+    with raw_peer(broker.ready["frontend"]) as peer:
+        peer.send_multipart([SIGNATURE, b'{"type":"submit","request_id":"not a number"}'])
+        assert peer.poll(10_000), "the broker did not answer the malformed message"
+        peer.recv_multipart()
+    wait_until(lambda: value(broker_port, "draftfeed_broker_messages_rejected_total", reason="malformed") == before + 1, what="the rejection counted")
+
+
+def test_a_worker_without_a_broker_is_not_ready_and_says_why(tiny_target):
+    port = free_port()
+    worker = processes.start_worker(
+        "tcp://127.0.0.1:9",
+        str(tiny_target),
+        "--http-port",
+        str(port),
+        "--http-host",
+        "127.0.0.1",
+        env=WORKER_ENV,
+        ready_pattern="registering with the broker",
+    )
+    try:
+
+        def not_registered() -> bool:
+            status, body = get(port, "/health")
+            return status == 503 and "not registered with a broker at tcp://127.0.0.1:9" in json.loads(body)["reason"]
+
+        wait_until(not_registered, what="/health answering 503 with the reason")
+        assert value(port, "draftfeed_worker_registered") == 0
+    finally:
+        worker.kill()
+
+
+def test_a_port_given_and_taken_is_one_line(tiny_target):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match=rf"cannot serve health and metrics on 127.0.0.1:{port} \(--http-port\).*choose another port"):
+            processes.start_broker(extra=["--http-port", str(port), "--http-host", "127.0.0.1"])
