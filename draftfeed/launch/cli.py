@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, get_args
 from draftfeed.bench import SCENARIO_NAMES
 from draftfeed.broker.settings import BrokerSettings
 from draftfeed.consumers.config import DEFAULT_DRAFT_LAYERS, DTYPES, ENGINES, WorkerConfig
+from draftfeed.launch.config import apply_sources, effective
 from draftfeed.launch.ready import announce_ready
 from draftfeed.schemas.errors import DraftfeedError, UsageError
 from draftfeed.schemas.messages import DataPlaneMode, SupervisionForm, Task
@@ -344,6 +345,21 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
     worker.add_argument("--secure", action="store_true", help="CURVE to the broker and to ranks, with this worker's key (docs/security.md)")
     _add_peer_key_flags(worker, "worker")
     _add_http_flags(worker, DEFAULT_WORKER_HTTP_PORT)
+    for role in (broker, worker):
+        _add_config_flags(role)
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="a TOML file of settings (flag-name = value); a flag given here wins over DRAFTFEED_<FLAG> variables, "
+        "which win over the file (docs/operations.md, Configuration)",
+    )
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the settings in force (flags, environment, file, defaults) as TOML and exit"
+    )
+    parser.set_defaults(settings_parser=parser)
 
 
 def _add_http_flags(parser: argparse.ArgumentParser, port: int) -> None:
@@ -676,7 +692,19 @@ def _command(args: argparse.Namespace) -> tuple[str, Callable[[argparse.Namespac
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(_join_negative_layer_ids(sys.argv[1:] if argv is None else argv))
+    argv = _join_negative_layer_ids(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    role = _launch_role(parser, argv)
+    if role is not None:
+        try:
+            apply_sources(role, argv)
+        except UsageError as exc:
+            print(f"draftfeed {argv[1]}: {exc}", file=sys.stderr)
+            return 2
+    args = parser.parse_args(argv)
+    if getattr(args, "print_config", False):
+        print(effective(args, args.settings_parser), end="")
+        return 0
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     name, run = _command(args)
     try:
@@ -687,6 +715,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DraftfeedError as exc:  # no broker answered, a refused registration: not a bug, so no traceback
         print(f"draftfeed {name}: {exc}", file=sys.stderr)
         return 1
+
+
+def _launch_role(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.ArgumentParser | None:
+    """The parser of ``launch broker`` or ``launch worker`` when ``argv`` runs one (their settings may come from a
+    file and the environment), else None."""
+    if len(argv) < 2 or argv[0] != "launch":
+        return None
+    launch = _subparsers(parser)["launch"]
+    return _subparsers(launch).get(argv[1])
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
 
 
 def launch_main(argv: Sequence[str] | None = None) -> int:
