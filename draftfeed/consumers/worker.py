@@ -420,6 +420,8 @@ class Worker:
             self._writing.append((link.sender.post(local, remote, link.remote_agent, notification, self.config.pair_timeout_s, gone), endpoint))
         except (NixlError, RuntimeError) as exc:
             self._planes.failed(endpoint, str(exc))
+            while self._writing:  # the arenas' turn may be out of step with the writes now: let every write land first
+                self._finish_write(block=True)
             return None
         # The header goes now; the rank uses the slot only once the write's notification is there too.
         delivery = self._deliver(endpoint, pack(Result(tensors=specs, plane="nixl", generation=generation, slot=grant.slot, **fields)), since)
