@@ -20,6 +20,7 @@ from fake_pair_faults import EXIT_CODE
 from reference import draft_vocab
 
 from draftfeed import RemoteDSparkTarget, RemoteEagle3Target
+from draftfeed.consumers.nixl_senders import ARENAS
 from draftfeed.dataplane.nixl_transport import unavailable
 from draftfeed.launch import processes
 
@@ -157,7 +158,9 @@ def test_a_failed_write_goes_as_frames_and_the_pair_is_rebuilt(fast_cluster, tin
         await_nixl(remote, fast_cluster, "w-flaky")
         check(remote, tiny_model, list(range(6)), lambda b: reference_eagle3(tiny_model, b, AUX))
         pair = wait_until(lambda: pairs_of(fast_cluster, "w-flaky").get(remote.rank_id, {}).get("fallbacks"), what="the fallback in status")
-        assert pair == 1
+        # The failed answer, and the next one if it was already staged and posted on the same pair (one write in flight
+        # per staging arena): each is asked for again and arrives as frames.
+        assert 1 <= pair <= ARENAS, pair
         seed = iter(range(100, 200))
 
         def rebuilt() -> bool:
