@@ -152,3 +152,44 @@ def test_a_port_given_and_taken_is_one_line(tiny_target):
         port = taken.getsockname()[1]
         with pytest.raises(RuntimeError, match=rf"cannot serve health and metrics on 127.0.0.1:{port} \(--http-port\).*choose another port"):
             processes.start_broker(extra=["--http-port", str(port), "--http-host", "127.0.0.1"])
+
+
+def test_json_logs_are_one_object_per_line():
+    broker = processes.start_broker(extra=["--log-format", "json"])
+    try:
+        line = broker.wait_for_line(r'^\{"time": ".*"logger": "draftfeed.broker"', timeout_s=30)
+        entry = json.loads(line)
+        assert entry["level"] == "INFO" and entry["pid"] == broker.pid
+        assert f"ranks on {broker.ready['frontend']}, workers on {broker.ready['backend']}" in entry["message"]
+        assert entry["time"].endswith("Z")
+    finally:
+        broker.stop()
+
+
+def test_status_watch_prints_again_until_interrupted(observed):
+    import selectors
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    broker = observed[0]
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "draftfeed", "status", "--broker", broker.ready["frontend"], "--watch", "0.2"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert watch.stdout is not None
+        selector = selectors.DefaultSelector()
+        selector.register(watch.stdout, selectors.EVENT_READ)
+        refreshes, tables, deadline = 0, 0, time.monotonic() + 60
+        while refreshes < 3 and time.monotonic() < deadline:
+            if selector.select(timeout=1.0):
+                line = watch.stdout.readline()
+                refreshes += line.startswith("---- ")
+                tables += SERVICE in line
+        assert refreshes >= 3 and tables >= 2, f"{refreshes} refreshes, {tables} lines naming the service"
+        watch.send_signal(signal.SIGINT)
+        assert watch.wait(10) == 0
+    finally:
+        watch.kill()
+        watch.wait(10)

@@ -25,6 +25,8 @@ from draftfeed.broker.settings import BrokerSettings
 from draftfeed.consumers.config import DEFAULT_DRAFT_LAYERS, DTYPES, ENGINES, WorkerConfig
 from draftfeed.launch.config import apply_sources, effective
 from draftfeed.launch.ready import announce_ready
+from draftfeed.logs import LOG_FORMATS
+from draftfeed.logs import configure as configure_logging
 from draftfeed.schemas.errors import DraftfeedError, UsageError
 from draftfeed.schemas.messages import DataPlaneMode, SupervisionForm, Task
 from draftfeed.schemas.protocol import DEFAULT_BACKEND, DEFAULT_BROKER_HTTP_PORT, DEFAULT_FRONTEND, DEFAULT_HTTP_HOST, DEFAULT_WORKER_HTTP_PORT
@@ -110,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="draftfeed", description="Serve frozen-target supervision to draft-model training over ZeroMQ.", formatter_class=_Help
     )
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="logging level")
+    parser.add_argument(
+        "--log-format", default="text", choices=LOG_FORMATS, help="log lines as text, or one JSON object per line (for log collectors)"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     launch = _parser(commands, "launch", help="start a broker or a worker process")
@@ -137,6 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the broker")
     status.add_argument("--service", default=None, help="check this service: exit 1 unless it has a ready worker")
     status.add_argument("--wait", type=float, default=0.0, help="with --service: wait up to this many seconds for a ready worker")
+    status.add_argument(
+        "--watch",
+        type=float,
+        nargs="?",
+        const=2.0,
+        default=None,
+        metavar="SECONDS",
+        help="print it again every SECONDS (default 2), in place on a terminal, until Ctrl-C",
+    )
     _add_peer_key_flags(status, "rank")
 
     keys = _parser(commands, "keys", help="create CURVE keys for a secure deployment (docs/security.md)")
@@ -184,6 +198,9 @@ def _peer_keys(args: argparse.Namespace, role: str, required: bool) -> PeerKeys 
 def add_launch_commands(roles: argparse._SubParsersAction) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--log-level", default=argparse.SUPPRESS, type=str.upper, choices=LOG_LEVELS, help="logging level (default INFO)")
+    common.add_argument(
+        "--log-format", default=argparse.SUPPRESS, choices=LOG_FORMATS, help="log lines as text (default), or one JSON object per line"
+    )
     broker = _parser(roles, "broker", parents=[common], help="route requests from training ranks to target workers")
     broker.add_argument("--frontend", type=_endpoint, default=DEFAULT_FRONTEND, help="where training ranks connect (tcp://HOST:* picks a free port)")
     broker.add_argument("--backend", type=_endpoint, default=DEFAULT_BACKEND, help="where workers connect")
@@ -640,6 +657,8 @@ def run_status(args: argparse.Namespace) -> int:
     if args.wait and args.service is None:
         raise UsageError("--wait goes with --service NAME: the service to wait for")
     keys = _peer_keys(args, "rank", required=False)
+    if args.watch is not None:
+        return _watch_status(args, keys)
     deadline = time.monotonic() + args.wait
     while True:
         status = fetch_status(args.broker, args.timeout, keys=keys)
@@ -655,6 +674,33 @@ def run_status(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _watch_status(args: argparse.Namespace, keys: Any) -> int:
+    """``status --watch``: the status again every interval; on a terminal the screen is redrawn in place, elsewhere
+    each one follows the last after a separator line. A broker that stops answering is said, and watched for."""
+    import time
+
+    from draftfeed.launch.status import fetch_status, format_status
+
+    if args.watch <= 0:
+        raise UsageError(f"--watch {args.watch:g}: give the seconds between refreshes, more than 0")
+    terminal = sys.stdout.isatty()
+    try:
+        while True:
+            try:
+                status = fetch_status(args.broker, args.timeout, keys=keys)
+                text = json.dumps(status, indent=2) if args.json else format_status(status)
+            except DraftfeedError as exc:
+                text = f"draftfeed status: {exc}"
+            stamp = time.strftime("%H:%M:%S")
+            if terminal:
+                print(f"\x1b[H\x1b[2J{stamp}  every {args.watch:g} s, Ctrl-C to stop\n{text}", flush=True)
+            else:
+                print(f"---- {stamp}\n{text}", flush=True)
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -705,7 +751,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "print_config", False):
         print(effective(args, args.settings_parser), end="")
         return 0
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    configure_logging(args.log_level, args.log_format)
     name, run = _command(args)
     try:
         return run(args)
