@@ -31,6 +31,13 @@ def local_address_towards(endpoint: str) -> str:
         return probe.getsockname()[0]
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (another process may take it before it is bound again)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
 def is_loopback(endpoint: str) -> bool:
     """Whether a tcp endpoint is reachable from this machine only (ipc and inproc are local too)."""
     if not endpoint.startswith("tcp://"):

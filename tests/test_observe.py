@@ -14,17 +14,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from draftfeed import RemoteEagle3Target
 from draftfeed.contract.supervision import Eagle3Supervision
 from draftfeed.launch import processes
+from draftfeed.net import free_port
 from draftfeed.schemas.protocol import SIGNATURE
 
 pytestmark = pytest.mark.timeout(180)
 SERVICE = "observed"
 BATCHES = 5
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def get(port: int, path: str) -> tuple[int, str]:

@@ -44,7 +44,6 @@ results go back to those positions of zero tensors, and the request and KV pools
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,6 +54,7 @@ from draftfeed.consumers.engines.base import Capture, ForwardOutput, TargetShape
 from draftfeed.consumers.engines.hf import resolve_dtype
 from draftfeed.consumers.engines.packages import EnginePackage, import_engine_package, refuse_own_options
 from draftfeed.contract.packing import Documents
+from draftfeed.net import free_port
 from draftfeed.schemas.messages import LogitTransform
 
 log = logging.getLogger(__name__)
@@ -86,13 +86,6 @@ def refusal(capture: Capture, num_hidden_layers: int) -> str | None:
             f"the input of layer id + 1, so only ids 0..{last - 1} exist (not the last layer {last}); {INSTEAD}"
         )
     return None
-
-
-def free_port() -> int:
-    """A free local TCP port for sglang's one-rank torch.distributed group."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class FullLogits(nn.Module):
@@ -187,7 +180,7 @@ class SGLangEngine:
             moe_ep_size=args.ep_size,
             pp_rank=0,
             pp_size=1,
-            nccl_port=free_port(),
+            nccl_port=free_port(),  # sglang's one-rank torch.distributed group
             server_args=args,
             is_draft_worker=False,
         )
