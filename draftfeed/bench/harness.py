@@ -134,12 +134,17 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def run(names: Sequence[str], quick: bool, workdir: Path, progress: Callable[[str], None] = print) -> list[Row]:
-    """The rows of each named scenario, in the order given."""
+def run(names: Sequence[str], quick: bool, workdir: Path) -> list[Row]:
+    """The rows of each named scenario, in the order given, with their progress on stderr."""
+    from draftfeed.launch.progress import Progress
+
     rows: list[Row] = []
+    progress = Progress(len(names), "bench scenarios", every_s=0.0)
     for name in names:
-        progress(f"running {name} ...")
+        progress.write(f"running {name} ...")
         rows.extend(load(name).run(quick, workdir))
+        progress.advance(note=f"{name} done")
+    progress.close()
     return rows
 
 

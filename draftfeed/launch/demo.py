@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from draftfeed.launch import processes
+from draftfeed.launch.progress import Progress
 from draftfeed.producers.remote_target import RemoteEagle3Target
 from draftfeed.tiny import build_tiny_target
 
@@ -85,6 +86,7 @@ def _train(frontend: str, args: argparse.Namespace) -> int:
         waited = 0.0
         started = time.perf_counter()
         mark = started
+        progress = Progress(args.steps, "training steps")
         for batch, sup in target.iterate(synthetic_batches(args.steps, args.batch_size, args.seq_len, info.vocab_size)):
             waited += time.perf_counter() - mark
             log_probs = torch.log_softmax(head(sup.aux_hidden_states), dim=-1)
@@ -98,8 +100,10 @@ def _train(frontend: str, args: argparse.Namespace) -> int:
             tokens += int(batch["attention_mask"].sum())
             step = batch["step"]
             if step % max(1, args.steps // 8) == 0 or step == args.steps - 1:
-                print(f"step {step:4d}  loss {loss.item():8.4f}  supervision {sup.nbytes / 1e6:6.2f} MB  in flight {target.in_flight}")
+                progress.write(f"step {step:4d}  loss {loss.item():8.4f}  supervision {sup.nbytes / 1e6:6.2f} MB  in flight {target.in_flight}")
+            progress.advance(note=f"loss {loss.item():.4f}")
             mark = time.perf_counter()
+        progress.close()
         elapsed = time.perf_counter() - started
         status = _settled_status(target)
     served = {w["worker"]: w["batches"] for s in status["services"].values() for w in s["workers"]}
