@@ -42,7 +42,7 @@ from draftfeed.consumers.validation import validate_batch
 from draftfeed.dataplane.choice import local_offer
 from draftfeed.dataplane.nixl_transport import NixlError, Region
 from draftfeed.dataplane.pair_group import DataPlaneError, PairGroup, describe
-from draftfeed.dataplane.tensor_codec import decode_tensors, pack_tensors
+from draftfeed.dataplane.tensor_codec import decode_tensors, pack_tensors, tensor_bytes
 from draftfeed.net import close_quietly, host_identity
 from draftfeed.observe.worker_metrics import WorkerMetrics
 from draftfeed.schemas.errors import BadRequest, CannotServe, MalformedMessage
@@ -356,7 +356,7 @@ class Worker:
         since = self._link.forgets(endpoint)  # a forget_rank from now on ends every wait of this delivery
         fields = dict(request_id=request.request_id, token=request.token, kind=request.kind, worker=self.name)
         pair = self._planes.group_for(endpoint, dispatch.rank, dispatch.data_plane)
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        nbytes = tensor_bytes(tensors)
         if pair is not None and isinstance(pair[0], NixlLink):
             delivery = self._deliver_nixl(dispatch, tensors, pair[0], pair[1], fields, since)
             if delivery is not None:
@@ -527,7 +527,7 @@ class Worker:
 
 def _over_limit(tensors: dict[str, torch.Tensor], limit: int | None) -> str | None:
     """Why an answer is too big for its rank (``max_result_bytes`` from its hello), or None."""
-    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    size = tensor_bytes(tensors)
     if limit is None or size <= limit:
         return None
     return (

@@ -44,6 +44,11 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise ValueError(f"dtype {dtype} cannot be sent; supported dtypes: {', '.join(DTYPES)}. Convert the tensor first.") from None
 
 
+def tensor_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    """The bytes the tensors hold (what an answer of them carries)."""
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def tensor_frame(tensor: torch.Tensor) -> memoryview:
     """A memoryview over the bytes of ``tensor`` (CPU, contiguous), without copying when it already is."""
     if tensor.is_cpu and tensor.dtype is not torch.bfloat16 and not tensor.requires_grad and tensor.is_contiguous() and tensor.numel():

@@ -22,7 +22,7 @@ from draftfeed.contract.packing import PACKING_KEYS, SENT_KEYS, check_packing
 from draftfeed.contract.supervision import BATCH_KEYS, DSparkSupervision, Eagle3Supervision, Supervision
 from draftfeed.contract.vocab import mapping_digest, validate_vocab_mapping
 from draftfeed.dataplane.choice import local_offer
-from draftfeed.dataplane.tensor_codec import dtype_name, pack_tensors
+from draftfeed.dataplane.tensor_codec import dtype_name, pack_tensors, tensor_bytes
 from draftfeed.observe.http import ObserveServer
 from draftfeed.observe.rank_metrics import RankMetrics
 from draftfeed.producers.connection import Connection, ConnectionStats
@@ -239,7 +239,7 @@ class RemoteTarget(Generic[Sup, Info]):
                 received = {name: t.to(self.device, non_blocking=True) for name, t in received.items()}
                 own = {name: t.to(self.device, non_blocking=True) for name, t in own.items()}
             supervision = self.SUPERVISION(**{**own, **self._from_wire(received)})
-            self.metrics.received(sum(t.numel() * t.element_size() for t in received.values()))
+            self.metrics.received(tensor_bytes(received))
             return supervision  # type: ignore[return-value]
 
         return self._submit(self.TASK, sent, finish)

@@ -9,7 +9,7 @@ import torch
 
 from draftfeed.bench.harness import MB, Row, best_of
 from draftfeed.bench.synthetic import DRAFT_VOCAB, HIDDEN
-from draftfeed.dataplane.tensor_codec import DTYPES, decode_tensors, encode_tensors, pack_tensors
+from draftfeed.dataplane.tensor_codec import DTYPES, decode_tensors, encode_tensors, pack_tensors, tensor_bytes
 from draftfeed.schemas.messages import Result
 
 
@@ -26,7 +26,7 @@ def eagle3_dict(tokens: int) -> dict[str, torch.Tensor]:
 def run(quick: bool, workdir: Path) -> list[Row]:
     tokens = 512 if quick else 2048
     tensors = eagle3_dict(tokens)
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    nbytes = tensor_bytes(tensors)
     flat = [t.reshape(-1).view(torch.uint8) for t in tensors.values()]
     target = torch.empty(nbytes, dtype=torch.uint8)
     target.fill_(0)  # prefaulted: memcpy at its best
