@@ -50,6 +50,10 @@ def test_the_printed_configuration_reads_back_as_the_same(capsys, tmp_path, conf
     assert printed(capsys, *WORKER, "--config", str(again)) == first
 
 
+def test_options_of_draftfeed_itself_may_come_first(capsys, config):
+    assert printed(capsys, "--log-level", "WARNING", "--log-format=json", *WORKER, "--config", str(config))["capacity"] == 3
+
+
 def test_required_flags_may_come_from_the_environment(capsys, monkeypatch):
     monkeypatch.setenv("DRAFTFEED_BROKER", "tcp://10.0.0.2:5556")
     monkeypatch.setenv("DRAFTFEED_TARGET", "/models/qwen")

@@ -743,9 +743,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     role = _launch_role(parser, argv)
     if role is not None:
         try:
-            apply_sources(role, argv)
+            apply_sources(role[1], argv)
         except UsageError as exc:
-            print(f"draftfeed {argv[1]}: {exc}", file=sys.stderr)
+            print(f"draftfeed {role[0]}: {exc}", file=sys.stderr)
             return 2
     args = parser.parse_args(argv)
     if getattr(args, "print_config", False):
@@ -763,13 +763,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-def _launch_role(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.ArgumentParser | None:
-    """The parser of ``launch broker`` or ``launch worker`` when ``argv`` runs one (their settings may come from a
-    file and the environment), else None."""
-    if len(argv) < 2 or argv[0] != "launch":
+def _launch_role(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[str, argparse.ArgumentParser] | None:
+    """The role and parser of ``launch broker`` or ``launch worker`` when ``argv`` runs one (their settings may come
+    from a file and the environment), else None. Options of ``draftfeed`` itself may come first (``--log-level X``)."""
+    options = {option: action for action in parser._actions for option in action.option_strings}
+    index = 0
+    while index < len(argv) and argv[index].startswith("-"):
+        action = options.get(argv[index].split("=", 1)[0])
+        index += 2 if action is not None and action.nargs != 0 and "=" not in argv[index] else 1
+    if len(argv) < index + 2 or argv[index] != "launch":
         return None
-    launch = _subparsers(parser)["launch"]
-    return _subparsers(launch).get(argv[1])
+    role = _subparsers(_subparsers(parser)["launch"]).get(argv[index + 1])
+    return (argv[index + 1], role) if role is not None else None
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
