@@ -241,14 +241,12 @@ class Broker:
                 f"this is the broker's worker port ({self.backend_endpoint}); ranks connect to its rank port (--frontend, {self.frontend_endpoint})"
             )
             side = "backend"
-        self.state.counters["rejected_messages"] += 1
         self.state.rejections["wrong_port"] += 1
         self._bad_input.warning(f"port:{side}", "broker: a %r message at the wrong port: %s", kind, message)
         return Outgoing(side, peer, pack(ErrorReply(message=message, code="wrong_port")))
 
     def _rejection(self, sock: zmq.Socket, peer: bytes, reason: str, kind: str = "malformed") -> Outgoing:
         side = "rank" if sock is self._frontend else "worker"
-        self.state.counters["rejected_messages"] += 1
         self.state.rejections[kind] += 1
         self._bad_input.warning(f"{side}:{reason[:40]}", "broker: rejected a message from %s %r: %s", side, peer[:64], reason)
         return Outgoing("frontend" if sock is self._frontend else "backend", peer, pack(ErrorReply(message=f"rejected by the broker: {reason}")))

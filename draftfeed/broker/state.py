@@ -83,7 +83,6 @@ class BrokerState:
         self.forgotten_ranks = ForgottenPeers()
         self.forgotten_workers = ForgottenPeers()
         self.counters = {
-            "rejected_messages": 0,
             "workers_expired": 0,
             "ranks_expired": 0,
             "requeued": 0,
@@ -95,8 +94,8 @@ class BrokerState:
         # of its own), died_in_engine (its worker died computing it: charged), retry (the engine could not run it:
         # charged), draining, missing_mapping, worker_registered_again.
         self.requeues: Counter[str] = Counter()
-        # Messages refused before any handler took them, by reason (malformed, wrong_port, protocol_version), and
-        # submits refused by a handler, by the error code the rank was sent.
+        # Messages refused before any handler took them, by reason (malformed, wrong_port, protocol_version; their sum
+        # is the status' rejected_messages), and submits refused by a handler, by the error code the rank was sent.
         self.rejections: Counter[str] = Counter()
         self.refusals: Counter[str] = Counter()
         # Requests charged with a worker's death, by worker: a worker that comes back was frozen, not dead.
@@ -522,7 +521,7 @@ class BrokerState:
             "uptime_s": round(now - self.started_at, 3),
             "draining": self.draining,
             "liveness_window_s": self.settings.window_s,
-            "counters": dict(self.counters),
+            "counters": {**self.counters, "rejected_messages": sum(self.rejections.values())},
             "requeues": dict(self.requeues),
             "rejections": dict(self.rejections),
             "refusals": dict(self.refusals),
