@@ -3,6 +3,7 @@ batches and, once done, checks every result against the in-process computation, 
 
     python -m rank_process --broker tcp://10.79.0.1:5555 --service svc --target DIR --batches 400 [--task dspark]
         [--draft-vocab 300] [--form probs|hidden] [--seed 5000] [--data-plane auto|frames|nixl]
+        [--store DIR --store-mode record|cache --store-shard-bytes N]
 
 Prints the ready line once set up, ``batch N`` after each batch, and at the end one ``RESULT {json}`` line:
 how many batches came, whether in order, the differences found (where and how large), how many came over nixl,
@@ -39,6 +40,9 @@ def main() -> int:
     parser.add_argument("--draft-vocab", type=int, default=0)
     parser.add_argument("--seed", type=int, default=5000, help="the first batch's seed; each rank of a test its own")
     parser.add_argument("--data-plane", default="auto")
+    parser.add_argument("--store", default=None)
+    parser.add_argument("--store-mode", default=None)
+    parser.add_argument("--store-shard-bytes", type=int, default=256 << 20)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -49,7 +53,8 @@ def main() -> int:
     planes = {}
     cls = RemoteEagle3Target if args.task == "eagle3" else RemoteDSparkTarget
     try:
-        with cls(args.broker, args.service, prefetch_depth=args.depth, wait_log_interval=1.0, data_plane=args.data_plane) as target:
+        store = {"store": args.store, "store_mode": args.store_mode, "store_shard_bytes": args.store_shard_bytes} if args.store else {}
+        with cls(args.broker, args.service, prefetch_depth=args.depth, wait_log_interval=1.0, data_plane=args.data_plane, **store) as target:
             target.model_info()
             if mapping is not None:
                 target.set_vocab_mapping(*mapping)

@@ -25,6 +25,7 @@ from draftfeed.broker.settings import BrokerSettings
 from draftfeed.consumers.config import DEFAULT_DRAFT_LAYERS, DTYPES, ENGINES, WorkerConfig
 from draftfeed.launch.config import apply_sources, effective
 from draftfeed.launch.ready import announce_ready
+from draftfeed.launch.store_commands import run_store
 from draftfeed.logs import LOG_FORMATS
 from draftfeed.logs import configure as configure_logging
 from draftfeed.schemas.errors import DraftfeedError, UsageError
@@ -164,6 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="with --name: also put NAME.key on OUT/ranks or OUT/workers, the broker's allow-lists",
     )
+
+    store = _parser(commands, "store", help="inspect a supervision store recorded by ranks (docs/store.md)")
+    store_commands = store.add_subparsers(dest="store_command", required=True)
+    info = _parser(store_commands, "info", help="batches, tokens, bytes per token, the target and the form")
+    info.add_argument("path", help="the store's folder (the store= of the recording ranks)")
+    check = _parser(store_commands, "verify", help="check every shard against the index (size, sha256, tensors); exit 1 on a bad one")
+    check.add_argument("path", help="the store's folder")
     return parser
 
 
@@ -734,7 +742,8 @@ def _join_negative_layer_ids(argv: Sequence[str]) -> list[str]:
 def _command(args: argparse.Namespace) -> tuple[str, Callable[[argparse.Namespace], int]]:
     if args.command == "launch":
         return (args.role, run_broker) if args.role == "broker" else (args.role, run_worker)
-    return args.command, {"keys": run_keys, "bench": run_bench, "demo": run_demo, "status": run_status}[args.command]
+    commands = {"keys": run_keys, "bench": run_bench, "demo": run_demo, "status": run_status, "store": run_store}
+    return args.command, commands[args.command]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,7 +7,9 @@ against it calls these classes unchanged.
 from __future__ import annotations
 
 import logging
+import os
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -23,12 +25,14 @@ from draftfeed.contract.supervision import BATCH_KEYS, DSparkSupervision, Eagle3
 from draftfeed.contract.vocab import mapping_digest, validate_vocab_mapping
 from draftfeed.dataplane.choice import local_offer
 from draftfeed.dataplane.tensor_codec import dtype_name, pack_tensors, tensor_bytes
+from draftfeed.net import host_identity
 from draftfeed.observe.http import ObserveServer
 from draftfeed.observe.rank_metrics import RankMetrics
 from draftfeed.producers.connection import Connection, ConnectionStats
 from draftfeed.producers.prefetch import prefetch
 from draftfeed.producers.requests import RequestKind
 from draftfeed.producers.settings import RankSettings
+from draftfeed.producers.stored import StoredSupervision
 from draftfeed.schemas.errors import BadRequest, RemoteTargetError, RemoteTargetTimeout
 from draftfeed.schemas.frames import pack
 from draftfeed.schemas.messages import (
@@ -43,6 +47,8 @@ from draftfeed.schemas.messages import (
 )
 from draftfeed.schemas.protocol import DEFAULT_HTTP_HOST
 from draftfeed.security.curve import PeerKeys
+from draftfeed.store.identity import StoreIdentity
+from draftfeed.store.store import SupervisionStore
 
 log = logging.getLogger("draftfeed.producer")
 _DEFAULTS = RankSettings()
@@ -71,6 +77,13 @@ class RemoteTarget(Generic[Sup, Info]):
 
     ``max_result_bytes`` is the largest answer (all its tensors) this rank takes: workers answer a bigger one
     with an error, and its data socket refuses bigger frames before allocating them.
+
+    ``store`` is a folder of recorded supervision (docs/store.md), used as ``store_mode`` says: ``"record"``
+    (workers compute every batch, and it is written there too), ``"replay"`` (every batch is read from it; no
+    broker is contacted, ``broker`` may be None, and a batch it lacks is an error naming its key) or ``"cache"``
+    (the default: batches it holds are read from it, the others computed and written back). Every mode yields
+    the same supervision, bit for bit, in the same order and with the same prefetch depth. ``store_shard_bytes``
+    and ``store_queue_batches`` bound the memory recording uses.
     """
 
     TASK: ClassVar[str]
@@ -79,7 +92,7 @@ class RemoteTarget(Generic[Sup, Info]):
 
     def __init__(
         self,
-        broker: str,
+        broker: str | None,
         service: str,
         prefetch_depth: int = _DEFAULTS.prefetch_depth,
         *,
@@ -94,6 +107,10 @@ class RemoteTarget(Generic[Sup, Info]):
         max_result_bytes: int = _DEFAULTS.max_result_bytes,
         nixl_pool_bytes: int = _DEFAULTS.nixl_pool_bytes,
         metrics_port: int | None = _DEFAULTS.metrics_port,
+        store: str | Path | None = _DEFAULTS.store,
+        store_mode: str | None = _DEFAULTS.store_mode,
+        store_shard_bytes: int = _DEFAULTS.store_shard_bytes,
+        store_queue_batches: int = _DEFAULTS.store_queue_batches,
     ) -> None:
         settings = RankSettings.checked(
             type(self).__name__,
@@ -107,33 +124,51 @@ class RemoteTarget(Generic[Sup, Info]):
             nixl_pool_bytes=nixl_pool_bytes,
             device=device,
             metrics_port=metrics_port,
+            store=store,
+            store_mode=store_mode,
+            store_shard_bytes=store_shard_bytes,
+            store_queue_batches=store_queue_batches,
         )
+        replaying = settings.store_mode_in_force == "replay"
+        if broker is None and not replaying:
+            raise ValueError(f"{type(self).__name__}: broker=None works only with store_mode='replay'; give the broker's address")
         self.settings = settings
         self.service = service
         self.prefetch_depth = settings.prefetch_depth
         self.request_timeout = settings.request_timeout
         self.device = torch.device(settings.device) if settings.device is not None else None
         self.wait_log_interval = settings.wait_log_interval
-        rank_keys = PeerKeys.resolve(keys, "rank")
-        offer = local_offer(settings.data_plane, self.device, encrypted=rank_keys is not None)
-        self._connection = Connection(
-            broker,
-            service,
-            max(settings.prefetch_depth, 1),
-            task=self.TASK,
-            data_endpoint=data_endpoint,
-            connect_timeout_s=settings.connect_timeout,
-            data_plane=offer,
-            keys=rank_keys,
-            max_result_bytes=settings.max_result_bytes,
-            nixl_pool_bytes=settings.nixl_pool_bytes,
-        )
-        self.metrics = RankMetrics(self.rank_id, service, lambda: self.in_flight, lambda: self._connection.stats)
+        self._connection: Connection | None = None
+        self._stored: StoredSupervision | None = None
         self._observer: ObserveServer | None = None
+        if replaying:
+            self._replay_id = f"replay-{host_identity()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        else:
+            rank_keys = PeerKeys.resolve(keys, "rank")
+            offer = local_offer(settings.data_plane, self.device, encrypted=rank_keys is not None)
+            self._connection = Connection(
+                broker,
+                service,
+                max(settings.prefetch_depth, 1),
+                task=self.TASK,
+                data_endpoint=data_endpoint,
+                connect_timeout_s=settings.connect_timeout,
+                data_plane=offer,
+                keys=rank_keys,
+                max_result_bytes=settings.max_result_bytes,
+                nixl_pool_bytes=settings.nixl_pool_bytes,
+            )
+        self.metrics = RankMetrics(self.rank_id, service, lambda: self.in_flight, lambda: self.connection_stats)
         try:
+            if settings.store is not None:
+                opened = SupervisionStore(
+                    settings.store, settings.store_mode_in_force, self.rank_id, settings.store_shard_bytes, settings.store_queue_batches
+                )
+                self._stored = StoredSupervision(opened, max(settings.prefetch_depth, 1), settings.request_timeout)
             if settings.metrics_port is not None:
                 self._observer = ObserveServer(DEFAULT_HTTP_HOST, settings.metrics_port, self._health, lambda: self.metrics.registry, "metrics_port")
-            self._await_workers(settings.wait_for_workers)
+            if not replaying:
+                self._await_workers(settings.wait_for_workers)
         except BaseException:
             self.close()
             raise
@@ -146,7 +181,7 @@ class RemoteTarget(Generic[Sup, Info]):
     # ------------------------------------------------------------ setup
     def _await_workers(self, wait_s: float) -> None:
         """A service no worker serves yet: say so, and wait up to ``wait_s`` (wait_for_workers) for its first one."""
-        connection = self._connection
+        connection = self._live("waiting for workers")
         if connection.has_workers.is_set():
             return
         served = ", ".join(f"{name} ({count} workers)" for name, count in connection.services.items() if name != self.service and count)
@@ -162,16 +197,25 @@ class RemoteTarget(Generic[Sup, Info]):
 
     def model_info(self) -> Info:
         """num_hidden_layers, hidden_size, vocab_size and the layer ids of the service's target (asked once)."""
+        if self._info is None and self._connection is None:  # replay: what the store was recorded from
+            identity = self._replayed_store().identity
+            assert identity is not None  # a store opened for replay has its store.json
+            if not isinstance(identity.target, self.INFO):
+                raise ValueError(
+                    f"the store at {self._replayed_store().path} holds {identity.task} supervision; {type(self).__name__} needs {self.TASK}"
+                )
+            self._info, self._forms, self._logit_transform = identity.target, list(identity.forms), identity.logit_transform
         if self._info is None:
+            connection = self._live("the model info")
             reply = self._wait(
-                self._connection.request(lambda rid, _token: pack(ModelInfoQuery(request_id=rid)), lambda r, _: r, RequestKind.QUERY),
+                connection.request(lambda rid, _token: pack(ModelInfoQuery(request_id=rid)), lambda r, _: r, RequestKind.QUERY),
                 "the model info (is a worker for this service running?)",
             )
             if not isinstance(reply.info, self.INFO):
                 raise ValueError(f"service {self.service!r} serves {reply.info.task} supervision; {type(self).__name__} needs a {self.TASK} service")
             self._info, self._workers = reply.info, reply.workers
             self._forms, self._logit_transform = reply.supervision, reply.logit_transform
-            self._connection.expect(reply.info)
+            connection.expect(reply.info)
         return self._info
 
     def check_target_info(self, expected: Info) -> None:
@@ -196,8 +240,19 @@ class RemoteTarget(Generic[Sup, Info]):
         return self._embeddings[kind]
 
     def _fetch_weight(self, kind: str, rows: torch.Tensor | None = None) -> torch.Tensor:
-        tensors = {} if rows is None else {"rows": rows}
-        weight = self._wait(self._submit(kind, tensors, lambda _reply, received: received["weight"]), f"the {kind.replace('_', ' ')}")
+        name = kind if rows is None else f"{kind}_rows"  # the rows of the vocab mapping the store is bound to
+        stored = self._stored.store if self._stored is not None else None
+        weight = stored.weight(name) if stored is not None else None
+        if weight is None and self._connection is None:
+            raise RemoteTargetError(
+                f"the store at {stored.path} holds no {name.replace('_', ' ')} (store_mode='replay' has no worker to ask): "  # type: ignore[union-attr]
+                "record with a rank that asks for it (get_input_embeddings() / get_output_embeddings()), or use store_mode='cache'"
+            )
+        if weight is None:
+            tensors = {} if rows is None else {"rows": rows}
+            weight = self._wait(self._submit(kind, tensors, lambda _reply, received: received["weight"]), f"the {kind.replace('_', ' ')}")
+            if stored is not None:
+                stored.put_weight(name, weight)
         return weight.to(self.device) if self.device is not None else weight
 
     # ------------------------------------------------------------ supervision
@@ -242,10 +297,24 @@ class RemoteTarget(Generic[Sup, Info]):
             self.metrics.received(tensor_bytes(received))
             return supervision  # type: ignore[return-value]
 
+        if self._stored is not None:
+            key = self._stored.store.key(sent)
+            answered = self._stored.answer(key, finish)
+            if answered is not None:
+                return answered
+            finish = self._stored.recording(key, int(attention_mask.sum()), finish)
         return self._submit(self.TASK, sent, finish)
 
     def _before_submit(self) -> None:
-        """Setup a task needs before its first batch (runs on the caller's thread)."""
+        """Setup before the first batch (runs on the caller's thread): the store learns what it is used for."""
+        if self._stored is not None and not self._stored.store.bound:
+            self._stored.store.bind(self._store_identity())
+
+    def _store_identity(self) -> StoreIdentity:
+        info = self.model_info()
+        return StoreIdentity(
+            task=self.TASK, target=info, forms=sorted(self._forms), logit_transform=self._logit_transform, mapping_digest=self._mapping_digest
+        )
 
     def _from_wire(self, received: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The supervision fields from what the worker sent (on the IO thread)."""
@@ -293,7 +362,7 @@ class RemoteTarget(Generic[Sup, Info]):
 
     def _submit(self, kind: str, tensors: dict[str, torch.Tensor], finish: Callable[[Any, dict[str, torch.Tensor]], Any]) -> Future:
         digest = self._mapping_digest if kind == self.TASK else None
-        return self._connection.request(
+        return self._live(f"asking for {kind}").request(
             lambda rid, token: pack_tensors(Submit, tensors, request_id=rid, kind=kind, token=token, mapping_digest=digest),
             finish,
             RequestKind.BATCH,
@@ -327,6 +396,8 @@ class RemoteTarget(Generic[Sup, Info]):
     def _why_no_answer(self) -> str:
         """What is known of why no answer comes: the broker gone or silent, the service without workers, or neither."""
         connection = self._connection
+        if connection is None:
+            return f"reading the store at {self._replayed_store().path} is this slow"
         broker = connection.describe_broker()
         if not broker.startswith("the broker was heard"):
             return broker
@@ -335,56 +406,84 @@ class RemoteTarget(Generic[Sup, Info]):
         return f"its {connection.service_workers} workers have not answered ({broker})"
 
     def status(self) -> dict[str, Any]:
-        """The broker's status document (services, workers, ranks, queues)."""
-        future = self._connection.request(lambda rid, _token: pack(StatusQuery(request_id=rid)), lambda reply, _: reply.status, RequestKind.STATUS)
-        return self._wait(future, "the broker status")
+        """The broker's status document (services, workers, ranks, queues), and under "store" this rank's store
+        (path, mode, batches, hits, misses) when it has one; in replay only the latter."""
+        status: dict[str, Any] = {}
+        if self._connection is not None:
+            future = self._connection.request(
+                lambda rid, _token: pack(StatusQuery(request_id=rid)), lambda reply, _: reply.status, RequestKind.STATUS
+            )
+            status = dict(self._wait(future, "the broker status"))
+        if self._stored is not None:
+            status["store"] = self._stored.describe()
+        return status
 
     @property
     def in_flight(self) -> int:
-        """Batches of this rank sent and not yet answered."""
-        return self._connection.in_flight
+        """Batches of this rank sent and not yet answered (reads from the store included)."""
+        live = self._connection.in_flight if self._connection is not None else 0
+        return live + (self._stored.reading if self._stored is not None else 0)
 
     @property
     def peak_in_flight(self) -> int:
-        return self._connection.peak_in_flight
+        return self._connection.peak_in_flight if self._connection is not None else 0
 
     @property
     def data_endpoint(self) -> str:
-        """Where this rank's data socket listens: workers send supervision there."""
-        return self._connection.data_endpoint
+        """Where this rank's data socket listens: workers send supervision there ('' in replay: there is none)."""
+        return self._connection.data_endpoint if self._connection is not None else ""
 
     @property
     def rank_id(self) -> str:
-        """This rank's name at the broker (as ``draftfeed status`` lists it)."""
-        return self._connection.rank_id
+        """This rank's name at the broker (as ``draftfeed status`` lists it); in replay a name of its own."""
+        return self._connection.rank_id if self._connection is not None else self._replay_id
 
     def data_planes(self) -> dict[str, str]:
         """The open pair groups and nixl pairs of this rank: worker name -> "backend generation"."""
+        if self._connection is None:
+            return {}
         return self._connection.pairs.planes() | self._connection.nixl.planes()
 
     def nixl_pool(self) -> dict[str, int]:
         """The nixl plane's receive pool: open pairs, slots, bytes registered, slots your tensors still view, quarantined."""
-        return self._connection.nixl.stats()
+        return self._connection.nixl.stats() if self._connection is not None else {}
 
     def pair_group(self, worker: str) -> PairOpen | None:
         """How the pair group with ``worker`` was opened (backend, generation, its rendezvous store), or None."""
-        return self._connection.pairs.opened(worker)
+        return self._connection.pairs.opened(worker) if self._connection is not None else None
 
     @property
     def connection_stats(self) -> ConnectionStats:
         """Duplicate, foreign and malformed answers dropped, resyncs after broker restarts, busy retries."""
-        return self._connection.stats
+        return self._connection.stats if self._connection is not None else ConnectionStats()
 
     def close(self) -> None:
-        """Release the sockets and the IO thread; outstanding requests fail with TargetClosed."""
-        self._connection.close()
-        if getattr(self, "_observer", None) is not None:
-            self._observer.close()
-            self._observer = None
+        """Write what the store has still to record, then release the sockets and the IO thread; outstanding
+        requests fail with TargetClosed. A failed last write into the store is raised, after all is released."""
+        stored, self._stored = getattr(self, "_stored", None), None
+        try:
+            if stored is not None:
+                stored.close(self.settings.request_timeout)
+        finally:
+            if getattr(self, "_connection", None) is not None:
+                self._connection.close()
+            if getattr(self, "_observer", None) is not None:
+                self._observer.close()
+                self._observer = None
+
+    def _live(self, what: str) -> Connection:
+        """The connection to the broker; in replay, a RemoteTargetError saying that ``what`` needs one."""
+        if self._connection is None:
+            raise RemoteTargetError(f"{what} needs a broker, and this rank replays the store at {self._replayed_store().path} without one")
+        return self._connection
+
+    def _replayed_store(self) -> SupervisionStore:
+        assert self._stored is not None
+        return self._stored.store
 
     def _health(self) -> str | None:
         """None while a broker is heard and the service has a worker (for ``/health`` of metrics_port)."""
-        if not self._connection.has_workers.is_set():
+        if self._connection is not None and not self._connection.has_workers.is_set():
             return f"service {self.service!r} has no worker yet"
         return None
 
@@ -411,14 +510,20 @@ class RemoteEagle3Target(RemoteTarget[Eagle3Supervision, Eagle3TargetInfo]):
         except BadRequest as exc:
             raise ValueError(f"set_vocab_mapping: {exc}") from None
         digest = mapping_digest(ids, mask)
-        tensors = {"selected_token_ids": ids, "selected_token_mask": mask}
-        future = self._connection.request(
-            lambda rid, _token: pack_tensors(SetVocabMapping, tensors, request_id=rid, digest=digest),
-            lambda _reply, _tensors: None,
-            RequestKind.SET_MAPPING,
-            mapping=digest,
-        )
-        self._wait(future, "the broker's acknowledgement of the vocab mapping")
+        if self._stored is not None and self._stored.store.bound and digest != self._mapping_digest:
+            raise ValueError(
+                f"set_vocab_mapping: the store at {self._stored.store.path} is in use with the mapping this rank had before its "
+                "first batch; set the mapping before the first batch, or use another store"
+            )
+        if self._connection is not None:
+            tensors = {"selected_token_ids": ids, "selected_token_mask": mask}
+            future = self._connection.request(
+                lambda rid, _token: pack_tensors(SetVocabMapping, tensors, request_id=rid, digest=digest),
+                lambda _reply, _tensors: None,
+                RequestKind.SET_MAPPING,
+                mapping=digest,
+            )
+            self._wait(future, "the broker's acknowledgement of the vocab mapping")
         self._mapping, self._mapping_digest, self._compact = (ids, mask), digest, None
 
     _mapping: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -426,6 +531,7 @@ class RemoteEagle3Target(RemoteTarget[Eagle3Supervision, Eagle3TargetInfo]):
 
     def _before_submit(self) -> None:
         """If the service's workers send the compact form, fetch the lm_head's draft rows once."""
+        super()._before_submit()
         info = self.model_info()  # asked once; it also says which forms the workers send
         if "hidden" not in self._forms or self._compact is not None:
             return

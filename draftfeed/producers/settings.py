@@ -3,7 +3,8 @@ never a failure on the IO thread later. Each default is stated here once."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
@@ -29,19 +30,33 @@ class RankSettings(BaseModel):
     nixl_pool_bytes: Annotated[StrictInt, Field(gt=0)] = 4 << 30  # the most receive memory the nixl plane registers (allocated as used)
     # Serve GET /health and GET /metrics (Prometheus) on this port, on every interface; None: not served.
     metrics_port: Annotated[StrictInt, Field(gt=0, lt=65536)] | None = None
+    # The supervision store (docs/store.md): a folder; None: no store. Its mode: "record", "replay" or "cache" (None: cache).
+    store: str | None = None
+    store_mode: Literal["record", "replay", "cache"] | None = None
+    store_shard_bytes: Annotated[StrictInt, Field(ge=1 << 10)] = 256 << 20  # the size of one shard file (gathered in memory)
+    store_queue_batches: Annotated[StrictInt, Field(ge=1)] = 8  # recorded batches waiting for the disk before the loop waits
 
     @classmethod
     def checked(cls, owner: str, **values: object) -> RankSettings:
         """The settings, or a ValueError that names each wrong one and what it takes."""
         if isinstance(values.get("device"), torch.device):
             values["device"] = str(values["device"])
+        if isinstance(values.get("store"), Path):
+            values["store"] = str(values["store"])
         try:
             settings = cls(**values)
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(map(str, e['loc']))}={e.get('input')!r}: {e['msg'].lower()}" for e in exc.errors())
             raise ValueError(f"{owner}: {problems}") from None
         settings.check_device(owner)
+        if settings.store_mode is not None and settings.store is None:
+            raise ValueError(f"{owner}: store_mode={settings.store_mode!r} needs store=PATH, the store's folder")
         return settings
+
+    @property
+    def store_mode_in_force(self) -> Literal["record", "replay", "cache"] | None:
+        """The store's mode: store_mode, or cache when a store is given without one; None without a store."""
+        return None if self.store is None else self.store_mode or "cache"
 
     def check_device(self, owner: str) -> None:
         device = torch.device(self.device) if self.device is not None else torch.device("cpu")
