@@ -58,7 +58,19 @@ def test_every_scenario_is_a_module_with_one_signature():
     from draftfeed.bench import SCENARIO_NAMES
     from draftfeed.bench.scenarios import load
 
-    assert SCENARIO_NAMES == ("codec", "data-plane", "pair-plane", "nixl", "encryption", "broker", "overlap", "scaling", "real-target", "long-rows")
+    assert SCENARIO_NAMES == (
+        "codec",
+        "data-plane",
+        "pair-plane",
+        "nixl",
+        "encryption",
+        "broker",
+        "overlap",
+        "scaling",
+        "real-target",
+        "long-rows",
+        "store",
+    )
     for name in SCENARIO_NAMES:
         assert str(inspect.signature(load(name).run)) == "(quick: 'bool', workdir: 'Path') -> 'list[Row]'", name
     with pytest.raises(ValueError, match="unknown bench scenario 'nope'"):

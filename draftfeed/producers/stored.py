@@ -28,6 +28,7 @@ class StoredSupervision:
         self._timeout_s = timeout_s
         self._window = threading.BoundedSemaphore(window)
         self._reads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draftfeed-store-read")
+        self._reads.submit(lambda: None)  # its thread starts now, not at the first batch
         self._reading = 0
         self._count_lock = threading.Lock()
         self.hits = 0

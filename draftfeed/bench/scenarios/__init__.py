@@ -18,6 +18,7 @@ _MODULES = {
     "scaling": "scaling",
     "real-target": "real_target",
     "long-rows": "long_rows",
+    "store": "store",
 }
 SCENARIO_NAMES = tuple(_MODULES)
 
