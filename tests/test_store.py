@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import WORKER_ENV, add_service, assert_supervision_equal, make_batch, reference_dspark, reference_eagle3
-from reference import difference, draft_vocab
+from reference import difference, draft_vocab, make_packed_batch
 
 from draftfeed import RemoteDSparkTarget, RemoteEagle3Target
 from draftfeed.launch import processes
@@ -103,6 +103,32 @@ def test_dspark_replays_bit_for_bit_with_no_broker(services, tiny_model, tmp_pat
             replay.get_output_embeddings()
         with pytest.raises(ValueError, match="holds dspark supervision"):
             RemoteEagle3Target(None, "dspark", store=tmp_path, store_mode="replay").model_info()
+
+
+def test_packed_batches_are_cached_by_their_documents_and_dspark_caches_too(services, tmp_path):
+    packed = make_packed_batch([[12, 9, 16], [40]], pad=[3, 0], vocab_size=1000, seed=1)
+    # The same tokens cut into other documents: another batch, with other supervision.
+    recut = {**packed, "seq_lens": torch.tensor([[21, 19, 0], [40, 0, 0]]), "position_ids": None, "doc_remaining": None}
+    recut["position_ids"] = torch.cat([torch.arange(21), torch.arange(19)]).unsqueeze(0).repeat(2, 1)
+    recut["position_ids"][1] = torch.arange(40)
+    with RemoteEagle3Target(services.frontend, "probs", store=tmp_path / "eagle3", store_mode="cache") as target:
+        computed = [copied(target.generate_batch(**batch)) for batch in (packed, recut)]
+        again = [target.generate_batch(**batch) for batch in (packed, recut)]
+        store = target.status()["store"]
+    assert (store["misses"], store["hits"]) == (2, 2), store
+    assert not torch.equal(computed[0].target_probs, computed[1].target_probs)
+    assert torch.equal(again[0].doc_remaining, packed["doc_remaining"]) and again[1].doc_remaining is None  # the rank's own, as given
+    for index, (first, second) in enumerate(zip(computed, again)):
+        assert_same(second, first, f"cached packed batch {index}")
+
+    batches = epoch(600, count=3)
+    with RemoteDSparkTarget(services.frontend, "dspark", store=tmp_path / "dspark", store_mode="cache") as target:
+        first = [copied(supervision) for _, supervision in target.iterate(batches)]
+        second = [supervision for _, supervision in target.iterate(batches)]
+        store = target.status()["store"]
+    assert (store["misses"], store["hits"]) == (3, 3), store
+    for index, (a, b) in enumerate(zip(first, second)):
+        assert_same(b, a, f"cached DSpark batch {index}")
 
 
 def test_a_store_of_another_target_mapping_or_form_is_refused_naming_the_fields(services, tmp_path):
