@@ -17,11 +17,14 @@ BYTECODE = -m compileall -q -j 0
 
 venv: $(STAMP)
 
+# NeMo AutoModel for tests/test_nemo.py, beside our torch and transformers (--no-deps): the EAGLE-3 recipe and trainer import
+# requests, torchdata, torchao and datasets (with pyarrow, pandas, dill, multiprocess, xxhash); the rest of its dependencies are not needed.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,bench,nixl]'
+	$(PY) -m pip install --quiet --no-deps nemo-automodel==0.7.0 requests==2.34.2 urllib3==2.8.0 certifi==2026.10.19.post1 charset-normalizer==3.5.3 torchdata==0.11.0 torchao==0.18.0 datasets==5.2.0 multiprocess==0.70.19 dill==0.4.1 pandas==3.1.1 pyarrow==26.0.1 xxhash==4.1.0
 	-$(PY) $(BYTECODE) $(VENV)/lib > /dev/null
 	touch $(STAMP)
 

@@ -38,6 +38,7 @@ def modules_after(code: str) -> set[str]:
         ("the wire layer", "import draftfeed.schemas.frames, draftfeed.schemas.messages, draftfeed.schemas.tensor_specs, draftfeed.schemas.protocol"),
         ("`draftfeed status`'s module", "import draftfeed.launch.status"),
         ("the bench's scenario names", "import draftfeed.bench"),
+        ("the integrations package", "import draftfeed.integrations"),
     ],
 )
 def test_loads_no_torch(what, code):
@@ -53,6 +54,16 @@ def test_the_public_names_load_on_first_use():
         import draftfeed
 
         draftfeed.Nope  # noqa: B018
+
+
+def test_the_nemo_adapter_loads_nemo_only_when_used():
+    """NeMo comes in with use_draftfeed() or DraftfeedEagle3TargetModel(...), never with an import of draftfeed."""
+    loaded = modules_after(
+        "import draftfeed, draftfeed.integrations, draftfeed.integrations.nemo\nfrom draftfeed.integrations.nemo import use_draftfeed"
+    )
+    assert "draftfeed.integrations.nemo" in loaded
+    nemo = sorted(name for name in loaded if name.startswith("nemo"))
+    assert not nemo, f"importing draftfeed.integrations.nemo loads {', '.join(nemo)}"
 
 
 def module_name(path: Path) -> str:

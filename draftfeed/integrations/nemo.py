@@ -1,0 +1,385 @@
+"""NeMo AutoModel's EAGLE-3 recipe on draftfeed, unchanged: its ``remote`` target backend served by a broker.
+
+``use_draftfeed()`` makes the recipe's remote backend (``RemoteEagle3TargetModel.from_urls``) build a
+``DraftfeedEagle3TargetModel`` for ``draftfeed://HOST:PORT/SERVICE`` URLs and leaves every other URL to NeMo's
+own class. ``DraftfeedEagle3TargetModel`` has the methods and properties the recipe and NeMo's trainer call on
+a target backend, delegated to ``draftfeed.RemoteEagle3Target``. NeMo is imported by ``use_draftfeed()`` and by
+the class's constructor, never by importing this module (docs/nemo.md).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from draftfeed.producers.remote_target import RemoteEagle3Target
+from draftfeed.producers.settings import RankSettings
+from draftfeed.schemas.messages import Name
+from draftfeed.schemas.protocol import DEFAULT_FRONTEND
+
+log = logging.getLogger("draftfeed.nemo")
+_DEFAULTS = RankSettings()
+
+SCHEME = "draftfeed"
+DEFAULT_PORT = int(DEFAULT_FRONTEND.rsplit(":", 1)[1])  # the broker's default frontend port
+# Not options of the URL: the recipe passes them to from_urls.
+FROM_THE_RECIPE = {
+    "request_timeout": "it is the recipe's recipe_args.remote_timeout (from_urls' timeout=)",
+    "device": "it is the recipe's training device (from_urls' device=)",
+}
+# The options a URL may give: RemoteEagle3Target's settings that the recipe does not pass, and its own two below.
+PATH_OPTIONS = ("keys", "data_endpoint")  # taken as written, never read as numbers
+_ACCEPTED = inspect.signature(RemoteEagle3Target.__init__).parameters
+SETTING_OPTIONS = tuple(name for name in RankSettings.model_fields if name in _ACCEPTED and name not in FROM_THE_RECIPE)
+OPTIONS = (*SETTING_OPTIONS, *(name for name in PATH_OPTIONS if name in _ACCEPTED))
+# What num_remote_servers reports: the recipe caps its prefetch depth at it, and no depth reaches it.
+UNCAPPED = 1 << 30
+_NEMO_MARK = "_draftfeed_dispatch"
+
+
+class DraftfeedUrl(BaseModel):
+    """One ``draftfeed://HOST[:PORT]/SERVICE[?OPTION=VALUE&...]`` URL, checked."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    text: str  # as given
+    host: Name
+    port: int
+    service: Name
+    settings: RankSettings  # the URL's options, RankSettings' defaults for the rest (request_timeout and device: the recipe's)
+    given: tuple[str, ...]  # the settings the URL (or the recipe) gives; RemoteEagle3Target's defaults stand for the others
+    keys: str | None = None
+    data_endpoint: str | None = None
+
+    @property
+    def broker(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+    @classmethod
+    def parse(cls, url: str, *, timeout: float | None = None, device: torch.device | str | None = None) -> DraftfeedUrl:
+        """The URL's parts, or one ValueError saying what is wrong with it and what to write instead."""
+        if not isinstance(url, str):
+            raise ValueError(f"a draftfeed URL must be a string, got {type(url).__name__}: {url!r}")
+        form = f"{SCHEME}://HOST:PORT/SERVICE?OPTION=VALUE&..."
+
+        def wrong(what: str) -> ValueError:
+            return ValueError(f"draftfeed URL {url!r}: {what}")
+
+        parts = urlsplit(url)
+        if parts.scheme != SCHEME:
+            raise wrong(f"the scheme must be {SCHEME}://, as in {form}")
+        try:
+            port = parts.port if parts.port is not None else DEFAULT_PORT
+        except ValueError:
+            raise wrong(f"the port must be a number in 1..65535, as in {form}") from None
+        if not parts.hostname:
+            raise wrong(f"no broker host: write {form}")
+        if parts.username is not None or parts.password is not None or parts.fragment:
+            raise wrong(f"a draftfeed URL takes no user, password or #fragment: write {form} (keys= for a --secure broker)")
+        service = unquote(parts.path[1:]) if parts.path.startswith("/") else ""
+        if not service or "/" in service:
+            raise wrong(f"the path must be the service name, one segment (the workers' --service), as in {form}")
+        try:
+            pairs = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
+        except ValueError:
+            raise wrong(f"the options must be OPTION=VALUE pairs joined by &, as in {form}") from None
+        options: dict[str, str] = {}
+        for name, value in pairs:
+            if name in FROM_THE_RECIPE:
+                raise wrong(f"{name!r} is not an option of the URL: {FROM_THE_RECIPE[name]}")
+            if name not in OPTIONS:
+                raise wrong(f"unknown option {name!r}; the options are {', '.join(OPTIONS)}")
+            if name in options:
+                raise wrong(f"option {name!r} is given twice")
+            if value == "":
+                raise wrong(f"option {name!r} has no value: write {name}=VALUE")
+            options[name] = value
+        given: dict[str, Any] = {name: _read(name, value) for name, value in options.items() if name in SETTING_OPTIONS}
+        if timeout is not None:
+            given["request_timeout"] = timeout
+        if device is not None:
+            given["device"] = device
+        settings = RankSettings.checked(f"draftfeed URL {url!r}", **given)
+        paths = {name: options.get(name) for name in PATH_OPTIONS}
+        return cls(text=url, host=parts.hostname, port=port, service=service, settings=settings, given=tuple(given), **paths)
+
+    def target_arguments(self) -> dict[str, Any]:
+        """RemoteEagle3Target's keyword arguments for this URL (the broker and service besides)."""
+        arguments: dict[str, Any] = {name: getattr(self.settings, name) for name in self.given}
+        if self.keys is not None:
+            arguments["keys"] = Path(self.keys)
+        if self.data_endpoint is not None:
+            arguments["data_endpoint"] = self.data_endpoint
+        return arguments
+
+
+def _read(name: str, value: str) -> int | float | str:
+    """A query value as its setting takes it: text where the setting takes text, else the number it spells (or the
+    text, which RankSettings then refuses naming the setting and what it takes)."""
+    if _takes_text(RankSettings.model_fields[name].annotation):
+        return value
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+def _takes_text(annotation: Any) -> bool:
+    if annotation is str:
+        return True
+    if get_origin(annotation) is Literal:
+        return any(isinstance(choice, str) for choice in get_args(annotation))
+    return any(_takes_text(arg) for arg in get_args(annotation))
+
+
+def is_draftfeed_url(url: object) -> bool:
+    return isinstance(url, str) and url.startswith(f"{SCHEME}://")
+
+
+class PendingSupervision:
+    """What ``generate_batch_async`` returns, as NeMo's remote backend does: ``result()`` gives the batch's
+    ``Eagle3TargetBatch`` (waiting at most ``request_timeout`` when no timeout is given); ``cancel()``, ``done()``."""
+
+    def __init__(self, owner: DraftfeedEagle3TargetModel, future: Future) -> None:
+        self._owner = owner
+        self._future = future
+        self._batch: Any = None
+        self._counted = False  # counted off the owner's handles in flight
+
+    def result(self, timeout: float | None = None) -> Any:
+        if self._batch is None:
+            owner = self._owner
+            owner._check_depth()
+            try:
+                supervision = owner.target._wait_supervision(self._future) if timeout is None else self._future.result(timeout)
+            finally:
+                if self._future.done() and not self._counted:
+                    self._counted = True
+                    owner._collected()
+            self._batch = owner._to_nemo(supervision)
+        return self._batch
+
+    def cancel(self) -> bool:
+        return self._future.cancel()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+
+class DraftfeedEagle3TargetModel:
+    """NeMo AutoModel's EAGLE-3 target backend, served by the draftfeed workers of one service.
+
+    ``urls``: one ``draftfeed://HOST[:PORT]/SERVICE?OPTION=VALUE&...`` URL (a list of the same URL counts as one):
+    the broker's frontend at ``tcp://HOST:PORT`` (PORT defaults to 5555) and the workers' ``--service``. Its options are
+    RemoteEagle3Target's (``prefetch_depth``, ``data_plane``, ``keys``, ...); ``timeout`` is its ``request_timeout``
+    and ``device`` where supervision lands. ``max_retries`` is accepted for the recipe's call and not used: a batch
+    whose worker fails is computed again by another (docs/reliability.md).
+
+    ``num_remote_servers`` is not a count of servers: the broker is one queue over all the service's workers, so the
+    recipe need not cap its ``target_prefetch_depth``. The URL's ``prefetch_depth`` bounds the batches in flight.
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str] | str,
+        *,
+        device: torch.device | str | None = None,
+        timeout: float = _DEFAULTS.request_timeout,
+        max_retries: int | None = None,
+    ) -> None:
+        if max_retries is not None and (isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0):
+            raise ValueError(
+                f"{type(self).__name__}: max_retries={max_retries!r} must be a whole number >= 0 (it is not used: draftfeed re-sends by itself)"
+            )
+        self.url = _one_url(urls, timeout=timeout, device=device)
+        nemo = _nemo()
+        nemo.backend.Eagle3TargetBackend.register(DraftfeedEagle3TargetModel)
+        self._batch_type = nemo.target.Eagle3TargetBatch
+        self._lock = threading.Lock()
+        self._pending = 0  # handles given out whose result() was not yet taken
+        self._peak = 0  # the most there were at once
+        self._warned_depth = False
+        self.target = RemoteEagle3Target(self.url.broker, self.url.service, **self.url.target_arguments())
+
+    @classmethod
+    def from_urls(cls, urls: Sequence[str] | str, device: torch.device | str | None = None, **kwargs: Any) -> DraftfeedEagle3TargetModel:
+        """As the recipe calls NeMo's backend: ``from_urls(remote_urls, device=..., timeout=..., max_retries=...)``."""
+        return cls(urls, device=device, **kwargs)
+
+    # ------------------------------------------------------------ what the recipe reads
+    @property
+    def supports_async(self) -> bool:
+        return True
+
+    @property
+    def num_remote_servers(self) -> int:
+        return UNCAPPED
+
+    @property
+    def aux_layer_ids(self) -> list[int]:
+        return list(self.target.model_info().aux_layer_ids)
+
+    def model_info(self) -> dict[str, Any]:
+        """num_hidden_layers, hidden_size, vocab_size and aux_layer_ids of the service's target, as a dict."""
+        return self.target.model_info().model_dump(exclude={"task"})
+
+    def get_input_embeddings(self) -> torch.nn.Embedding:
+        """The target's input embedding (``.weight`` [V, H] on ``device``), fetched once."""
+        return self.target.get_input_embeddings()
+
+    def set_vocab_mapping(self, selected_token_ids: torch.Tensor, selected_token_mask: torch.Tensor) -> None:
+        self.target.set_vocab_mapping(selected_token_ids, selected_token_mask)
+
+    # ------------------------------------------------------------ supervision
+    def generate_batch(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        loss_mask: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        seq_lens: torch.Tensor | None = None,
+        doc_remaining: torch.Tensor | None = None,
+    ) -> Any:
+        """The batch's supervision as NeMo's ``Eagle3TargetBatch`` (``target_probs`` and ``position_mask``, no logits);
+        a packed batch (``seq_lens``) keeps attention within each document and carries its packing fields back."""
+        return self._to_nemo(self.target.generate_batch(input_ids, attention_mask, loss_mask, position_ids, seq_lens, doc_remaining))
+
+    def generate_batch_async(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        loss_mask: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        seq_lens: torch.Tensor | None = None,
+        doc_remaining: torch.Tensor | None = None,
+    ) -> PendingSupervision:
+        """Send one batch; ``result()`` of what comes back is its ``Eagle3TargetBatch``. Blocks while ``prefetch_depth``
+        batches are in flight (the URL's option)."""
+        with self._lock:
+            self._pending += 1
+            self._peak = max(self._peak, self._pending)
+        try:
+            future = self.target.generate_batch_async(input_ids, attention_mask, loss_mask, position_ids, seq_lens, doc_remaining)
+        except BaseException:
+            self._collected()
+            raise
+        return PendingSupervision(self, future)
+
+    def _collected(self) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def _check_depth(self) -> None:
+        """Once: say so when the trainer kept more handles outstanding than the URL's prefetch_depth lets fly (the
+        batches past it waited in generate_batch_async). Checked at a result(), when a prefetch loop has filled up."""
+        window = max(self.target.prefetch_depth, 1)
+        with self._lock:
+            peak, warn = self._peak, self._peak > window and not self._warned_depth
+            self._warned_depth |= warn
+        if warn:
+            log.warning(
+                "draftfeed: the trainer keeps %d batches in flight but the draftfeed URL's prefetch_depth is %d, so each "
+                "batch past it waited in generate_batch_async for an answer: add prefetch_depth=%d to the URL %s",
+                peak,
+                window,
+                peak,
+                self.url.text,
+            )
+
+    def _to_nemo(self, supervision: Any) -> Any:
+        fields = supervision.as_dict()
+        fields["position_mask"] = fields["position_mask"].bool()
+        return self._batch_type(**fields)
+
+    def close(self) -> None:
+        self.target.close()
+
+    def __enter__(self) -> DraftfeedEagle3TargetModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(broker={self.url.broker!r}, service={self.url.service!r}, prefetch_depth={self.target.prefetch_depth})"
+
+
+def _one_url(urls: Sequence[str] | str, **checks: Any) -> DraftfeedUrl:
+    """The one draftfeed URL ``urls`` names (the same URL listed more than once counts once)."""
+    listed = [urls] if isinstance(urls, str) else list(urls)
+    if not listed:
+        raise ValueError(f"no URL given: pass one {SCHEME}://HOST:PORT/SERVICE URL")
+    parsed = [DraftfeedUrl.parse(url, **checks) for url in listed]
+    if any(other != parsed[0] for other in parsed[1:]):
+        raise ValueError(
+            f"{len(set(listed))} different draftfeed URLs given ({', '.join(dict.fromkeys(listed))}): give one. A broker queues a "
+            "service's batches for all its workers, so more workers add capacity behind the same URL"
+        )
+    return parsed[0]
+
+
+class _Nemo:
+    """The NeMo modules this adapter uses, imported on first use."""
+
+    def __init__(self) -> None:
+        try:
+            from nemo_automodel.components.speculative.eagle import backend, target
+            from nemo_automodel.components.speculative.eagle.remote import client
+        except ImportError as exc:
+            raise ImportError(f"draftfeed.integrations.nemo needs NeMo AutoModel (pip install nemo-automodel): {exc}") from exc
+        self.backend, self.target, self.client = backend, target, client
+
+
+_NEMO: _Nemo | None = None
+
+
+def _nemo() -> _Nemo:
+    global _NEMO
+    if _NEMO is None:
+        _NEMO = _Nemo()
+    return _NEMO
+
+
+def use_draftfeed() -> None:
+    """Make NeMo AutoModel's remote EAGLE-3 backend take draftfeed URLs.
+
+    After this call ``RemoteEagle3TargetModel.from_urls`` (what the ``train_eagle3`` recipe calls for
+    ``target_model_backend: remote``) returns a ``DraftfeedEagle3TargetModel`` when its URLs are ``draftfeed://`` URLs,
+    and NeMo's own backend for any other URL. Call it once before the recipe builds its target; calling it again
+    changes nothing."""
+    nemo = _nemo()
+    nemo.backend.Eagle3TargetBackend.register(DraftfeedEagle3TargetModel)
+    remote = nemo.client.RemoteEagle3TargetModel
+    current = remote.__dict__["from_urls"]
+    if getattr(current, _NEMO_MARK, False):
+        return
+    nemo_from_urls = current.__func__
+
+    def from_urls(cls: type, urls: Sequence[str], *args: Any, **kwargs: Any) -> Any:
+        """draftfeed:// URLs: a DraftfeedEagle3TargetModel (draftfeed.integrations.nemo.use_draftfeed); others: NeMo's own backend."""
+        listed = [urls] if isinstance(urls, str) else list(urls)
+        ours = [url for url in listed if is_draftfeed_url(url)]
+        if not ours:
+            return nemo_from_urls(cls, urls, *args, **kwargs)
+        if len(ours) != len(listed):
+            others = ", ".join(str(url) for url in listed if not is_draftfeed_url(url))
+            raise ValueError(f"remote_urls mixes draftfeed URLs with others ({others}): give only {SCHEME}:// URLs, or none")
+        return DraftfeedEagle3TargetModel.from_urls(listed, *args, **kwargs)
+
+    dispatch = classmethod(from_urls)
+    setattr(dispatch, _NEMO_MARK, True)
+    remote.from_urls = dispatch
+
+
+__all__ = ["DraftfeedEagle3TargetModel", "DraftfeedUrl", "PendingSupervision", "is_draftfeed_url", "use_draftfeed"]
