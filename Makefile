@@ -8,6 +8,7 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
+NEMO_PACKAGES := .nemo-packages
 # Byte-compile what was installed: where PYTHONDONTWRITEBYTECODE is set (it is on our machines) every process would
 # otherwise compile torch and transformers from source again, about 3 s per worker process. A file that does not
 # compile (a third-party template, say) is skipped: it is read from source as before.
@@ -19,13 +20,15 @@ venv: $(STAMP)
 
 # NeMo AutoModel for tests/test_nemo.py, beside our torch and transformers (--no-deps): the EAGLE-3 recipe and trainer import
 # requests, torchdata, torchao and datasets (with pyarrow, pandas, dill, multiprocess, xxhash); the rest of its dependencies are not needed.
-$(STAMP): pyproject.toml constraints.txt
+# They go to $(NEMO_PACKAGES), not into the venv, which only that test puts on its path: with torchao importable,
+# transformers loads it (0.4 s) in every process that loads a model, every worker of the suite included.
+$(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,bench,nixl]'
-	$(PY) -m pip install --quiet --no-deps nemo-automodel==0.7.0 requests==2.34.2 urllib3==2.8.0 certifi==2026.10.19.post1 charset-normalizer==3.5.3 torchdata==0.11.0 torchao==0.18.0 datasets==5.2.0 multiprocess==0.70.19 dill==0.4.1 pandas==3.1.1 pyarrow==26.0.1 xxhash==4.1.0
-	-$(PY) $(BYTECODE) $(VENV)/lib > /dev/null
+	rm -rf $(NEMO_PACKAGES) && $(PY) -m pip install --quiet --no-deps --target $(NEMO_PACKAGES) nemo-automodel==0.7.0 requests==2.34.2 urllib3==2.8.0 certifi==2026.10.19.post1 charset-normalizer==3.5.3 torchdata==0.11.0 torchao==0.18.0 datasets==5.2.0 multiprocess==0.70.19 dill==0.4.1 pandas==3.1.1 pyarrow==26.0.1 xxhash==4.1.0
+	-$(PY) $(BYTECODE) $(VENV)/lib $(NEMO_PACKAGES) > /dev/null
 	touch $(STAMP)
 
 venv-vllm: $(VLLM_STAMP)
@@ -54,4 +57,4 @@ test: $(STAMP) $(VLLM_STAMP)
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) -m pytest -q -p no:cacheprovider --durations=5 tests/test_engines.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(NEMO_PACKAGES) *.egg-info

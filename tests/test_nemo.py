@@ -4,11 +4,18 @@ and a real broker and worker on the tiny target.
 The recipe's own methods run on an instance of its class whose attributes the test sets (the recipe's setup wants a
 distributed run, a tokenizer and a dataset): its remote backend factory, its prefetch cap, its prefetch loop and its
 forward step, with NeMo's own trainer module and draft model.
+
+NeMo and the packages its recipe imports (torchao, datasets, ...) are installed apart from the venv, in
+.nemo-packages (the Makefile: pip --target, --no-deps), and put on the path by the ``nemo`` fixture only: with
+torchao importable, transformers loads it in every process that loads a model, every worker of the suite included.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib.util
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,17 +23,9 @@ import torch
 from conftest import add_service, make_batch
 from reference import make_packed_batch
 
-pytest.importorskip("nemo_automodel", reason="nemo-automodel is not installed here (`make venv` installs it: nemo-automodel 0.7.0, --no-deps)")
-
-from nemo_automodel.components.config.loader import ConfigNode
-from nemo_automodel.components.datasets.llm.eagle3 import build_eagle3_token_mapping
-from nemo_automodel.components.speculative.eagle import Eagle3TargetBackend, Eagle3TrainerModule, HFEagle3TargetModel
-from nemo_automodel.components.speculative.eagle.registry import resolve_eagle3_draft_spec
-from nemo_automodel.components.speculative.eagle.remote import RemoteEagle3TargetModel
-from nemo_automodel.recipes.llm.train_eagle3 import TrainEagle3Recipe
-
 from draftfeed.integrations.nemo import DraftfeedEagle3TargetModel, use_draftfeed
 
+NEMO_PACKAGES = Path(__file__).resolve().parents[1] / ".nemo-packages"
 pytestmark = pytest.mark.timeout(180)
 
 SERVICE = "nemo-eagle3"
@@ -36,12 +35,37 @@ STEPS = 4
 PREFETCH = 3  # the recipe's target_prefetch_depth
 
 
-class Recipe(TrainEagle3Recipe):
-    """NeMo's recipe class, its attributes set by the test instead of by setup()."""
+@pytest.fixture(scope="module")
+def nemo() -> SimpleNamespace:
+    """NeMo's names the tests use, imported from .nemo-packages (after the venv's own packages on the path)."""
+    if str(NEMO_PACKAGES) not in sys.path:
+        sys.path.append(str(NEMO_PACKAGES))
+    if importlib.util.find_spec("nemo_automodel") is None:
+        pytest.skip(f"nemo-automodel is not installed in {NEMO_PACKAGES} (`make venv` installs it: nemo-automodel 0.7.0, --no-deps)")
+    from nemo_automodel.components.config.loader import ConfigNode
+    from nemo_automodel.components.datasets.llm.eagle3 import build_eagle3_token_mapping
+    from nemo_automodel.components.speculative.eagle import Eagle3TargetBackend, Eagle3TrainerModule, HFEagle3TargetModel
+    from nemo_automodel.components.speculative.eagle.registry import resolve_eagle3_draft_spec
+    from nemo_automodel.components.speculative.eagle.remote import RemoteEagle3TargetModel
+    from nemo_automodel.recipes.llm.train_eagle3 import TrainEagle3Recipe
 
-    def __init__(self, **attributes: object) -> None:
-        for name, value in attributes.items():
-            setattr(self, name, value)
+    class Recipe(TrainEagle3Recipe):
+        """NeMo's recipe class, its attributes set by the test instead of by setup()."""
+
+        def __init__(self, **attributes: object) -> None:
+            for name, value in attributes.items():
+                setattr(self, name, value)
+
+    return SimpleNamespace(
+        ConfigNode=ConfigNode,
+        build_eagle3_token_mapping=build_eagle3_token_mapping,
+        Eagle3TargetBackend=Eagle3TargetBackend,
+        Eagle3TrainerModule=Eagle3TrainerModule,
+        HFEagle3TargetModel=HFEagle3TargetModel,
+        resolve_eagle3_draft_spec=resolve_eagle3_draft_spec,
+        RemoteEagle3TargetModel=RemoteEagle3TargetModel,
+        Recipe=Recipe,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -52,30 +76,30 @@ def url(cluster, tiny_target) -> str:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def drop_in():
+def drop_in(nemo):
     """The one documented call; NeMo's class as it was afterwards."""
-    before = RemoteEagle3TargetModel.__dict__["from_urls"]
+    before = nemo.RemoteEagle3TargetModel.__dict__["from_urls"]
     use_draftfeed()
     use_draftfeed()  # a second call changes nothing
     try:
         yield
     finally:
-        RemoteEagle3TargetModel.from_urls = before
+        nemo.RemoteEagle3TargetModel.from_urls = before
 
 
-def remote_recipe(urls: list[str], **options: object) -> tuple[Recipe, ConfigNode]:
-    """The recipe's remote backend built as the recipe builds it (_setup_remote_target, from recipe_args)."""
-    recipe_args = ConfigNode({"target_model_backend": "remote", "remote_urls": urls, "remote_timeout": 60, "remote_max_retries": 3, **options})
-    recipe = Recipe(device=torch.device("cpu"), dist_env=SimpleNamespace(is_main=True, world_size=1))
+def remote_recipe(nemo: SimpleNamespace, urls: list[str], **options: object):
+    """The recipe's remote backend built as the recipe builds it (_setup_remote_target, from recipe_args): (recipe, recipe_args)."""
+    recipe_args = nemo.ConfigNode({"target_model_backend": "remote", "remote_urls": urls, "remote_timeout": 60, "remote_max_retries": 3, **options})
+    recipe = nemo.Recipe(device=torch.device("cpu"), dist_env=SimpleNamespace(is_main=True, world_size=1))
     recipe._setup_remote_target(recipe_args)
     return recipe, recipe_args
 
 
-def test_the_recipes_remote_backend_gives_a_draftfeed_target_that_keeps_the_whole_prefetch_depth(url):
-    recipe, recipe_args = remote_recipe([url], target_prefetch_depth=8)
+def test_the_recipes_remote_backend_gives_a_draftfeed_target_that_keeps_the_whole_prefetch_depth(nemo, url):
+    recipe, recipe_args = remote_recipe(nemo, [url], target_prefetch_depth=8)
     target = recipe.target_wrapper
     try:
-        assert isinstance(target, DraftfeedEagle3TargetModel) and isinstance(target, Eagle3TargetBackend)
+        assert isinstance(target, DraftfeedEagle3TargetModel) and isinstance(target, nemo.Eagle3TargetBackend)
         assert target.supports_async
         assert (target.url.broker, target.url.service) == (url.split("?")[0].replace("draftfeed://", "tcp://").rsplit("/", 1)[0], SERVICE)
         assert target.target.request_timeout == 60 and target.target.prefetch_depth == PREFETCH  # remote_timeout; the URL's option
@@ -85,9 +109,9 @@ def test_the_recipes_remote_backend_gives_a_draftfeed_target_that_keeps_the_whol
         target.close()
 
 
-def test_other_urls_stay_with_nemos_own_backend():
-    recipe, _ = remote_recipe(["http://127.0.0.1:9/"])  # NeMo's client connects only when asked for something
-    assert type(recipe.target_wrapper) is RemoteEagle3TargetModel
+def test_other_urls_stay_with_nemos_own_backend(nemo):
+    recipe, _ = remote_recipe(nemo, ["http://127.0.0.1:9/"])  # NeMo's client connects only when asked for something
+    assert type(recipe.target_wrapper) is nemo.RemoteEagle3TargetModel
 
 
 @pytest.mark.parametrize(
@@ -104,9 +128,9 @@ def test_other_urls_stay_with_nemos_own_backend():
     ],
     ids=["unknown", "from-the-recipe", "type", "mixed", "several"],
 )
-def test_a_wrong_url_is_refused_by_the_recipes_call_saying_what_to_change(urls, message):
+def test_a_wrong_url_is_refused_by_the_recipes_call_saying_what_to_change(nemo, urls, message):
     with pytest.raises(ValueError, match=message):
-        remote_recipe(urls)
+        remote_recipe(nemo, urls)
 
 
 # ---------------------------------------------------------------- NeMo's trainer on both backends
@@ -125,18 +149,18 @@ def packed_batches() -> list[dict[str, torch.Tensor]]:
     ]
 
 
-def trainer_on(target, template: torch.nn.Module, mapping: tuple[torch.Tensor, torch.Tensor]) -> tuple[Eagle3TrainerModule, torch.optim.Optimizer]:
-    """NeMo's trainer module around a copy of ``template``, seeded from ``target`` as the recipe seeds it."""
+def trainer_on(nemo: SimpleNamespace, target, template: torch.nn.Module, mapping: tuple[torch.Tensor, torch.Tensor]):
+    """NeMo's trainer module around a copy of ``template``, seeded from ``target`` as the recipe seeds it; and its optimizer."""
     draft = copy.deepcopy(template)
     draft.copy_embeddings_from_target(target.get_input_embeddings())
     draft.set_vocab_mapping(mapping[0])
     draft.freeze_embeddings()
-    trainer = Eagle3TrainerModule(draft, selected_token_ids=mapping[0], selected_token_mask=mapping[1], ttt_steps=TTT_STEPS)
+    trainer = nemo.Eagle3TrainerModule(draft, selected_token_ids=mapping[0], selected_token_mask=mapping[1], ttt_steps=TTT_STEPS)
     optimizer = torch.optim.AdamW([p for p in trainer.parameters() if p.requires_grad], lr=1e-2, betas=(0.9, 0.95))
     return trainer, optimizer
 
 
-def train(recipe: Recipe, optimizer: torch.optim.Optimizer, steps) -> list[torch.Tensor]:
+def train(recipe, optimizer: torch.optim.Optimizer, steps) -> list[torch.Tensor]:
     """The recipe's step: its _forward_batch, then backward, clip and the optimizer; the losses."""
     losses = []
     for batch, target_batch in steps:
@@ -150,9 +174,9 @@ def train(recipe: Recipe, optimizer: torch.optim.Optimizer, steps) -> list[torch
 
 
 @pytest.mark.parametrize("kind", ["prefetched", "packed"])
-def test_nemos_trainer_on_draftfeed_gives_the_losses_of_its_colocated_backend(url, tiny_model, kind):
+def test_nemos_trainer_on_draftfeed_gives_the_losses_of_its_colocated_backend(nemo, url, tiny_model, kind):
     batches = padded_batches() if kind == "prefetched" else packed_batches()
-    mapping = build_eagle3_token_mapping(batches, target_vocab_size=1000, draft_vocab_size=DRAFT_VOCAB, special_token_ids=[0])
+    mapping = nemo.build_eagle3_token_mapping(batches, target_vocab_size=1000, draft_vocab_size=DRAFT_VOCAB, special_token_ids=[0])
     config = tiny_model.config.to_dict() | {
         "draft_vocab_size": DRAFT_VOCAB,
         "target_hidden_size": tiny_model.config.hidden_size,
@@ -161,18 +185,18 @@ def test_nemos_trainer_on_draftfeed_gives_the_losses_of_its_colocated_backend(ur
         "attn_implementation": "eager",
     }
     torch.manual_seed(0)
-    draft_class = resolve_eagle3_draft_spec(tiny_model.config.architectures).draft_cls
+    draft_class = nemo.resolve_eagle3_draft_spec(tiny_model.config.architectures).draft_cls
     template = draft_class(type(tiny_model.config).from_dict(config)).to(dtype=torch.float32)  # the recipe's compute dtype on CPU
 
-    colocated = HFEagle3TargetModel(tiny_model)
-    trainer, optimizer = trainer_on(colocated, template, mapping)
-    recipe = Recipe(device=torch.device("cpu"), target_wrapper=colocated, trainer_module=trainer, target_prefetch_depth=0)
+    colocated = nemo.HFEagle3TargetModel(tiny_model)
+    trainer, optimizer = trainer_on(nemo, colocated, template, mapping)
+    recipe = nemo.Recipe(device=torch.device("cpu"), target_wrapper=colocated, trainer_module=trainer, target_prefetch_depth=0)
     expected = train(recipe, optimizer, ((batch, None) for batch in batches))
 
-    remote, recipe_args = remote_recipe([url], target_prefetch_depth=PREFETCH)
+    remote, recipe_args = remote_recipe(nemo, [url], target_prefetch_depth=PREFETCH)
     try:
         remote.target_wrapper.set_vocab_mapping(*mapping)  # as the recipe's _setup_online_target does
-        trainer_remote, optimizer_remote = trainer_on(remote.target_wrapper, template, mapping)
+        trainer_remote, optimizer_remote = trainer_on(nemo, remote.target_wrapper, template, mapping)
         assert torch.equal(trainer_remote.draft_model.model.embed_tokens.weight, trainer.draft_model.model.embed_tokens.weight)  # seeded alike
         remote.trainer_module = trainer_remote
         if kind == "prefetched":  # the recipe's prefetch loop, batches in flight on the worker while the draft trains
@@ -193,8 +217,8 @@ def test_nemos_trainer_on_draftfeed_gives_the_losses_of_its_colocated_backend(ur
     print(f"{kind}: losses {[loss.item() for loss in got]}")
 
 
-def test_a_trainer_that_keeps_more_batches_in_flight_than_the_url_allows_is_told_how_to_fix_it(url, caplog):
-    recipe, recipe_args = remote_recipe([url], target_prefetch_depth=PREFETCH + 2)
+def test_a_trainer_that_keeps_more_batches_in_flight_than_the_url_allows_is_told_how_to_fix_it(nemo, url, caplog):
+    recipe, recipe_args = remote_recipe(nemo, [url], target_prefetch_depth=PREFETCH + 2)
     try:
         recipe.target_prefetch_depth = recipe._resolve_prefetch_depth(recipe_args)
         with caplog.at_level("WARNING", logger="draftfeed.nemo"):
