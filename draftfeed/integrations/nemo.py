@@ -162,7 +162,7 @@ class PendingSupervision:
             owner = self._owner
             owner._check_depth()
             try:
-                supervision = owner.target._wait_supervision(self._future) if timeout is None else self._future.result(timeout)
+                supervision = owner.target.wait(self._future) if timeout is None else self._future.result(timeout)
             finally:
                 if self._future.done() and not self._counted:
                     self._counted = True

@@ -331,10 +331,11 @@ class RemoteTarget(Generic[Sup, Info]):
     ) -> Sup:
         """Supervision of one batch, blocking (the packing arguments as for ``generate_batch_async``)."""
         future = self.generate_batch_async(input_ids, attention_mask, loss_mask, position_ids, seq_lens, doc_remaining)
-        return self._wait_supervision(future)
+        return self.wait(future)
 
-    def _wait_supervision(self, future: Future) -> Sup:
-        """A batch's supervision, the time the caller waited for it counted (draftfeed_rank_wait_seconds)."""
+    def wait(self, future: Future) -> Sup:
+        """The supervision of a ``generate_batch_async`` future: waits at most request_timeout, saying every few
+        seconds what it waits for, and counts the wait (draftfeed_rank_wait_seconds)."""
         started = time.monotonic()
         supervision = self._wait(future, "supervision")
         self.metrics.waited(time.monotonic() - started)
