@@ -355,7 +355,7 @@ class RemoteTarget(Generic[Sup, Info]):
             packing = {key: batch[key] for key in PACKING_KEYS if batch.get(key) is not None}
             return self.generate_batch_async(*(batch[key] for key in BATCH_KEYS), **packing)
 
-        return prefetch(dataloader, submit, self._wait_supervision, self.prefetch_depth)
+        return prefetch(dataloader, submit, self.wait, self.prefetch_depth)
 
     # ------------------------------------------------------------ plumbing
     # The vocab mapping this rank's batches are computed with (its digest; None: the identity), named by every batch.
