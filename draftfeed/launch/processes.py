@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import queue
@@ -13,7 +14,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import IO
+from typing import IO, Any
 
 from draftfeed.launch.ready import READY_PREFIX
 
@@ -101,14 +102,19 @@ def start(
     ``prefix`` runs it through another command, e.g. ``["ip", "netns", "exec", "host1"]`` or ``["numactl", "-N", "0"]``;
     that command must exec the process (its pid is the one signalled). ``ready_pattern``: a line matching this regular
     expression counts as ready too (for a process that will not get as far as its ready line)."""
-    popen = subprocess.Popen(
-        [*prefix, sys.executable, "-m", module, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        start_new_session=True,
-    )
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    preloader = _preloader(full_env) if not prefix and (module != "draftfeed.launch" or args[:1] == ["worker"]) else None
+    if preloader is not None:
+        popen: Any = preloader.popen(module, args, full_env)
+    else:
+        popen = subprocess.Popen(
+            [*prefix, sys.executable, "-m", module, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=full_env,
+            start_new_session=True,
+        )
     process = Process(popen)
     lines: queue.Queue[str | None] = queue.Queue()
     assert popen.stdout is not None
@@ -131,6 +137,36 @@ def start(
     except BaseException:
         process.kill()
         raise
+
+
+_PRELOADERS: dict[tuple[str | None, ...], Any] | None = None  # None: every start spawns a fresh interpreter
+
+
+def use_preloaded_starts() -> None:
+    """From now on, start workers and other ``python -m`` processes (not brokers) by forking them from a preloaded
+    process (draftfeed/launch/preload.py): for runs that start many of them on one machine, such as the tests."""
+    global _PRELOADERS
+    if _PRELOADERS is None:
+        _PRELOADERS = {}
+        atexit.register(_close_preloaders)
+
+
+def _preloader(env: dict[str, str]) -> Any:
+    """The preloader for ``env``'s import-time variables (started on first use), or None when starts spawn."""
+    if _PRELOADERS is None:
+        return None
+    from draftfeed.launch.preload import IMPORT_TIME_ENV, Preloader
+
+    key = tuple(env.get(name) for name in IMPORT_TIME_ENV)
+    preloader = _PRELOADERS.get(key)
+    if preloader is None or not preloader.serves(env):
+        preloader = _PRELOADERS[key] = Preloader(env)
+    return preloader
+
+
+def _close_preloaders() -> None:
+    for preloader in (_PRELOADERS or {}).values():
+        preloader.close()
 
 
 def start_broker(host: str = "127.0.0.1", extra: Sequence[str] = (), **kwargs: object) -> Process:
