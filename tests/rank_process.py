@@ -43,6 +43,7 @@ def main() -> int:
     parser.add_argument("--store", default=None)
     parser.add_argument("--store-mode", default=None)
     parser.add_argument("--store-shard-bytes", type=int, default=256 << 20)
+    parser.add_argument("--leave-open", action="store_true", help="never close the target: the process's exit must")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -54,7 +55,8 @@ def main() -> int:
     cls = RemoteEagle3Target if args.task == "eagle3" else RemoteDSparkTarget
     try:
         store = {"store": args.store, "store_mode": args.store_mode, "store_shard_bytes": args.store_shard_bytes} if args.store else {}
-        with cls(args.broker, args.service, prefetch_depth=args.depth, wait_log_interval=1.0, data_plane=args.data_plane, **store) as target:
+        target = cls(args.broker, args.service, prefetch_depth=args.depth, wait_log_interval=1.0, data_plane=args.data_plane, **store)
+        try:
             target.model_info()
             if mapping is not None:
                 target.set_vocab_mapping(*mapping)
@@ -63,6 +65,9 @@ def main() -> int:
                 results.append((batch, supervision))
                 print(f"batch {index}", flush=True)
             planes = {"over_nixl": target.connection_stats.received_over_nixl, "data_endpoint": target.data_endpoint}
+        finally:
+            if not args.leave_open:
+                target.close()
     except Exception as exc:  # reported in the result line, for the test to show
         error = f"{type(exc).__name__}: {exc}"
     print(f"RESULT {json.dumps(check(args, batches, mapping, results, error) | planes)}", flush=True)

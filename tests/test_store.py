@@ -168,9 +168,9 @@ def test_replay_of_a_batch_not_recorded_names_its_key_and_needs_no_broker(servic
         RemoteEagle3Target(None, "probs", store_mode="replay")
 
 
-def start_recording_rank(cluster, tiny_target, store: Path, seed: int, batches: int, shard_bytes: int) -> processes.Process:
+def start_recording_rank(cluster, tiny_target, store: Path, seed: int, batches: int, shard_bytes: int, extra=()) -> processes.Process:
     args = ["--broker", cluster.frontend, "--service", "probs", "--target", str(tiny_target), "--batches", str(batches), "--depth", "2"]
-    args += ["--seed", str(seed), "--store", str(store), "--store-mode", "record", "--store-shard-bytes", str(shard_bytes)]
+    args += ["--seed", str(seed), "--store", str(store), "--store-mode", "record", "--store-shard-bytes", str(shard_bytes), *extra]
     return processes.start(args, module="rank_process", env=WORKER_ENV)
 
 
@@ -197,6 +197,18 @@ def test_a_killed_recording_rank_leaves_a_store_with_every_finished_shard_and_no
     verify = subprocess.run([sys.executable, "-m", "draftfeed", "store", "verify", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert f"{len(held)} batches" in verify.stdout
+
+
+def test_a_rank_that_never_closes_its_target_writes_its_last_shard_at_exit(services, tiny_target, tmp_path):
+    rank = start_recording_rank(services, tiny_target, tmp_path, seed=6500, batches=5, shard_bytes=1 << 30, extra=["--leave-open"])
+    try:
+        result = json.loads(rank.wait_for_line("^RESULT ", timeout_s=120)[len("RESULT ") :])
+        assert rank.popen.wait(60) == 0
+    finally:
+        rank.stop(timeout_s=5)
+    assert result["error"] is None and result["received"] == 5, result
+    records, problems = IndexFile(tmp_path).read_new()
+    assert problems == [] and [len(record.batches) for record in records] == [5]  # one shard, written as the process ended
 
 
 def test_ranks_recording_side_by_side_share_one_store(services, tiny_target, tiny_model, tmp_path):

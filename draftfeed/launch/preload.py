@@ -233,10 +233,25 @@ def _run_child(request: dict, output: int, connection: socket.socket, inherited:
         traceback.print_exc()
     finally:
         try:
+            _exit_as_python_does()
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def _exit_as_python_does() -> None:
+    """What the interpreter does at exit before it ends: wait for non-daemon threads, then run the atexit functions
+    (a process forked here ends with os._exit, which would skip both)."""
+    import atexit
+    import threading
+    import traceback
+
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
+    except BaseException:
+        traceback.print_exc()
 
 
 def _reap(children: dict[int, socket.socket]) -> None:

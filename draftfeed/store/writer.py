@@ -9,6 +9,7 @@ the recorder: the error, naming the path, is raised by the next ``admit`` and by
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 from collections import deque
@@ -22,6 +23,7 @@ from draftfeed.store.index import BatchRecord, FieldSpec, IndexFile, ShardRecord
 from draftfeed.store.shards import SHARD_SUFFIX, tensor_name, write_shard
 
 log = logging.getLogger("draftfeed.store")
+EXIT_WRITE_S = 300.0  # the longest a process's exit waits for its recorder's last shard
 
 
 class Recorder:
@@ -49,6 +51,7 @@ class Recorder:
         self._shards_written = 0
         self._thread = threading.Thread(target=self._run, name=f"draftfeed-store-{writer}", daemon=True)
         self._thread.start()
+        atexit.register(self._close_at_exit)  # a rank that never closes its target still writes its last shard
 
     def admit(self, timeout_s: float) -> None:
         """Wait (on the training loop's thread) until the queue has room for one more batch."""
@@ -77,6 +80,7 @@ class Recorder:
 
     def close(self, timeout_s: float) -> None:
         """Write what is queued and the last, partial shard; raise the recorder's error, if it had one."""
+        atexit.unregister(self._close_at_exit)
         with self._cond:
             self._closing = True
             self._cond.notify_all()
@@ -85,6 +89,12 @@ class Recorder:
             raise StoreWriteError(f"the store at {self.store} did not finish writing within {timeout_s:.0f} s")
         if self._error is not None:
             raise self._error
+
+    def _close_at_exit(self) -> None:
+        try:
+            self.close(EXIT_WRITE_S)
+        except StoreWriteError as exc:
+            log.error("draftfeed: at exit: %s", exc)
 
     def _run(self) -> None:
         tensors: dict[str, torch.Tensor] = {}
