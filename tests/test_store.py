@@ -82,7 +82,11 @@ def test_replay_and_cache_hits_equal_the_live_supervision(services, tiny_model, 
         first = [supervision for _, supervision in cached.iterate(batches)]
         second = [supervision for _, supervision in cached.iterate(batches)]
         store = cached.status()["store"]
+        sample = cached.metrics.registry.get_sample_value
+        labels = {"rank": cached.rank_id, "service": form}
+        counted = [sample("draftfeed_rank_store_batches_total", {**labels, "source": source}) for source in ("workers", "store")]
     assert (store["misses"], store["hits"]) == (len(batches), len(batches)), store
+    assert counted == [len(batches), len(batches)], counted
     for index, (a, b, expected) in enumerate(zip(first, second, live)):
         assert_same(a, expected, f"computed batch {index} of the cache's first epoch")
         assert_same(b, expected, f"cached batch {index} of its second epoch")

@@ -35,12 +35,22 @@ class RankMetrics:
         )
         self._batches = Counter("draftfeed_rank_batches_received", "batches of supervision received", names, registry=self.registry)
         self._bytes = Counter("draftfeed_rank_supervision_bytes", "supervision bytes received", names, registry=self.registry)
+        self._store = Counter(
+            "draftfeed_rank_store_batches",
+            "batches through the supervision store, by source (store: read from it; workers: computed)",
+            [*names, "source"],
+            registry=self.registry,
+        )
         gauge = Gauge("draftfeed_rank_requests_outstanding", "requests sent and not yet answered", names, registry=self.registry)
         gauge.labels(**self._labels).set_function(outstanding)
         self.registry.register(_Retries(self._labels, stats))
 
     def waited(self, seconds: float) -> None:
         self._wait.labels(**self._labels).observe(seconds)
+
+    def from_store(self, hit: bool) -> None:
+        """One batch of a rank with a store: read from it (hit) or computed by the workers (and recorded)."""
+        self._store.labels(**self._labels, source="store" if hit else "workers").inc()
 
     def received(self, nbytes: int) -> None:
         self._batches.labels(**self._labels).inc()

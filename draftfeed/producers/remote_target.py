@@ -300,6 +300,7 @@ class RemoteTarget(Generic[Sup, Info]):
         if self._stored is not None:
             key = self._stored.store.key(sent)
             answered = self._stored.answer(key, finish)
+            self.metrics.from_store(answered is not None)
             if answered is not None:
                 return answered
             finish = self._stored.recording(key, int(attention_mask.sum()), finish)
