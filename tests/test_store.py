@@ -99,6 +99,12 @@ def test_dspark_replays_bit_for_bit_with_no_broker(services, tiny_model, tmp_pat
         live = [supervision for _, supervision in target.iterate(batches)]
     for batch, supervision in zip(batches, live):
         assert_supervision_equal(supervision, reference_dspark(tiny_model, batch, DSPARK_LAYERS))
+    with RemoteDSparkTarget(services.frontend, "dspark", store=tmp_path, store_mode="record") as again:
+        for _ in again.iterate(batches):  # a second epoch in record mode is computed, and not written twice
+            pass
+    assert IndexFile(tmp_path).read_new()[0][0].batches and sum(len(r.batches) for r in IndexFile(tmp_path).read_new()[0]) == len(batches)
+    info = subprocess.run([sys.executable, "-m", "draftfeed", "store", "info", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert "form: hidden states (the one form of DSpark)" in info.stdout, info.stdout
     with RemoteDSparkTarget(None, "dspark", store=tmp_path, store_mode="replay") as replay:
         assert torch.equal(replay.get_input_embeddings().weight, weight)  # recorded with the batches
         for index, ((_, supervision), expected) in enumerate(zip(replay.iterate(batches), live)):

@@ -51,7 +51,7 @@ def info_lines(path: Path) -> list[str]:
         f"store: {path}",
         f"task: {identity.task}",
         f"target: {target}",
-        f"form: {', '.join(identity.forms) or 'hidden states (dspark)'}",
+        f"form: {'hidden states (the one form of DSpark)' if identity.task == 'dspark' else ', '.join(identity.forms)}",
         f"vocab mapping: {identity.mapping_digest or 'identity (the whole target vocab)'}",
         f"batches: {len(seen)}",
         f"tokens: {tokens}",

@@ -146,6 +146,10 @@ class SupervisionStore:
         self._recording().admit(timeout_s)
 
     def record(self, key: str, tensors: dict[str, torch.Tensor], tokens: int) -> None:
+        """Write one batch (in the background), unless the store holds it already (a second epoch in record mode)."""
+        with self._lock:
+            if key in self._batches:
+                return
         self._recording().put(key, tensors, tokens)
 
     def _recording(self) -> Recorder:
