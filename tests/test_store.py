@@ -170,6 +170,10 @@ def test_replay_of_a_batch_not_recorded_names_its_key_and_needs_no_broker(servic
         with pytest.raises(BatchNotInStore, match=r"batch [0-9a-f]{32} is not in the store at .*store_mode='cache'"):
             replay.generate_batch(**make_batch(2, 10, 1000, seed=401))
         assert replay.data_endpoint == "" and replay.status()["store"]["hits"] == 1
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    with pytest.raises(StoreWriteError, match=f"cannot create the store folder {not_a_folder}"):  # before any broker is asked
+        RemoteEagle3Target("tcp://127.0.0.1:9", "probs", store=not_a_folder, store_mode="record", connect_timeout=600)
     with pytest.raises(StoreError, match="there is no store at"):
         RemoteEagle3Target(None, "probs", store=tmp_path / "absent", store_mode="replay")
     with pytest.raises(ValueError, match="broker=None works only with store_mode='replay'"):

@@ -141,30 +141,30 @@ class RemoteTarget(Generic[Sup, Info]):
         self._connection: Connection | None = None
         self._stored: StoredSupervision | None = None
         self._observer: ObserveServer | None = None
-        if replaying:
-            self._replay_id = f"replay-{host_identity()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        else:
-            rank_keys = PeerKeys.resolve(keys, "rank")
-            offer = local_offer(settings.data_plane, self.device, encrypted=rank_keys is not None)
-            self._connection = Connection(
-                broker,
-                service,
-                max(settings.prefetch_depth, 1),
-                task=self.TASK,
-                data_endpoint=data_endpoint,
-                connect_timeout_s=settings.connect_timeout,
-                data_plane=offer,
-                keys=rank_keys,
-                max_result_bytes=settings.max_result_bytes,
-                nixl_pool_bytes=settings.nixl_pool_bytes,
+        # This rank's own name: its shard folder in a store, and its name in replay (else the broker's rank_id).
+        self._local_id = f"{host_identity()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        if settings.store is not None:  # first: a store that cannot be opened fails before anything connects
+            opened = SupervisionStore(
+                settings.store, settings.store_mode_in_force, self._local_id, settings.store_shard_bytes, settings.store_queue_batches
             )
-        self.metrics = RankMetrics(self.rank_id, service, lambda: self.in_flight, lambda: self.connection_stats)
+            self._stored = StoredSupervision(opened, max(settings.prefetch_depth, 1), settings.request_timeout)
         try:
-            if settings.store is not None:
-                opened = SupervisionStore(
-                    settings.store, settings.store_mode_in_force, self.rank_id, settings.store_shard_bytes, settings.store_queue_batches
+            if not replaying:
+                rank_keys = PeerKeys.resolve(keys, "rank")
+                offer = local_offer(settings.data_plane, self.device, encrypted=rank_keys is not None)
+                self._connection = Connection(
+                    broker,
+                    service,
+                    max(settings.prefetch_depth, 1),
+                    task=self.TASK,
+                    data_endpoint=data_endpoint,
+                    connect_timeout_s=settings.connect_timeout,
+                    data_plane=offer,
+                    keys=rank_keys,
+                    max_result_bytes=settings.max_result_bytes,
+                    nixl_pool_bytes=settings.nixl_pool_bytes,
                 )
-                self._stored = StoredSupervision(opened, max(settings.prefetch_depth, 1), settings.request_timeout)
+            self.metrics = RankMetrics(self.rank_id, service, lambda: self.in_flight, lambda: self.connection_stats)
             if settings.metrics_port is not None:
                 self._observer = ObserveServer(DEFAULT_HTTP_HOST, settings.metrics_port, self._health, lambda: self.metrics.registry, "metrics_port")
             if not replaying:
@@ -438,7 +438,7 @@ class RemoteTarget(Generic[Sup, Info]):
     @property
     def rank_id(self) -> str:
         """This rank's name at the broker (as ``draftfeed status`` lists it); in replay a name of its own."""
-        return self._connection.rank_id if self._connection is not None else self._replay_id
+        return self._connection.rank_id if self._connection is not None else f"replay-{self._local_id}"
 
     def data_planes(self) -> dict[str, str]:
         """The open pair groups and nixl pairs of this rank: worker name -> "backend generation"."""
