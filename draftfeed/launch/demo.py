@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
@@ -38,22 +39,39 @@ def run_demo(args: argparse.Namespace) -> int:
             broker = processes.start_broker()
             started.append(broker)
             print(f"broker: pid {broker.pid}, ranks -> {broker.ready['frontend']}, workers -> {broker.ready['backend']}")
-            for index in range(args.workers):
-                worker = processes.start_worker(
-                    broker.ready["backend"],
-                    str(target_dir),
-                    "--service",
-                    SERVICE,
-                    "--name",
-                    f"demo-worker-{index}",
-                    env={"OMP_NUM_THREADS": "1"},
-                )
-                started.append(worker)
-                print(f"worker: {worker.ready['worker']} (pid {worker.pid}) serving {SERVICE!r}")
+            started.extend(_start_workers(broker, target_dir, args.workers))
             return _train(broker.ready["frontend"], args)
         finally:
             for process in reversed(started):
                 process.stop()
+
+
+def _start_workers(broker: processes.Process, target_dir: Path, count: int) -> list[processes.Process]:
+    """``count`` workers, started side by side (each spends seconds importing torch); all or none."""
+    with ThreadPoolExecutor(max(count, 1)) as pool:
+        futures = [
+            pool.submit(
+                processes.start_worker,
+                broker.ready["backend"],
+                str(target_dir),
+                "--service",
+                SERVICE,
+                "--name",
+                f"demo-worker-{index}",
+                env={"OMP_NUM_THREADS": "1"},
+            )
+            for index in range(count)
+        ]
+        wait(futures)
+    workers = [future.result() for future in futures if future.exception() is None]
+    failed = next((future.exception() for future in futures if future.exception() is not None), None)
+    if failed is not None:
+        for worker in workers:
+            worker.stop()
+        raise failed
+    for worker in workers:
+        print(f"worker: {worker.ready['worker']} (pid {worker.pid}) serving {SERVICE!r}")
+    return workers
 
 
 def _settled_status(target: RemoteEagle3Target, timeout_s: float = 5.0) -> dict:
