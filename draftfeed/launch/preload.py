@@ -42,6 +42,7 @@ PRELOADED_MODULES = (
     "draftfeed.producers.remote_target",
 )
 READY = "draftfeed-preloader ready"
+START_TIMEOUT_S = 120.0  # for its imports, on a loaded machine
 
 
 class PreloadedPopen:
@@ -108,10 +109,12 @@ class Preloader:
             [sys.executable, "-m", __name__, self.path], env=self.env, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True
         )
         assert self._server.stdout is not None
-        line = self._server.stdout.readline()
+        ready, _, _ = select.select([self._server.stdout], [], [], START_TIMEOUT_S)
+        line = self._server.stdout.readline() if ready else ""
         if line.strip() != READY:
             self._server.kill()
-            raise RuntimeError(f"the preloader did not start: {line!r}")
+            self._server.wait(10)
+            raise RuntimeError(f"the preloader did not start within {START_TIMEOUT_S:.0f} s: {line!r} (exit code {self._server.poll()})")
 
     def serves(self, env: Mapping[str, str]) -> bool:
         return self._server.poll() is None and all(env.get(name) == self.env.get(name) for name in IMPORT_TIME_ENV)
