@@ -11,7 +11,8 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 NEMO_PACKAGES := .nemo-packages
 # Byte-compile what was installed: where PYTHONDONTWRITEBYTECODE is set (it is on our machines) every process would
 # otherwise compile torch and transformers from source again, about 3 s per worker process. A file that does not
-# compile (a third-party template, say) is skipped: it is read from source as before.
+# compile (a third-party template, say) is skipped: it is read from source as before. make test compiles the project's
+# own sources too (each broker a test starts imports them); a stale compiled file is ignored by Python, never used.
 BYTECODE = -m compileall -q -j 0
 
 .PHONY: demo test venv venv-vllm clean
@@ -53,6 +54,7 @@ PYTEST_PARALLEL = -n 3 --dist loadscope --durations=15
 test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	-$(PY) $(BYTECODE) draftfeed tests > /dev/null
 	$(PY) -m pytest -q $(PYTEST_PARALLEL) tests
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) -m pytest -q -p no:cacheprovider --durations=5 tests/test_engines.py
 
