@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from draftfeed.dataplane.tensor_codec import dtype_name
 from draftfeed.schemas.messages import LogitTransform, MappingDigest, SupervisionForm, TargetInfo, Task
 
 STORE_FORMAT = 1  # the on-disk layout's version; a store of another version is refused at open
@@ -59,6 +60,6 @@ def batch_key(identity_digest: str, tensors: Mapping[str, torch.Tensor]) -> str:
     digest = hashlib.blake2b(identity_digest.encode(), digest_size=16)
     for name in sorted(tensors):
         tensor = tensors[name].detach().to("cpu").contiguous()
-        digest.update(f"|{name}:{str(tensor.dtype).removeprefix('torch.')}:{list(tensor.shape)}|".encode())
+        digest.update(f"|{name}:{dtype_name(tensor.dtype)}:{list(tensor.shape)}|".encode())
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

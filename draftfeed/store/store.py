@@ -19,6 +19,7 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
+from draftfeed.dataplane.tensor_codec import dtype_name
 from draftfeed.store.errors import BatchNotInStore, StoreError, StoreWriteError
 from draftfeed.store.identity import STORE_FORMAT, StoreIdentity, batch_key
 from draftfeed.store.index import BatchRecord, IndexFile, ShardRecord
@@ -128,7 +129,7 @@ class SupervisionStore:
                 raise StoreError(f"the store's shard {shard} cannot be read ({exc}); run `draftfeed store verify {self.path}`") from None
         for name, spec in batch.fields.items():
             got = tensors[name]
-            if str(got.dtype).removeprefix("torch.") != spec.dtype or list(got.shape) != spec.shape:
+            if dtype_name(got.dtype) != spec.dtype or list(got.shape) != spec.shape:
                 raise StoreError(
                     f"the store's shard {shard} holds {name} of batch {key} as {got.dtype} {list(got.shape)}, its index says "
                     f"{spec.dtype} {spec.shape}; run `draftfeed store verify {self.path}`"

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from draftfeed.dataplane.tensor_codec import dtype_name, tensor_bytes
 from draftfeed.store.errors import StoreWriteError
 from draftfeed.store.index import BatchRecord, FieldSpec, IndexFile, ShardRecord
 from draftfeed.store.shards import SHARD_SUFFIX, tensor_name, write_shard
@@ -107,9 +108,9 @@ class Recorder:
                 self._cond.notify_all()  # room for admit()
             if item is not None:
                 key, fields, tokens = item
-                nbytes = sum(t.numel() * t.element_size() for t in fields.values())
+                nbytes = tensor_bytes(fields)
                 tensors.update({tensor_name(key, name): t for name, t in fields.items()})
-                specs = {name: FieldSpec(dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape)) for name, t in fields.items()}
+                specs = {name: FieldSpec(dtype=dtype_name(t.dtype), shape=list(t.shape)) for name, t in fields.items()}
                 batches.append(BatchRecord(key=key, fields=specs, tokens=tokens, nbytes=nbytes))
                 gathered += nbytes
             if batches and (gathered >= self._shard_bytes or item is None):
