@@ -60,9 +60,10 @@ def info_lines(path: Path) -> list[str]:
     ]
 
 
-def verify(path: Path) -> tuple[list[str], list[str]]:
-    """(failures, notes): failures are shards in the index that do not read back as written; notes are what a
-    crash leaves and the store ignores (a cut index line, an unfinished or unindexed shard file)."""
+def verify(path: Path) -> tuple[list[str], list[str], int]:
+    """(failures, notes, batches): failures are shards in the index that do not read back as written; notes are what
+    a crash leaves and the store ignores (a cut index line, an unfinished or unindexed shard file); batches are the
+    distinct batches the index names."""
     if read_manifest(path) is None:
         raise FileNotFoundError(f"there is no store at {path} (no {MANIFEST_NAME})")
     found = contents(path)
@@ -72,7 +73,7 @@ def verify(path: Path) -> tuple[list[str], list[str]]:
         why = "an unfinished shard (its writer was killed)" if name.endswith(UNFINISHED_SUFFIX) else "a shard no index line names"
         if name.endswith(SHARD_SUFFIX) or name.endswith(UNFINISHED_SUFFIX):
             notes.append(f"{name}: {why}; not part of the store, safe to delete")
-    return failures, notes
+    return failures, notes, found.batch_count
 
 
 def _shard_failure(store: Path, record: ShardRecord) -> str | None:
