@@ -83,19 +83,21 @@ class PreloadedPopen:
             if self.returncode is None:
                 readable, _, _ = select.select([self._connection], [], [], timeout)
                 if readable:
-                    self.returncode = _exit_code(self._connection, self.pid)
+                    answer = _read_answer(self._connection, f"said how process {self.pid} exited")
+                    self.returncode = int(answer["exit"])
                     self._connection.close()
             return self.returncode
 
 
-def _exit_code(connection: socket.socket, pid: int) -> int:
+def _read_answer(connection: socket.socket, what: str) -> dict:
+    """The preloader's next JSON line on ``connection``; a RuntimeError if it ends before it ``what``."""
     data = b""
     while not data.endswith(b"\n"):
         chunk = connection.recv(4096)
         if not chunk:
-            raise RuntimeError(f"the preloader ended before it said how process {pid} exited")
+            raise RuntimeError(f"the preloader ended before it {what}")
         data += chunk
-    return int(json.loads(data)["exit"])
+    return json.loads(data)
 
 
 class Preloader:
@@ -126,19 +128,13 @@ class Preloader:
             connection.connect(self.path)
             request = json.dumps({"module": module, "args": list(args), "env": dict(env)}).encode() + b"\n"
             socket.send_fds(connection, [request], [write_end])
-            data = b""
-            while not data.endswith(b"\n"):
-                chunk = connection.recv(4096)
-                if not chunk:
-                    raise RuntimeError("the preloader closed the connection before it forked")
-                data += chunk
+            pid = int(_read_answer(connection, f"forked {module}")["pid"])
         except BaseException:
             connection.close()
             os.close(read_end)
             raise
         finally:
             os.close(write_end)
-        pid = int(json.loads(data)["pid"])
         return PreloadedPopen([sys.executable, "-m", module, *args], pid, connection, os.fdopen(read_end, "r"))
 
     def close(self) -> None:
