@@ -28,6 +28,11 @@ DSPARK_LAYER_IDS = [1, 3, 4, 6, 7]
 COMPACT_TOLERANCE = 1e-6  # the compact form with a draft vocab: the rank's matmul over fewer rows
 
 
+def rank_batches(seed: int, count: int) -> list[dict[str, torch.Tensor]]:
+    """The batches a rank process started with ``--seed SEED --batches COUNT`` iterates, in order."""
+    return [make_batch(2, 16, 1000, seed=seed + i) for i in range(count)]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--broker", required=True)
@@ -47,7 +52,7 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    batches = [make_batch(2, 16, 1000, seed=args.seed + i) for i in range(args.batches)]
+    batches = rank_batches(args.seed, args.batches)
     mapping = draft_vocab(args.draft_vocab) if args.draft_vocab else None
     results = []
     error = None

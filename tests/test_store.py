@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import WORKER_ENV, add_service, assert_supervision_equal, make_batch, reference_dspark, reference_eagle3
+from rank_process import rank_batches
 from reference import difference, draft_vocab, make_packed_batch
 
 from draftfeed import RemoteDSparkTarget, RemoteEagle3Target
@@ -188,10 +189,6 @@ def start_recording_rank(cluster, tiny_target, store: Path, seed: int, batches: 
     return processes.start(args, module="rank_process", env=WORKER_ENV)
 
 
-def make_batches(seed: int, count: int) -> list[dict[str, torch.Tensor]]:
-    return [make_batch(2, 16, 1000, seed=seed + i) for i in range(count)]  # rank_process's batches
-
-
 def test_a_killed_recording_rank_leaves_a_store_with_every_finished_shard_and_nothing_else(services, tiny_target, tiny_model, tmp_path):
     rank = start_recording_rank(services, tiny_target, tmp_path, seed=6000, batches=400, shard_bytes=300_000)  # 2 batches a shard
     try:
@@ -199,7 +196,7 @@ def test_a_killed_recording_rank_leaves_a_store_with_every_finished_shard_and_no
         rank.kill()
     finally:
         rank.stop(timeout_s=5)
-    batches = make_batches(6000, 400)
+    batches = rank_batches(6000, 400)
     with RemoteEagle3Target(None, "probs", store=tmp_path, store_mode="replay") as replay:
         replay.generate_batch(**batches[0])  # binds the store: its keys can be asked for
         stored = replay._replayed_store()
@@ -238,7 +235,7 @@ def test_ranks_recording_side_by_side_share_one_store(services, tiny_target, tin
     assert len(writers) == 2, writers  # one shard set per rank
     records, problems = IndexFile(tmp_path).read_new()
     assert problems == [] and {record.writer for record in records} == writers
-    both = make_batches(7000, 12) + make_batches(8000, 12)
+    both = rank_batches(7000, 12) + rank_batches(8000, 12)
     with RemoteEagle3Target(None, "probs", store=tmp_path, store_mode="replay") as replay:
         for batch, supervision in replay.iterate(both):
             assert_supervision_equal(supervision, reference_eagle3(tiny_model, batch, AUX))
