@@ -49,14 +49,17 @@ def is_loopback(endpoint: str) -> bool:
 _NOBLOCK = int(zmq.NOBLOCK)
 
 
-def recv_frames(sock: zmq.Socket) -> list[zmq.Frame]:
-    """One whole message without blocking (zmq.Again if none waits), its frames uncopied. Four times cheaper than
-    ``recv_multipart(NOBLOCK, copy=False)`` for the small messages a broker routes, which spends its time on flag
-    arithmetic: the rest of a multipart message is there once its first frame is."""
+def recv_routed(sock: zmq.Socket) -> tuple[bytes, list[zmq.Frame]]:
+    """One whole message from a ROUTER without blocking (zmq.Again if none waits): the sender's identity as bytes,
+    then the frames it sent, uncopied. Four times cheaper than ``recv_multipart(NOBLOCK, copy=False)`` for the small
+    messages a broker routes, which spends its time on flag arithmetic: the rest of a multipart message is there once
+    its first frame is, and a ROUTER's identity frame always has a frame after it (copied: for a few bytes a copy
+    costs a third of a zmq.Frame)."""
+    peer = sock.recv(_NOBLOCK)
     frames = [sock.recv(_NOBLOCK, copy=False)]
     while frames[-1].more:
         frames.append(sock.recv(_NOBLOCK, copy=False))
-    return frames
+    return peer, frames
 
 
 class SendBacklog:
