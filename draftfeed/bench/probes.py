@@ -15,6 +15,8 @@ writes BYTES into it COUNT + 1 times, one after another, each until NIXL reports
 the rate is the sender's, once each write has landed).
 ``raw-worker BACKEND COUNT`` and ``raw-rank FRONTEND COUNT WINDOW``: minimal peers in raw pyzmq around a real
 broker, so that the broker's own routing rate shows.
+``raw-forwarder COUNT``: a broker with no policy in raw pyzmq (it prints its endpoints, then forwards each submit
+to the one worker as a dispatch and counts COUNT dones): the most any Python broker of these messages can route.
 Each prints one JSON line.
 """
 
@@ -268,6 +270,66 @@ def raw_rank(frontend: str, count: int, window: int) -> None:
     context.term()
 
 
+def raw_forwarder(count: int) -> None:
+    """A policy-free broker between ``raw-rank`` and ``raw-worker``: the same messages as the real broker's (a
+    welcome for the hello, a dispatch for each submit, a done read for each), no parsing beyond the message type, no
+    records, no checks. The real broker's routing rate is measured against it."""
+    context = zmq.Context()
+    frontend, backend = context.socket(zmq.ROUTER), context.socket(zmq.ROUTER)
+    for sock in (frontend, backend):
+        sock.setsockopt(zmq.LINGER, 0)
+    host = "tcp://127.0.0.1"
+    endpoints = {"frontend": f"{host}:{frontend.bind_to_random_port(host)}", "backend": f"{host}:{backend.bind_to_random_port(host)}"}
+    print(json.dumps(endpoints), flush=True)
+    poller = zmq.Poller()
+    poller.register(frontend, zmq.POLLIN)
+    poller.register(backend, zmq.POLLIN)
+    worker, rank_fields, ticket, done = b"", b"", 0, 0
+    waiting: list[bytes] = []
+    nowait = int(zmq.NOBLOCK)
+    while done < count:
+        events = dict(poller.poll(10_000))
+        if not events:
+            raise SystemExit("raw-forwarder: no message for 10 s")
+        while backend in events:
+            try:
+                peer, _signature, header, *_ = backend.recv_multipart(nowait)
+            except zmq.Again:
+                break
+            if header.startswith(b'{"type":"register"'):
+                worker = peer
+                for early in waiting:  # submits that came before the worker
+                    ticket = _forward(backend, worker, ticket, rank_fields, early)
+                waiting.clear()
+            elif header.startswith(b'{"type":"done"'):
+                done += 1
+        while frontend in events:
+            try:
+                peer, _signature, header, *_ = frontend.recv_multipart(nowait)
+            except zmq.Again:
+                break
+            if header.startswith(b'{"type":"hello"'):
+                rank_fields = b'"reply_to":"%s"' % json.loads(header)["data_endpoint"].encode()
+                frontend.send_multipart([peer, SIGNATURE, b'{"type":"welcome"}'])
+            elif header.startswith(b'{"type":"submit"'):
+                if worker:
+                    ticket = _forward(backend, worker, ticket, rank_fields, header)
+                else:
+                    waiting.append(header)
+    frontend.close(0)
+    backend.close(0)
+    context.term()
+
+
+def _forward(backend: zmq.Socket, worker: bytes, ticket: int, rank_fields: bytes, submit: bytes) -> int:
+    """One submit to the worker as a dispatch (the header the real broker writes); returns the next ticket."""
+    more = int(zmq.SNDMORE)
+    backend.send(worker, more)
+    backend.send(SIGNATURE, more)
+    backend.send(b'{"type":"dispatch","ticket":%d,%s,"request":%s}' % (ticket, rank_fields, submit))
+    return ticket + 1
+
+
 def main(argv: list[str]) -> None:
     command, *args = argv
     if command == "raw-send":
@@ -288,6 +350,8 @@ def main(argv: list[str]) -> None:
         raw_worker(args[0], int(args[1]))
     elif command == "raw-rank":
         raw_rank(args[0], int(args[1]), int(args[2]))
+    elif command == "raw-forwarder":
+        raw_forwarder(int(args[0]))
     else:
         raise SystemExit(f"unknown probe {command!r}")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 import subprocess
 import sys
@@ -34,13 +35,16 @@ def run(quick: bool, workdir: Path) -> list[Row]:
             rate = count / (time.perf_counter() - started)
     broker = processes.start_broker(extra=["--log-level", "WARNING"])
     try:
-        worker = probe(["raw-worker", broker.ready["backend"], str(count)])
-        cpu_before = cpu_seconds(broker.pid)
-        routed = last_json(probe(["raw-rank", broker.ready["frontend"], str(count), "64"]))["requests_per_s"]
-        broker_cpu = (cpu_seconds(broker.pid) - cpu_before) / count
-        worker.communicate(timeout=60)
+        routed, broker_cpu = _routed(broker.ready, broker.pid, count)
     finally:
         broker.stop()
+    forwarder = probe(["raw-forwarder", str(count)])
+    try:
+        assert forwarder.stdout is not None
+        forwarded, forwarder_cpu = _routed(json.loads(forwarder.stdout.readline()), forwarder.pid, count)
+        forwarder.communicate(timeout=60)
+    finally:
+        forwarder.kill()
     echo_rate, echo_latencies, echo_cpu = _echo_baseline(count, 100 if quick else 1000)
     p50, p99 = statistics.median(latencies), sorted(latencies)[int(0.99 * len(latencies))]
     e50, e99 = statistics.median(echo_latencies), sorted(echo_latencies)[int(0.99 * len(echo_latencies))]
@@ -52,7 +56,15 @@ def run(quick: bool, workdir: Path) -> list[Row]:
             echo_rate,
             "req/s",
             "direct DEALER->ROUTER echo",
-            ">= 20,000",
+            ">= 20,000; >= 0.4",
+        ),
+        Row(
+            "broker",
+            "requests routed per second by the broker against a policy-free forwarder of the same messages",
+            routed,
+            forwarded,
+            "req/s",
+            "raw-pyzmq forwarder, same rank and worker",
         ),
         Row(
             "broker",
@@ -62,10 +74,32 @@ def run(quick: bool, workdir: Path) -> list[Row]:
             "us",
             "echo server CPU per message (one in, one out)",
         ),
+        Row(
+            "broker",
+            "broker CPU per routed request, against the policy-free forwarder's",
+            broker_cpu * 1e6,
+            forwarder_cpu * 1e6,
+            "us",
+            "forwarder CPU per routed request",
+        ),
         Row("broker", "requests per second end to end (draftfeed rank, 2 synthetic workers)", rate, echo_rate, "req/s", "direct DEALER->ROUTER echo"),
         Row("broker", "request latency p50", p50 * 1e6, e50 * 1e6, "us", "direct echo p50"),
         Row("broker", "request latency p99", p99 * 1e6, e99 * 1e6, "us", "direct echo p99"),
     ]
+
+
+def _routed(endpoints: dict, pid: int, count: int) -> tuple[float, float]:
+    """Requests per second that ``raw-rank`` gets through the broker at ``endpoints`` (to ``raw-worker``), and the
+    broker process's (``pid``) CPU seconds per request meanwhile."""
+    worker = probe(["raw-worker", endpoints["backend"], str(count)])
+    try:
+        cpu_before = cpu_seconds(pid)
+        rate = last_json(probe(["raw-rank", endpoints["frontend"], str(count), "64"]))["requests_per_s"]
+        cpu = (cpu_seconds(pid) - cpu_before) / count
+        worker.communicate(timeout=60)
+    finally:
+        worker.kill()
+    return rate, cpu
 
 
 _ECHO_SERVER = """
