@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from draftfeed.dataplane.pair_group import DataPlaneError, PairGroup
 from draftfeed.launch.cli import launch_main
@@ -26,42 +27,43 @@ from draftfeed.launch.cli import launch_main
 EXIT_CODE = 17
 
 
-class FakeFailedWrite:
-    """A posted write that failed in flight: nothing landed, no notification; checking it raises."""
+class FakeFailedTransfer:
+    """A posted write that failed in flight: nothing landed, no notification; NIXL reports it in error."""
 
-    def __init__(self, message: str) -> None:
-        self.message = message
+    state = "ERR"
 
-    def done(self) -> bool:
-        from draftfeed.dataplane.nixl_transport import NixlError
+    def poll(self) -> str:
+        return "ERR"
 
-        raise NixlError(self.message)
-
-    wait = done
+    def release(self) -> None:
+        pass
 
 
 def install_nixl() -> None:
-    from draftfeed.consumers.nixl_senders import NixlSender
-    from draftfeed.dataplane.nixl_transport import NixlError
+    """The fault goes in at the NIXL agent's write, so that the worker's own handling of a write that cannot start
+    or fails in flight (its memory let go, or kept while the transfer may read it) runs as with a real fault."""
+    from draftfeed.dataplane.nixl_transport import NixlAgent, NixlError
 
     kind, _, nth = os.environ["FAKE_NIXL_FAULT"].partition(":")
     if kind not in ("exit", "fail", "late"):
         raise SystemExit(f"FAKE_NIXL_FAULT={os.environ['FAKE_NIXL_FAULT']!r}: expected exit:N, fail:N or late:N")
-    real_post = NixlSender.post
+    real_write = NixlAgent.write
     writes = [0]
 
-    def post(self: NixlSender, *args, **kwargs):
+    def write(self: NixlAgent, *args, **kwargs):
         writes[0] += 1
         if writes[0] != int(nth):
-            return real_post(self, *args, **kwargs)
+            return real_write(self, *args, **kwargs)
         if kind == "exit":
-            real_post(self, *args, **kwargs).wait()
+            transfer, deadline = real_write(self, *args, **kwargs), time.monotonic() + 30
+            while transfer.poll() == "PROC" and time.monotonic() < deadline:
+                pass  # until the bytes have landed in the rank's slot
             os._exit(EXIT_CODE)
         if kind == "late":
-            return FakeFailedWrite(f"fake: NIXL write {writes[0]} failed in flight")
+            return FakeFailedTransfer()
         raise NixlError(f"fake: NIXL write {writes[0]} failed")
 
-    NixlSender.post = post  # type: ignore[method-assign]
+    NixlAgent.write = write  # type: ignore[method-assign]
 
 
 def install() -> None:

@@ -166,7 +166,8 @@ def raw_nixl_send(path: str, address: int, nbytes: int, count: int) -> None:
     agent = NixlAgent("raw-nixl-send")
     with open(path, "rb") as source:
         remote_agent = agent.add_remote(source.read())
-    buffer = np.zeros(nbytes, dtype=np.uint8)
+    # Bytes that are there: pages never written all map the kernel's one zero page, which a copy reads from cache.
+    buffer = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
     local = Region(buffer.ctypes.data, nbytes)
     agent.register(local)
     remote = Region(address, nbytes)
@@ -174,7 +175,7 @@ def raw_nixl_send(path: str, address: int, nbytes: int, count: int) -> None:
     for index in range(count + 1):
         if index == 1:
             started = time.perf_counter()  # after one warm-up write
-        transfer = agent.write(local, remote, remote_agent, b"raw")
+        transfer = agent.write([local], [remote], remote_agent, b"raw")
         while transfer.poll() == "PROC":
             pass
         transfer.release()

@@ -1,13 +1,22 @@
-"""The worker's NIXL agent and staging arena, shared by all its nixl pairs (pair_planes.py keeps their life).
+"""The worker's NIXL agent and where each answer is written from, shared by all its nixl pairs (pair_planes.py
+keeps their life).
 
-An answer's tensors are copied end to end into an arena (schemas/tensor_specs.py packed_layout) and written
-from there with one NIXL write into the slot the rank granted. Each arena is registered once and grown (a new
-one registered, the old one dropped) only when an answer needs more: on the engine's device, so a GPU
-engine's answer goes from its GPU's memory, and a CUDA rank's slot is on its GPU (GPUDirect where UCX has it).
-There are ``ARENAS`` arenas, taken in turn: the compute loop posts a write, sends its header and goes on; the next
-answer is staged into the other arena while the first is still being written, and an arena is staged into again
-only once the write from it has landed (the worker keeps the writes in flight in order, at most one per arena).
-Bound: ARENAS x the largest answer, on the engine's device.
+An answer is written from one of two sources (``choose_source`` decides, and says why):
+
+- ``direct``: from the answer's own tensors, each registered with NIXL for the write (a registration is counted,
+  so memory several answers share is registered once) and deregistered once the write has landed. No copy: for
+  host memory, where UCX's shared-memory and TCP transports register in microseconds.
+- ``staged``: copied end to end into an arena (schemas/tensor_specs.py packed_layout) registered once, and
+  written from there. For a GPU engine's answer (a copy at HBM speed costs less than registering CUDA memory for
+  every answer, and the arena is on the engine's GPU, so the write goes from GPU memory), and for host memory whose
+  registration turned out slower than copying it (RDMA transports pin the pages they register).
+  There are ``ARENAS`` arenas, taken in turn, each grown (a new one registered, the old one dropped) only when an
+  answer needs more; an arena is staged into again only once the write from it has landed.
+
+Either way the compute loop posts a write, sends its header and goes on; the worker keeps the writes in flight in
+order, at most ``ARENAS``, and an answer's tensors are not written after the task returns them (as for frames,
+which libzmq sends from them). A CUDA rank's slot is on its GPU (GPUDirect where UCX has it).
+Bound: ``ARENAS`` answers in flight; staged, ``ARENAS`` x the largest answer of arena memory on the engine's device.
 """
 
 from __future__ import annotations
@@ -15,6 +24,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import torch
@@ -24,22 +35,77 @@ from draftfeed.dataplane.nixl_transport import NixlAgent, NixlError, Region, Tra
 log = logging.getLogger("draftfeed.worker")
 
 _ROUND = 1 << 20
-ARENAS = 2  # answers staged or in flight at once: one being written while the next is staged
+ARENAS = 2  # answers staged or in flight at once: one being written while the next is prepared
+# A host-memory copy's rate, about one server core's memcpy: a registration slower than copying this fast is not worth it.
+HOST_COPY_BYTES_PER_S = 10e9
+# Registrations of fewer bytes say nothing about the rate (a fixed cost of microseconds dominates, and copying a
+# small answer costs little either way): they never turn direct writes off.
+MEASURED_REGISTRATION_BYTES = 8 << 20
+
+SourceKind = Literal["direct", "staged"]
+
+
+def choose_source(tensors: Mapping[str, torch.Tensor], registration_s: float | None, registered_bytes: int) -> tuple[SourceKind, str]:
+    """Where to write an answer from, and why. ``registration_s``: how long registering ``registered_bytes`` of
+    an earlier answer's host memory took (None before the first; only ``MEASURED_REGISTRATION_BYTES`` or more count).
+
+    Direct from host memory while registering it costs less than copying it; staged for CUDA memory (and any
+    answer not wholly in host memory), and for host memory once a registration was slower than a copy."""
+    devices = {tensor.device.type for tensor in tensors.values()}
+    if devices != {"cpu"}:
+        return (
+            "staged",
+            f"the answer is in {'/'.join(sorted(devices))} memory: a device copy into the registered arena costs less than registering it for every answer",
+        )
+    if registration_s is not None and registered_bytes >= MEASURED_REGISTRATION_BYTES and registration_s * HOST_COPY_BYTES_PER_S > registered_bytes:
+        return "staged", (
+            f"registering {registered_bytes / 1e6:.1f} MB of host memory took {registration_s * 1e3:.2f} ms, longer than copying it "
+            f"(at {HOST_COPY_BYTES_PER_S / 1e9:.0f} GB/s): answers are copied into a registered arena"
+        )
+    return "direct", "the answer is in host memory, which NIXL registers for less than a copy costs: written straight from its tensors"
+
+
+@dataclass
+class Source:
+    """An answer ready to write: the local regions to read, where each goes in the rank's slot, and what must stay
+    alive (and registered) until the write has landed."""
+
+    kind: SourceKind
+    regions: list[Region]
+    offsets: list[int]
+    nbytes: int
+    held: list[torch.Tensor] = field(default_factory=list)  # direct: the tensors the regions read
+
+    def remote(self, slot: Region) -> list[Region]:
+        """The regions of the rank's ``slot`` these bytes go to."""
+        return [Region(slot.address + offset, region.nbytes, slot.device, slot.kind) for region, offset in zip(self.regions, self.offsets)]
 
 
 class Write:
-    """One posted write of the staged answer, until NIXL says its bytes have landed."""
+    """One posted write of an answer, until NIXL says its bytes have landed."""
 
-    def __init__(self, transfer: Transfer, nbytes: int, remote_agent: str, deadline: float, gone: Callable[[], bool]) -> None:
-        self.transfer, self.nbytes, self.remote_agent, self.deadline, self.gone = transfer, nbytes, remote_agent, deadline, gone
+    def __init__(
+        self,
+        transfer: Transfer,
+        source: Source,
+        remote_agent: str,
+        deadline: float,
+        gone: Callable[[], bool],
+        ended: Callable[[Source, bool], None],
+    ) -> None:
+        self.transfer, self.source, self.remote_agent, self.deadline, self.gone = transfer, source, remote_agent, deadline, gone
+        self.nbytes, self._ended = source.nbytes, ended
 
     def done(self) -> bool:
         """Whether it has landed, without waiting; raises NixlError on an error, past its deadline, or as soon as
-        ``gone()`` (the broker reported the rank gone: a write to a dead rank may never end). Released once it ends."""
+        ``gone()`` (the broker reported the rank gone: a write to a dead rank may never end). Released once it ends;
+        a direct source's memory is let go once it has landed (after a failure it stays registered and held until
+        the agent closes: a write given up on may still be reading it)."""
         try:
             state = self.transfer.poll()
             if state == "DONE":
                 self.transfer.release()
+                self._ended(self.source, True)
                 return True
             if state != "PROC":
                 raise NixlError(f"a NIXL write of {self.nbytes} bytes to {self.remote_agent} failed ({state})")
@@ -49,6 +115,7 @@ class Write:
                 raise NixlError(f"the broker reported rank agent {self.remote_agent} gone during a NIXL write")
         except NixlError:
             self.transfer.release()
+            self._ended(self.source, False)
             raise
         return False
 
@@ -65,11 +132,20 @@ class NixlSender:
         self.worker, self.device = worker, device
         self.agent: NixlAgent | None = None
         self._arenas: list[tuple[np.ndarray | torch.Tensor, Region] | None] = [None] * ARENAS
-        self._next = 0  # the arena the next answer is staged into
+        self._next = 0  # the arena the next staged answer goes into
+        self._pinned: dict[Region, int] = {}  # direct sources' registrations: region -> writes in flight that read it
+        self._abandoned: list[Source] = []  # direct sources of failed writes, held until the agent closes
+        self._registration: tuple[float, int] | None = None  # the last direct answer's registration: seconds, bytes
+        self._source_kind: SourceKind | None = None
 
     @property
     def name(self) -> str:
         return self.ensure().name
+
+    @property
+    def direct_bytes(self) -> int:
+        """Bytes of answers' own memory registered now for writes in flight (or given up on)."""
+        return sum(region.nbytes for region in self._pinned)
 
     def ensure(self) -> NixlAgent:
         """The agent, started on first use; raises NixlError where NIXL cannot run."""
@@ -84,9 +160,81 @@ class NixlSender:
         if self.agent is not None:
             self.agent.remove_remote(remote_agent)
 
-    def stage(self, tensors: Mapping[str, torch.Tensor], offsets: Sequence[int], total: int) -> Region:
-        """Copy the answer into the next arena at ``offsets``; the region holding it. The write posted from that
-        arena before (ARENAS answers ago) must have landed."""
+    def prepare(self, tensors: Mapping[str, torch.Tensor], offsets: Sequence[int], total: int) -> Source:
+        """The answer, ready to be written to a slot laid out at ``offsets`` (``total`` bytes): straight from its
+        tensors or staged into the next arena (``choose_source``; the choice is logged when it changes). A staged
+        answer needs the write posted from that arena before (ARENAS answers ago) to have landed."""
+        registration = self._registration
+        kind, why = choose_source(tensors, registration[0] if registration else None, registration[1] if registration else 0)
+        if kind != self._source_kind:
+            log.info(
+                "worker %s: NIXL writes go %s: %s", self.worker, "from the answer's tensors" if kind == "direct" else "through a staging arena", why
+            )
+            self._source_kind = kind
+        return self._direct(tensors, offsets, total) if kind == "direct" else self._stage(tensors, offsets, total)
+
+    def post(self, source: Source, slot: Region, remote_agent: str, notification: bytes, timeout_s: float, gone: Callable[[], bool]) -> Write:
+        """Start writing ``source`` into the rank's ``slot``; UCX's progress thread moves it. A staged source's arena
+        must not be staged into again until the write is done (``Write.wait``)."""
+        try:
+            transfer = self.ensure().write(source.regions, source.remote(slot), remote_agent, notification)
+        except NixlError:
+            self._release(source)  # nothing was posted: nothing reads it
+            raise
+        return Write(transfer, source, remote_agent, time.monotonic() + timeout_s, gone, self._ended)
+
+    def close(self) -> None:
+        if self.agent is not None:
+            self.agent.close()  # deregisters every region, direct ones included
+        self.agent, self._arenas = None, [None] * ARENAS
+        self._pinned.clear()
+        self._abandoned.clear()
+
+    def _ended(self, source: Source, landed: bool) -> None:
+        """A write has landed (its direct memory is let go), or was given up on: failed, past its deadline, its rank
+        gone (its memory stays registered and held until the agent closes: the transfer may still be reading it)."""
+        if landed:
+            self._release(source)
+        elif source.kind == "direct":
+            self._abandoned.append(source)
+
+    def _direct(self, tensors: Mapping[str, torch.Tensor], offsets: Sequence[int], total: int) -> Source:
+        agent = self.ensure()
+        held, regions, at = [], [], []
+        started, fresh = time.perf_counter(), 0
+        for tensor, offset in zip(tensors.values(), offsets):
+            flat = tensor.detach().contiguous().reshape(-1)  # a copy only for a tensor that is not contiguous
+            nbytes = flat.numel() * flat.element_size()
+            if nbytes == 0:
+                continue
+            region = Region(flat.data_ptr(), nbytes)
+            count = self._pinned.get(region, 0)
+            if count == 0:
+                agent.register(region)
+                fresh += nbytes
+            self._pinned[region] = count + 1
+            held.append(flat)
+            regions.append(region)
+            at.append(offset)
+        if fresh:
+            self._registration = (time.perf_counter() - started, fresh)
+        return Source("direct", regions, at, total, held)
+
+    def _release(self, source: Source) -> None:
+        """A direct source's write has landed (or was never posted): deregister what no other write reads."""
+        if source.kind != "direct":
+            return
+        for region in source.regions:
+            count = self._pinned.get(region, 0) - 1
+            if count > 0:
+                self._pinned[region] = count
+            elif count == 0:
+                del self._pinned[region]
+                if self.agent is not None:
+                    self.agent.deregister(region)
+        source.held.clear()
+
+    def _stage(self, tensors: Mapping[str, torch.Tensor], offsets: Sequence[int], total: int) -> Source:
         region, raw = self._room(self._next, total)
         self._next = (self._next + 1) % ARENAS
         for tensor, offset in zip(tensors.values(), offsets):
@@ -94,17 +242,7 @@ class NixlSender:
             raw[offset : offset + flat.numel()].copy_(flat)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return Region(region.address, total, region.device, region.kind)
-
-    def post(self, local: Region, remote: Region, remote_agent: str, notification: bytes, timeout_s: float, gone: Callable[[], bool]) -> Write:
-        """Start writing the staged answer; UCX's progress thread moves it. The arena must not be staged into again
-        until the write is done (``Write.wait``)."""
-        return Write(self.ensure().write(local, remote, remote_agent, notification), local.nbytes, remote_agent, time.monotonic() + timeout_s, gone)
-
-    def close(self) -> None:
-        if self.agent is not None:
-            self.agent.close()
-        self.agent, self._arenas = None, [None] * ARENAS
+        return Source("staged", [Region(region.address, total, region.device, region.kind)], [0], total)
 
     def _room(self, index: int, total: int) -> tuple[Region, torch.Tensor]:
         held = self._arenas[index]

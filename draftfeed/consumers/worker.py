@@ -406,18 +406,18 @@ class Worker:
         if grant.refused is not None:
             log.debug("worker %s: rank %s granted no slot (%s); this answer goes as frames", self.name, dispatch.rank, grant.refused)
             return None
-        while len(self._writing) >= ARENAS:  # the write from the arena staged into next must have landed
+        while len(self._writing) >= ARENAS:  # at most ARENAS in flight; a staged answer's arena must be free again
             self._finish_write(block=True)
         if not self._planes.is_ready(endpoint, generation):
             return None  # an earlier write failed and took this pair down
         link_ = self._link
         assert link_ is not None
         try:
-            local = link.sender.stage(tensors, offsets, total)
-            remote = Region(grant.address, total, grant.device, "VRAM" if link.memory == "VRAM" else "DRAM")
+            source = link.sender.prepare(tensors, offsets, total)
+            slot = Region(grant.address, total, grant.device, "VRAM" if link.memory == "VRAM" else "DRAM")
             notification = nixl_notification(generation, grant.slot, want)
             gone = lambda: link_.forgets(endpoint) != since  # noqa: E731
-            self._writing.append((link.sender.post(local, remote, link.remote_agent, notification, self.config.pair_timeout_s, gone), endpoint))
+            self._writing.append((link.sender.post(source, slot, link.remote_agent, notification, self.config.pair_timeout_s, gone), endpoint))
         except (NixlError, RuntimeError) as exc:
             self._planes.failed(endpoint, str(exc))
             while self._writing:  # the arenas' turn may be out of step with the writes now: let every write land first
@@ -462,7 +462,9 @@ class Worker:
             if time.monotonic() > deadline:
                 self._planes.failed(endpoint, f"no nixl_grant within {self.config.pair_timeout_s:.0f} s")
                 return None
-            self._ranks.socket(endpoint).poll(50, zmq.POLLIN)
+            # Writes in flight are checked every millisecond meanwhile: checking moves them on (over TCP above all).
+            self._finish_write(block=False)
+            self._ranks.socket(endpoint).poll(1 if self._writing else 50, zmq.POLLIN)
 
     def _deliver(self, endpoint: str, frames: list[Any], since: int | None = None) -> Delivery:
         """Send to a rank, trying until it takes the message, the broker reports it gone (the link counts its

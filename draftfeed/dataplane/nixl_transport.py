@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -125,7 +126,7 @@ class NixlAgent:
         if "UCX" not in self._agent.backends:
             raise NixlError(f"NIXL agent {name!r} has no UCX backend (plugins found: {', '.join(self._agent.plugin_list) or 'none'})")
         self.name = name
-        self._registered: dict[int, Any] = {}
+        self._registered: dict[Region, Any] = {}
 
     def metadata(self) -> bytes:
         """What a peer needs to write to this agent's registered memory (send it on our own sockets)."""
@@ -134,18 +135,18 @@ class NixlAgent:
     def region_metadata(self, region: Region) -> bytes:
         """What a peer that loaded this agent's metadata before ``region`` was registered needs to write to it."""
         try:
-            return self._agent.get_partial_agent_metadata(self._registered[region.address], False)
+            return self._agent.get_partial_agent_metadata(self._registered[region], False)
         except Exception as exc:
             raise NixlError(f"NIXL could not describe a registered region: {exc}") from exc
 
     def register(self, region: Region) -> None:
         try:
-            self._registered[region.address] = self._agent.register_memory([(region.address, region.nbytes, region.device, "")], region.kind)
+            self._registered[region] = self._agent.register_memory([(region.address, region.nbytes, region.device, "")], region.kind)
         except Exception as exc:
             raise NixlError(f"registering {region.nbytes} bytes of {region.kind} with NIXL failed: {exc}") from exc
 
     def deregister(self, region: Region) -> None:
-        descs = self._registered.pop(region.address, None)
+        descs = self._registered.pop(region, None)
         if descs is not None:
             try:
                 self._agent.deregister_memory(descs)
@@ -166,22 +167,24 @@ class NixlAgent:
         except Exception:
             pass  # not loaded, or already gone
 
-    def write(self, local: Region, remote: Region, remote_agent: str, notification: bytes) -> Transfer:
-        """Start writing ``local`` (registered here) to ``remote`` (registered by ``remote_agent``); the peer gets
-        ``notification`` once the bytes have landed."""
-        if local.nbytes != remote.nbytes:
-            raise ValueError(f"a write moves equal lengths, not {local.nbytes} into {remote.nbytes}")
+    def write(self, local: Sequence[Region], remote: Sequence[Region], remote_agent: str, notification: bytes) -> Transfer:
+        """Start one write of each ``local`` region (each inside memory registered here) to the ``remote`` region
+        beside it (inside memory ``remote_agent`` registered), all of one memory kind on each side; the peer gets
+        ``notification`` once every byte has landed."""
+        if len(local) != len(remote) or not local or any(a.nbytes != b.nbytes for a, b in zip(local, remote)):
+            raise ValueError(f"a write moves equal lengths, not {[r.nbytes for r in local]} into {[r.nbytes for r in remote]}")
+        nbytes = sum(region.nbytes for region in local)
         try:
-            source = self._agent.get_xfer_descs([(local.address, local.nbytes, local.device)], local.kind)
-            target = self._agent.get_xfer_descs([(remote.address, remote.nbytes, remote.device)], remote.kind)
+            source = self._agent.get_xfer_descs([(r.address, r.nbytes, r.device) for r in local], local[0].kind)
+            target = self._agent.get_xfer_descs([(r.address, r.nbytes, r.device) for r in remote], remote[0].kind)
             handle = self._agent.initialize_xfer("WRITE", source, target, remote_agent, notification)
             state = self._agent.transfer(handle)
         except Exception as exc:
-            raise NixlError(f"a NIXL write of {local.nbytes} bytes to {remote_agent} could not start: {exc}") from exc
+            raise NixlError(f"a NIXL write of {nbytes} bytes to {remote_agent} could not start: {exc}") from exc
         transfer = Transfer(self, handle, state)
         if state == "ERR":
             transfer.release()
-            raise NixlError(f"a NIXL write of {local.nbytes} bytes to {remote_agent} failed to start")
+            raise NixlError(f"a NIXL write of {nbytes} bytes to {remote_agent} failed to start")
         return transfer
 
     def notifications(self) -> dict[str, list[bytes]]:
@@ -192,8 +195,8 @@ class NixlAgent:
             raise NixlError(f"reading NIXL notifications failed: {exc}") from exc
 
     def close(self) -> None:
-        for address in list(self._registered):
-            descs = self._registered.pop(address)
+        for region in list(self._registered):
+            descs = self._registered.pop(region)
             try:
                 self._agent.deregister_memory(descs)
             except Exception:
