@@ -131,3 +131,31 @@ def test_a_write_that_cannot_start_lets_its_memory_go(agents):
     with pytest.raises(NixlError, match="could not start"):
         sender.post(source, Region(1 << 40, total), "no-such-agent", b"x", timeout_s=30, gone=lambda: False)
     assert sender.direct_bytes == 0
+
+
+class FakeAgentRefusingItsSecondRegistration:
+    """A stand-in for NIXL's agent (a registration cannot be made to fail on demand): it records what is registered
+    and refuses the second registration."""
+
+    def __init__(self) -> None:
+        self.registered: list[Region] = []
+        self.calls = 0
+
+    def register(self, region: Region) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            raise NixlError("fake: registration refused")
+        self.registered.append(region)
+
+    def deregister(self, region: Region) -> None:
+        self.registered.remove(region)
+
+
+def test_a_registration_that_fails_midway_lets_go_of_the_ones_before_it():
+    sender = NixlSender("test-sources", torch.device("cpu"))
+    sender.agent = fake = FakeAgentRefusingItsSecondRegistration()  # type: ignore[assignment]
+    tensors = answer(2)
+    offsets, total = packed_layout(describe(tensors))
+    with pytest.raises(NixlError, match="refused"):
+        sender.prepare(tensors, offsets, total)
+    assert fake.registered == [] and sender.direct_bytes == 0, "no registration outlives the answer"

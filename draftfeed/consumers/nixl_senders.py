@@ -200,25 +200,31 @@ class NixlSender:
 
     def _direct(self, tensors: Mapping[str, torch.Tensor], offsets: Sequence[int], total: int) -> Source:
         agent = self.ensure()
-        held, regions, at = [], [], []
-        started, fresh = time.perf_counter(), 0
-        for tensor, offset in zip(tensors.values(), offsets):
-            flat = tensor.detach().contiguous().reshape(-1)  # a copy only for a tensor that is not contiguous
-            nbytes = flat.numel() * flat.element_size()
-            if nbytes == 0:
-                continue
-            region = Region(flat.data_ptr(), nbytes)
-            count = self._pinned.get(region, 0)
-            if count == 0:
-                agent.register(region)
-                fresh += nbytes
-            self._pinned[region] = count + 1
-            held.append(flat)
-            regions.append(region)
-            at.append(offset)
+        source = Source("direct", [], [], total)
+        registering, fresh = 0.0, 0
+        try:
+            for tensor, offset in zip(tensors.values(), offsets):
+                flat = tensor.detach().contiguous().reshape(-1)  # a copy only for a tensor that is not contiguous
+                nbytes = flat.numel() * flat.element_size()
+                if nbytes == 0:
+                    continue
+                region = Region(flat.data_ptr(), nbytes)
+                count = self._pinned.get(region, 0)
+                if count == 0:
+                    started = time.perf_counter()
+                    agent.register(region)
+                    registering += time.perf_counter() - started
+                    fresh += nbytes
+                self._pinned[region] = count + 1
+                source.held.append(flat)
+                source.regions.append(region)
+                source.offsets.append(offset)
+        except NixlError:
+            self._release(source)  # what it registered so far: no registration outlives the memory it covers
+            raise
         if fresh:
-            self._registration = (time.perf_counter() - started, fresh)
-        return Source("direct", regions, at, total, held)
+            self._registration = (registering, fresh)
+        return source
 
     def _release(self, source: Source) -> None:
         """A direct source's write has landed (or was never posted): deregister what no other write reads."""
