@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import random
 import socket
 from collections import deque
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -31,11 +33,31 @@ def local_address_towards(endpoint: str) -> str:
         return probe.getsockname()[0]
 
 
+_LOWEST_CHOSEN_PORT = 10_000
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now (another process may take it before it is bound again)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A TCP port free on ``host`` now, for a server that is told its port. Drawn at random below the kernel's
+    ephemeral range, from which every connection's own port and every bind to port 0 (``tcp://host:*``) are taken:
+    those cannot take it before it is bound again; another ``free_port`` caller can, rarely."""
+    low, high = _LOWEST_CHOSEN_PORT, _ephemeral_range()[0]
+    for _ in range(64):
+        port = random.randrange(low, high) if high > low + 1000 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue  # taken: draw again
+            return sock.getsockname()[1]
+    raise OSError(f"no free TCP port on {host} between {low} and {high} after 64 draws")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(part) for part in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32_768, 60_999  # Linux's default
 
 
 def is_loopback(endpoint: str) -> bool:

@@ -6,6 +6,7 @@ import json
 import socket
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from conftest import WORKER_ENV, make_batch, raw_peer, wait_until
@@ -188,3 +189,12 @@ def test_status_watch_prints_again_until_interrupted(observed):
     finally:
         watch.kill()
         watch.wait(10)
+
+
+def test_free_ports_are_drawn_below_the_ephemeral_range():
+    """A port the kernel hands to connections and port-0 binds can be taken by any test running beside this one
+    before its server binds it (seen once: a rank's metrics port taken in a parallel run)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_port() for _ in range(20)]
+    assert all(10_000 <= port < low for port in ports), ports
+    assert len(set(ports)) > 1, "drawn at random"
