@@ -48,15 +48,20 @@ demo: $(STAMP)
 	$(PY) -m draftfeed demo
 
 # Lint and format first; then the suite in 3 processes (each module whole, so a module's cluster starts once; the
-# tests mostly wait on other processes, so 3 keep 2 cores busy), the 15 slowest tests listed.
+# tests mostly wait on other processes, so 3 keep 2 cores busy), the 15 slowest tests listed. The vllm engine tests run
+# beside it in .venv-vllm (their output is shown after the main suite's); make test fails if either fails.
 PYTEST_PARALLEL = -n 3 --dist loadscope --durations=15
+VLLM_TESTS = VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) -m pytest -q -p no:cacheprovider --durations=5 tests/test_engines.py
 
 test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	-$(PY) $(BYTECODE) draftfeed tests > /dev/null
-	$(PY) -m pytest -q $(PYTEST_PARALLEL) tests
-	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) -m pytest -q -p no:cacheprovider --durations=5 tests/test_engines.py
+	@log=$$(mktemp); $(VLLM_TESTS) > $$log 2>&1 & vllm=$$!; trap 'kill $$vllm 2>/dev/null; rm -f $$log' EXIT; \
+	echo "$(PY) -m pytest -q $(PYTEST_PARALLEL) tests  (and beside it: $(VLLM_TESTS))"; \
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) tests; main=$$?; \
+	wait $$vllm; vllm_rc=$$?; echo "---- the vllm engine tests ($(VLLM_VENV)):"; cat $$log; \
+	test $$main -eq 0 && test $$vllm_rc -eq 0
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(NEMO_PACKAGES) *.egg-info

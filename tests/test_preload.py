@@ -56,3 +56,22 @@ def test_the_probe_runs_as_a_plain_process_too():
     env = {**os.environ, **WORKER_ENV, "PROBE_VALUE": "plain"}
     done = subprocess.run([sys.executable, "-m", PROBE, "exit", "3"], env=env, cwd=TESTS_DIR, capture_output=True, text=True, timeout=60)
     assert done.returncode == 3 and done.stdout.startswith("probe argv=['exit', '3'] value=plain session=")
+
+
+def test_a_start_in_a_network_namespace_is_preloaded_and_runs_there_as_ip_netns_exec_would(hosts_available):
+    """``ip netns exec NAME`` as the prefix: the forked process enters the namespace itself, and its /sys shows that
+    namespace's interfaces, as the spawned command's does."""
+    from draftfeed.bench.hosts import Hosts
+
+    with Hosts(["preloaded"], subnet="10.77.0") as hosts:
+        prefix = hosts.command("preloaded")
+        forked = processes.start(["where"], module=PROBE, env=WORKER_ENV, ready_pattern="^probe netns=", prefix=prefix)
+        assert isinstance(forked.popen, PreloadedPopen)
+        line = forked.wait_for_line("^probe netns=", timeout_s=30)
+        assert forked.popen.wait(30) == 0
+        env = {**os.environ, **WORKER_ENV}
+        spawned = subprocess.run([*prefix, sys.executable, "-m", PROBE, "where"], env=env, cwd=TESTS_DIR, capture_output=True, text=True, timeout=60)
+        assert spawned.returncode == 0, spawned.stderr
+        expected = next(out for out in spawned.stdout.splitlines() if out.startswith("probe netns="))
+        assert line == expected, f"preloaded: {line}; ip netns exec: {expected}"
+        assert f"netns={os.stat('/proc/self/ns/net').st_ino} " not in line, "not this process's namespace"

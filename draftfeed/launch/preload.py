@@ -3,8 +3,9 @@ each process asked of it from itself, so that a worker is ready in a fraction of
 2-core machine's CPU per worker otherwise, nearly all of it imports).
 
 For runs that start many short-lived processes on one machine (the test suite); ``processes.start`` uses it when
-``use_preloaded_starts()`` was called, for a ``python -m MODULE`` start with no prefix command whose import-time
-environment (``IMPORT_TIME_ENV``) is the preloader's. The forked process runs ``MODULE`` as ``python -m`` would,
+``use_preloaded_starts()`` was called, for a ``python -m MODULE`` start with no prefix command (or ``ip netns exec
+NAME``: the forked process enters that namespace itself) whose import-time environment (``IMPORT_TIME_ENV``) is the
+preloader's. The forked process runs ``MODULE`` as ``python -m`` would,
 in its own session, with the environment and arguments it was given and its output on a pipe; ``PreloadedPopen``
 stands for it where a ``subprocess.Popen`` would: pid, poll, wait, signals, return code (negative for a signal).
 
@@ -121,12 +122,14 @@ class Preloader:
     def serves(self, env: Mapping[str, str]) -> bool:
         return self._server.poll() is None and all(env.get(name) == self.env.get(name) for name in IMPORT_TIME_ENV)
 
-    def popen(self, module: str, args: Sequence[str], env: Mapping[str, str]) -> PreloadedPopen:
+    def popen(self, module: str, args: Sequence[str], env: Mapping[str, str], netns: str | None = None) -> PreloadedPopen:
+        """``python -m MODULE ARGS`` with ``env``, forked from the preloader; ``netns``: in that network namespace
+        (``ip netns``), as ``ip netns exec NETNS`` would run it."""
         read_end, write_end = os.pipe()
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             connection.connect(self.path)
-            request = json.dumps({"module": module, "args": list(args), "env": dict(env)}).encode() + b"\n"
+            request = json.dumps({"module": module, "args": list(args), "env": dict(env), "netns": netns}).encode() + b"\n"
             socket.send_fds(connection, [request], [write_end])
             pid = int(_read_answer(connection, f"forked {module}")["pid"])
         except BaseException:
@@ -212,6 +215,8 @@ def _run_child(request: dict, output: int, connection: socket.socket, inherited:
         for item in inherited:
             item.close() if isinstance(item, socket.socket) else os.close(item)  # type: ignore[arg-type]
         os.setsid()
+        if request.get("netns"):
+            enter_network_namespace(request["netns"])
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.dup2(output, 1)
@@ -237,6 +242,34 @@ def _run_child(request: dict, output: int, connection: socket.socket, inherited:
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+_CLONE_NEWNET, _CLONE_NEWNS = 0x40000000, 0x00020000
+_MS_REC, _MS_SLAVE, _MNT_DETACH = 0x4000, 0x80000, 2
+
+
+def enter_network_namespace(name: str) -> None:
+    """Move this (single-threaded) process into the network namespace ``ip netns add NAME`` made, as ``ip netns exec``
+    does: the namespace, and a mount namespace of its own whose /sys shows that namespace's interfaces (UCX reads
+    them there). Raises OSError naming the step that failed."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"{what} for network namespace {name!r}: {os.strerror(error)}")
+
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        check(libc.setns(fd, _CLONE_NEWNET), "setns")
+    finally:
+        os.close(fd)
+    check(libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    check(libc.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None), "mount --make-rslave /")
+    check(libc.umount2(b"/sys", _MNT_DETACH), "umount /sys")
+    check(libc.mount(name.encode(), b"/sys", b"sysfs", 0, None), "mount sysfs on /sys")
 
 
 def _exit_as_python_does() -> None:

@@ -103,9 +103,11 @@ def start(
     that command must exec the process (its pid is the one signalled). ``ready_pattern``: a line matching this regular
     expression counts as ready too (for a process that will not get as far as its ready line)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    preloader = _preloader(full_env) if not prefix and (module != "draftfeed.launch" or args[:1] == ["worker"]) else None
+    netns = network_namespace_of(prefix)
+    preloadable = (not prefix or netns is not None) and (module != "draftfeed.launch" or args[:1] == ["worker"])
+    preloader = _preloader(full_env) if preloadable else None
     if preloader is not None:
-        popen: Any = preloader.popen(module, args, full_env)
+        popen: Any = preloader.popen(module, args, full_env, netns)
     else:
         popen = subprocess.Popen(
             [*prefix, sys.executable, "-m", module, *args],
@@ -142,9 +144,16 @@ def start(
 _PRELOADERS: dict[tuple[str | None, ...], Any] | None = None  # None: every start spawns a fresh interpreter
 
 
+def network_namespace_of(prefix: Sequence[str]) -> str | None:
+    """The namespace a prefix ``ip netns exec NAME`` runs its command in (a preloaded start enters it itself), else None."""
+    parts = list(prefix)
+    return parts[3] if len(parts) == 4 and parts[:3] == ["ip", "netns", "exec"] else None
+
+
 def use_preloaded_starts() -> None:
     """From now on, start workers and other ``python -m`` processes (not brokers) by forking them from a preloaded
-    process (draftfeed/launch/preload.py): for runs that start many of them on one machine, such as the tests."""
+    process (draftfeed/launch/preload.py), also those run in a network namespace (``ip netns exec NAME``): for runs
+    that start many of them on one machine, such as the tests."""
     global _PRELOADERS
     if _PRELOADERS is None:
         _PRELOADERS = {}
