@@ -75,3 +75,26 @@ def test_every_scenario_is_a_module_with_one_signature():
         assert str(inspect.signature(load(name).run)) == "(quick: 'bool', workdir: 'Path') -> 'list[Row]'", name
     with pytest.raises(ValueError, match="unknown bench scenario 'nope'"):
         load("nope")
+
+
+def test_the_broker_and_the_policy_free_forwarder_route_every_request_of_the_raw_peers():
+    """The broker scenario's two routed rates come from raw peers that finish only once every request was answered."""
+    from draftfeed.bench.harness import probe
+    from draftfeed.bench.scenarios.broker import routed_rate
+    from draftfeed.launch import processes
+
+    count = 300
+    forwarder = probe(["raw-forwarder", str(count)])
+    try:
+        assert forwarder.stdout is not None
+        rate, cpu = routed_rate(json.loads(forwarder.stdout.readline()), forwarder.pid, count)
+        assert forwarder.wait(30) == 0, "the forwarder counted every done"
+    finally:
+        forwarder.kill()
+    assert rate > 0 and cpu >= 0
+    broker = processes.start_broker(extra=["--log-level", "WARNING"])
+    try:
+        rate, cpu = routed_rate(broker.ready, broker.pid, count)
+    finally:
+        broker.stop()
+    assert rate > 0 and cpu >= 0

@@ -35,13 +35,13 @@ def run(quick: bool, workdir: Path) -> list[Row]:
             rate = count / (time.perf_counter() - started)
     broker = processes.start_broker(extra=["--log-level", "WARNING"])
     try:
-        routed, broker_cpu = _routed(broker.ready, broker.pid, count)
+        routed, broker_cpu = routed_rate(broker.ready, broker.pid, count)
     finally:
         broker.stop()
     forwarder = probe(["raw-forwarder", str(count)])
     try:
         assert forwarder.stdout is not None
-        forwarded, forwarder_cpu = _routed(json.loads(forwarder.stdout.readline()), forwarder.pid, count)
+        forwarded, forwarder_cpu = routed_rate(json.loads(forwarder.stdout.readline()), forwarder.pid, count)
         forwarder.communicate(timeout=60)
     finally:
         forwarder.kill()
@@ -88,7 +88,7 @@ def run(quick: bool, workdir: Path) -> list[Row]:
     ]
 
 
-def _routed(endpoints: dict, pid: int, count: int) -> tuple[float, float]:
+def routed_rate(endpoints: dict, pid: int, count: int) -> tuple[float, float]:
     """Requests per second that ``raw-rank`` gets through the broker at ``endpoints`` (to ``raw-worker``), and the
     broker process's (``pid``) CPU seconds per request meanwhile."""
     worker = probe(["raw-worker", endpoints["backend"], str(count)])
