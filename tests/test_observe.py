@@ -93,15 +93,20 @@ def test_health_and_metrics_of_a_known_run(observed):
         assert value(rank_port, "draftfeed_rank_wait_seconds_count", **rank) == BATCHES
         assert value(rank_port, "draftfeed_rank_requests_outstanding", **rank) == 0
         assert value(rank_port, "draftfeed_rank_retries_total", **rank, why="busy_retries") == 0
-        # The broker publishes its numbers once per heartbeat interval (0.2 s here).
-        wait_until(lambda: value(broker_port, "draftfeed_broker_requests_routed_total") == BATCHES, what="5 routed requests in the broker's metrics")
+        # The broker publishes its numbers once per heartbeat interval (0.2 s here), and a request counts as served
+        # there once the worker's done arrives, which may be after the rank has its result.
         worker_labels = {"service": SERVICE, "worker": "observed-0"}
-        assert value(broker_port, "draftfeed_broker_worker_served_total", **worker_labels) == BATCHES
+        wait_until(
+            lambda: value(broker_port, "draftfeed_broker_worker_served_total", **worker_labels) == BATCHES,
+            what="5 served requests in the broker's metrics",
+        )
+        assert value(broker_port, "draftfeed_broker_requests_routed_total") == BATCHES
         assert value(broker_port, "draftfeed_broker_worker_in_flight", **worker_labels) == 0
         assert value(broker_port, "draftfeed_broker_ready_workers", service=SERVICE) == 1
         assert value(broker_port, "draftfeed_broker_queue_depth", service=SERVICE) == 0
         assert value(broker_port, "draftfeed_broker_rank_outstanding", service=SERVICE, **rank) == 0
-    assert value(worker_port, "draftfeed_worker_requests_total", outcome="served") == BATCHES
+    # The worker counts an answer once it is delivered, which may be just after the rank has it.
+    wait_until(lambda: value(worker_port, "draftfeed_worker_requests_total", outcome="served") == BATCHES, what="5 served in the worker's metrics")
     assert value(worker_port, "draftfeed_worker_forward_seconds_count") == BATCHES
     assert value(worker_port, "draftfeed_worker_supervision_bytes_total", plane="frames") == wire_bytes  # small answers go as frames
     assert value(worker_port, "draftfeed_worker_registered") == 1
