@@ -251,7 +251,8 @@ _MS_REC, _MS_SLAVE, _MNT_DETACH = 0x4000, 0x80000, 2
 def enter_network_namespace(name: str) -> None:
     """Move this (single-threaded) process into the network namespace ``ip netns add NAME`` made, as ``ip netns exec``
     does: the namespace, and a mount namespace of its own whose /sys shows that namespace's interfaces (UCX reads
-    them there). Raises OSError naming the step that failed."""
+    them there). Unlike ``ip netns exec`` it binds no files of /etc/netns/NAME over /etc (the namespaces draftfeed's
+    tests make have none). Raises OSError naming the step that failed."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
