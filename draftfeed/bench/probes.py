@@ -27,6 +27,7 @@ import re
 import resource
 import sys
 import time
+from collections.abc import Iterator
 
 import zmq
 
@@ -287,16 +288,11 @@ def raw_forwarder(count: int) -> None:
     poller.register(backend, zmq.POLLIN)
     worker, rank_fields, ticket, done = b"", b"", 0, 0
     waiting: list[bytes] = []
-    nowait = int(zmq.NOBLOCK)
     while done < count:
         events = dict(poller.poll(10_000))
         if not events:
             raise SystemExit("raw-forwarder: no message for 10 s")
-        while backend in events:
-            try:
-                peer, _signature, header, *_ = backend.recv_multipart(nowait)
-            except zmq.Again:
-                break
+        for peer, header in _waiting(backend) if backend in events else ():
             if header.startswith(b'{"type":"register"'):
                 worker = peer
                 for early in waiting:  # submits that came before the worker
@@ -304,11 +300,7 @@ def raw_forwarder(count: int) -> None:
                 waiting.clear()
             elif header.startswith(b'{"type":"done"'):
                 done += 1
-        while frontend in events:
-            try:
-                peer, _signature, header, *_ = frontend.recv_multipart(nowait)
-            except zmq.Again:
-                break
+        for peer, header in _waiting(frontend) if frontend in events else ():
             if header.startswith(b'{"type":"hello"'):
                 rank_fields = b'"reply_to":"%s"' % json.loads(header)["data_endpoint"].encode()
                 frontend.send_multipart([peer, SIGNATURE, b'{"type":"welcome"}'])
@@ -320,6 +312,17 @@ def raw_forwarder(count: int) -> None:
     frontend.close(0)
     backend.close(0)
     context.term()
+
+
+def _waiting(sock: zmq.Socket) -> Iterator[tuple[bytes, bytes]]:
+    """The sender and header of each message waiting on a ROUTER, until none is left."""
+    nowait = int(zmq.NOBLOCK)
+    while True:
+        try:
+            peer, _signature, header, *_ = sock.recv_multipart(nowait)
+        except zmq.Again:
+            return
+        yield peer, header
 
 
 def _forward(backend: zmq.Socket, worker: bytes, ticket: int, rank_fields: bytes, submit: bytes) -> int:
