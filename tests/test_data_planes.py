@@ -290,7 +290,7 @@ def test_a_killed_rank_releases_the_workers_group_and_others_are_served(fast_clu
         wait_until(lambda: pairs_of(fast_cluster, "w-survivor").get(rank_name, {}).get("state") == "ready", what="the rank's group ready")
         rank.kill()
         rank.wait(timeout=10)
-        # The broker finds the rank dead within its liveness window (1 s here) and the worker drops its group.
+        # The broker finds the rank dead within its liveness window (1.6 s here) and the worker drops its group.
         wait_until(lambda: rank_name not in pairs_of(fast_cluster, "w-survivor"), timeout_s=15, what="the dead rank's group released")
         with RemoteEagle3Target(fast_cluster.frontend, SERVICE, data_plane="gloo") as remote:
             check_batches(remote, tiny_model, list(range(8)))

@@ -210,7 +210,7 @@ def test_a_killed_rank_makes_the_worker_drop_its_agent_and_others_are_served(fas
         mark = worker.lines_seen
         rank.kill()
         rank.wait(timeout=10)
-        # The broker finds the rank dead within its liveness window (1 s here); the worker drops the rank's agent.
+        # The broker finds the rank dead within its liveness window (1.6 s here); the worker drops the rank's agent.
         wait_until(lambda: rank_name not in pairs_of(fast_cluster, "w-survivor"), timeout_s=15, what="the dead rank's pair released")
         worker.wait_for_line(f"dropped the NIXL agent of rank {rank_name}", timeout_s=5, after=mark)
         with RemoteEagle3Target(fast_cluster.frontend, "faults", data_plane="nixl") as remote:

@@ -95,13 +95,15 @@ def test_engine_out_of_memory_is_retried_elsewhere_and_a_crash_is_reported(fast_
         oom = make_batch(1, 6, 1000, seed=1)
         oom["input_ids"][0, 0] = OOM_MARKER
         future = target.generate_batch_async(**oom)
-        wait_until(lambda: fast_cluster.worker_status("flaky")["handed_back"] == 1, what="the flaky worker to hand the batch back")
+        # Counted broker-wide: a worker the loaded machine kept silent past the 1 s window registers again with
+        # fresh counts of its own (seen on CI), while the broker's requeues keep counting.
+        wait_until(lambda: fast_cluster.status()["requeues"].get("retry") == 1, what="the flaky worker to hand the batch back")
         assert not future.done()  # waiting for a worker that has not failed it
         fast_cluster.add_worker(tiny_target, "--service", SERVICE, "--name", "sound")
         assert_supervision_equal(future.result(timeout=60), reference_eagle3(tiny_model, oom, [1, 3, 4]))
         good = make_batch(2, 6, 1000, seed=2)
         good["input_ids"][0, 0] = 11
         assert_supervision_equal(target.generate_batch(**good), reference_eagle3(tiny_model, good, [1, 3, 4]))
-    assert fast_cluster.worker_status("flaky")["handed_back"] == 1
+    assert fast_cluster.status()["requeues"].get("retry") == 1  # the OOM batch only, and once
     # A worker's done can reach the broker after its result reached the rank.
     wait_until(lambda: fast_cluster.worker_status("sound")["served"] >= 1, what="the broker to count the batch the sound worker served")
