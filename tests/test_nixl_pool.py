@@ -8,6 +8,7 @@ import gc
 import pytest
 import torch
 
+from draftfeed.dataplane.nixl_transport import HOST_ALIGNMENT, host_memory
 from draftfeed.producers.nixl_pool import PoolFull, ReceivePool
 from draftfeed.schemas.messages import TensorSpec
 
@@ -107,3 +108,21 @@ def test_a_notification_for_another_holder_fills_nothing():
     assert receive.filled(slot.index, ("v", 0, 1)) is None
     assert receive.granted_to(slot.index, "w", 1) is None
     assert receive.granted_to(slot.index, "w", 0) is slot
+
+
+def test_host_slots_start_on_a_page_and_their_pages_are_already_there():
+    """The rank's slots and the worker's arenas (host_memory) start on a page, as torch's tensors start on a 64-byte
+    line: a copy between addresses that differ modulo 64 ran at 0.5-0.7 of the aligned rate. Their pages are written
+    once when made, so a receive takes no page faults."""
+    import resource
+
+    receive, _ = pool(64 << 20)
+    slots = [receive.grant(("w", 0, n), nbytes) for n, nbytes in enumerate([2000, 3 << 20, 5 << 20])]
+    misaligned = {slot.index: slot.region.address % HOST_ALIGNMENT for slot in slots if slot.region.address % HOST_ALIGNMENT}
+    assert not misaligned, f"slots not on a {HOST_ALIGNMENT}-byte boundary (slot: offset): {misaligned}"
+    memory = host_memory(16 << 20)
+    assert memory.ctypes.data % HOST_ALIGNMENT == 0 and memory.nbytes == 16 << 20 and not memory.any()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    memory[::4096] = 1  # one byte in every page
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert faults < 64, f"writing into made host memory took {faults} page faults for its {(16 << 20) // 4096} pages"

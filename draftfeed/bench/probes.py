@@ -139,12 +139,10 @@ def raw_gloo_send(port: int, nbytes: int, count: int) -> None:
 
 
 def raw_nixl_recv(path: str, nbytes: int, count: int) -> None:
-    import numpy as np
-
-    from draftfeed.dataplane.nixl_transport import NixlAgent, Region
+    from draftfeed.dataplane.nixl_transport import NixlAgent, Region, host_memory
 
     agent = NixlAgent("raw-nixl-recv")
-    buffer = np.ones(nbytes, dtype=np.uint8)
+    buffer = host_memory(nbytes)  # aligned as the rank's receive slots are
     region = Region(buffer.ctypes.data, nbytes)
     agent.register(region)
     with open(path, "wb") as out:
@@ -162,13 +160,14 @@ def raw_nixl_recv(path: str, nbytes: int, count: int) -> None:
 def raw_nixl_send(path: str, address: int, nbytes: int, count: int) -> None:
     import numpy as np
 
-    from draftfeed.dataplane.nixl_transport import NixlAgent, Region
+    from draftfeed.dataplane.nixl_transport import NixlAgent, Region, host_memory
 
     agent = NixlAgent("raw-nixl-send")
     with open(path, "rb") as source:
         remote_agent = agent.add_remote(source.read())
     # Bytes that are there: pages never written all map the kernel's one zero page, which a copy reads from cache.
-    buffer = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    buffer = host_memory(nbytes)
+    buffer[:] = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
     local = Region(buffer.ctypes.data, nbytes)
     agent.register(local)
     remote = Region(address, nbytes)

@@ -30,7 +30,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from draftfeed.dataplane.nixl_transport import NixlAgent, NixlError, Region, Transfer
+from draftfeed.dataplane.nixl_transport import NixlAgent, NixlError, Region, Transfer, host_memory
 
 log = logging.getLogger("draftfeed.worker")
 
@@ -261,8 +261,7 @@ class NixlSender:
                 arena: np.ndarray | torch.Tensor = torch.empty(size, dtype=torch.uint8, device=self.device)
                 region = Region(arena.data_ptr(), size, self.device.index or 0, "VRAM")
             else:
-                arena = np.empty(size, dtype=np.uint8)
-                arena.fill(0)  # touch every page once
+                arena = host_memory(size)
                 region = Region(arena.ctypes.data, size, 0, "DRAM")
             agent.register(region)
             held = self._arenas[index] = (arena, region)

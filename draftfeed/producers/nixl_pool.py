@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from draftfeed.dataplane.nixl_transport import Region
+from draftfeed.dataplane.nixl_transport import Region, host_memory
 from draftfeed.dataplane.tensor_codec import DTYPES
 from draftfeed.schemas.messages import TensorSpec
 from draftfeed.schemas.tensor_specs import packed_layout
@@ -195,8 +195,7 @@ class ReceivePool:
             memory = torch.empty(size, dtype=torch.uint8, device=self.device)
             region = Region(memory.data_ptr(), size, self.device.index or 0, "VRAM")
         else:
-            memory = np.empty(size, dtype=np.uint8)
-            memory.fill(0)  # touch every page now, once, rather than at the first receives
+            memory = host_memory(size)  # every page touched now, once, rather than at the first receives
             region = Region(memory.ctypes.data, size, 0, "DRAM")
         self._register(region)
         slot = Slot(self._next, region, memory)
