@@ -33,7 +33,7 @@ def measure(
     for size_mb in sizes:
         tokens = tokens_for(int(size_mb * MB))
         nbytes = tokens * BYTES_PER_TOKEN
-        count = max(4, int((300 if quick else 1500) / size_mb))
+        count = max(4, int((300 if quick else 3000) / size_mb))  # 3 GB a case: one stall of a slot made mid-run costs little
         with Pipeline(workers=1, tokens=tokens, compute_ms=0, data_plane="nixl", host=host, prefix=worker, env=env) as pipeline:
             args = ["rank", pipeline.frontend, "bench", str(tokens), str(count), "2"]
             over_frames = last_json(probe([*args, "frames"], env, prefix=rank))
