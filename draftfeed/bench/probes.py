@@ -85,8 +85,13 @@ def rank(frontend: str, service: str, tokens: int, count: int, depth: int, data_
         nbytes = target.generate_batch(**batch).nbytes  # a pair group or nixl pair is built meanwhile
         # Warm-up in the pattern measured (depth in flight), so that what a steady run reuses (nixl receive slots,
         # allocator pages) exists before the clock starts, as the raw probes' one warm-up message makes it for them.
+        # The last two answers are held meanwhile, so that the pool makes every nixl slot a steady run can need: one
+        # the loop still holds while the worker asks for a slot for the answer after next. Else a run makes that slot
+        # now and then mid-run (a 312.5 MB slot took 0.8-1.5 s the first time on this VM).
+        held: list = []
         for _batch, supervision in target.iterate(batch for _ in range(depth + 3)):
-            del supervision
+            held = [*held[-1:], supervision]
+        del held, supervision
         faults = _faults()
         started = time.perf_counter()
         for _batch, supervision in target.iterate(batch for _ in range(count)):
