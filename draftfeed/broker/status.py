@@ -59,6 +59,8 @@ def _worker(w: WorkerRecord, now: float) -> dict[str, Any]:
         "engine": w.registration.engine,
         "state": state,
         "capacity": w.registration.capacity,
+        "tensor_parallel": w.registration.tensor_parallel,
+        "devices": w.registration.devices,
         "in_flight": len(w.in_flight),
         "served": w.served,
         "batches": w.batches,

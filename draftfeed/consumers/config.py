@@ -33,3 +33,6 @@ class WorkerConfig:
     # EAGLE-3: a batch of more positions computes its vocab-sized step this many positions at a time (0: never). The
     # default keeps that step's float32 logits near 4 GB for a 128k vocab, beside an 8B target on one H200.
     chunk_tokens: int = 8192
+    # The devices its target runs on, one process each (--tensor-parallel, --devices); said to the broker and in /health.
+    tensor_parallel: int = 1
+    devices: tuple[str, ...] = ()

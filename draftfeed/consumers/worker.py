@@ -32,7 +32,7 @@ import zmq
 
 from draftfeed.consumers.broker_link import RESET, STOP, BrokerLink
 from draftfeed.consumers.config import WorkerConfig
-from draftfeed.consumers.engines.base import RETRYABLE_ERRORS
+from draftfeed.consumers.engines.base import RETRYABLE_ERRORS, EngineLost
 from draftfeed.consumers.mappings import MissingMapping, WorkerMappings
 from draftfeed.consumers.nixl_senders import ARENAS, Write
 from draftfeed.consumers.pair_planes import NixlLink, PairPlanes, PlaneRefused
@@ -96,6 +96,7 @@ class Worker:
         self._stopping_since = 0.0
         self.served = 0
         self.metrics = WorkerMetrics(self.name, config.service)
+        self.metrics.spread_over(list(config.devices) or [str(task.engine.device)])
         self.metrics.watch(
             in_flight=lambda: len(self._queue) + (self._in_engine is not None),
             registered=lambda: float(self._link is not None and self._link.is_alive() and self._link.registered.is_set()),
@@ -125,6 +126,8 @@ class Worker:
             host=host_identity(),
             pid=os.getpid(),
             max_positions=self.max_seq_len,
+            tensor_parallel=self.config.tensor_parallel,
+            devices=list(self.config.devices),
         )
 
     @property
@@ -312,6 +315,10 @@ class Worker:
                 "worker %s: request %d of %s names a mapping it lacks (%s): handed back for it", self.name, request.request_id, dispatch.rank, exc
             )
             return Done(ticket=dispatch.ticket, outcome="missing_mapping", missing_mapping=exc.digest, message=str(exc))
+        except EngineLost as exc:
+            log.error("worker %s: request %d of %s goes back to the broker: %s", self.name, request.request_id, dispatch.rank, exc)
+            self.stop()
+            return Done(ticket=dispatch.ticket, outcome="draining", message=str(exc))
         except RETRYABLE_ERRORS as exc:
             log.warning("worker %s: request %d of %s handed back: %s", self.name, request.request_id, dispatch.rank, exc)
             if torch.cuda.is_available():

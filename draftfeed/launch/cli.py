@@ -23,12 +23,13 @@ from typing import TYPE_CHECKING, Any, get_args
 from draftfeed.bench import SCENARIO_NAMES
 from draftfeed.broker.settings import BrokerSettings
 from draftfeed.consumers.config import DEFAULT_DRAFT_LAYERS, DTYPES, ENGINES, WorkerConfig
+from draftfeed.consumers.devices import placement_problem, tensor_parallel_devices
 from draftfeed.launch.config import apply_sources, effective
 from draftfeed.launch.ready import announce_ready
 from draftfeed.launch.store_commands import run_store
 from draftfeed.logs import LOG_FORMATS
 from draftfeed.logs import configure as configure_logging
-from draftfeed.schemas.errors import DraftfeedError, UsageError
+from draftfeed.schemas.errors import CannotServe, DraftfeedError, UsageError
 from draftfeed.schemas.messages import DataPlaneMode, SupervisionForm, Task
 from draftfeed.schemas.protocol import DEFAULT_BACKEND, DEFAULT_BROKER_HTTP_PORT, DEFAULT_FRONTEND, DEFAULT_HTTP_HOST, DEFAULT_WORKER_HTTP_PORT
 
@@ -66,6 +67,13 @@ def _layer_ids(text: str) -> list[int]:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated layer ids like 1,15,28; got {text!r}") from None
+
+
+def _device_list(text: str) -> list[str]:
+    devices = [part.strip() for part in text.split(",") if part.strip()]
+    if not devices:
+        raise argparse.ArgumentTypeError(f"expected comma-separated devices like cuda:0,cuda:1; got {text!r}")
+    return devices
 
 
 def _engine_option(text: str) -> tuple[str, object]:
@@ -288,6 +296,27 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
     worker.add_argument("--task", default="eagle3", choices=get_args(Task), help="which supervision to compute")
     worker.add_argument("--service", default=None, help="the service name ranks ask for (default: <target folder>-<task>)")
     worker.add_argument("--device", default="cpu", help="torch device for the target, e.g. cuda:0")
+    worker.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=_default(WorkerConfig, "tensor_parallel"),
+        metavar="N",
+        help="spread the target over N devices, one process each, as one worker (hf and sglang: transformers' or sglang's "
+        "tensor-parallel plan over processes this worker starts; vllm: its tensor_parallel_size); docs/engines.md",
+    )
+    worker.add_argument(
+        "--devices",
+        type=_device_list,
+        default=None,
+        metavar="LIST",
+        help="with --tensor-parallel N or --device-map auto: the devices, e.g. cuda:4,cuda:5 (default: N devices from --device on)",
+    )
+    worker.add_argument(
+        "--device-map",
+        default=None,
+        choices=["auto"],
+        help="hf: spread the target's layers over --devices in this one process (for a model transformers has no tensor-parallel plan for)",
+    )
     worker.add_argument("--dtype", default=DTYPES[0], choices=DTYPES, help="the target's dtype: auto is float32 on CPU, bfloat16 on GPU")
     worker.add_argument(
         "--aux-layer-ids", type=_layer_ids, default=None, help="EAGLE-3: 3 distinct decoder layers, e.g. 1,15,28 (default [1, L//2-1, L-4])"
@@ -455,7 +484,9 @@ def run_broker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _observe(args: argparse.Namespace, default_port: int, health: Callable[[], str | None], registry: Callable[[], Any]) -> Any:
+def _observe(
+    args: argparse.Namespace, default_port: int, health: Callable[[], str | None], registry: Callable[[], Any], about: Callable[[], dict] = dict
+) -> Any:
     """The /health and /metrics server of --http-port, None when it is 0 (or the default port is taken)."""
     port = default_port if args.http_port is None else args.http_port
     if port == 0:
@@ -465,7 +496,7 @@ def _observe(args: argparse.Namespace, default_port: int, health: Callable[[], s
     from draftfeed.observe.http import ObserveServer
 
     try:
-        return ObserveServer(args.http_host, port, health, registry)
+        return ObserveServer(args.http_host, port, health, registry, about=about)
     except UsageError as exc:
         if args.http_port is not None:
             raise
@@ -530,6 +561,16 @@ def run_worker(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-seq-len {args.max_seq_len}: give the longest row to take, at least 1 (or leave it out for the target's own limit)")
     if args.chunk_tokens < 0:
         raise UsageError(f"--chunk-tokens {args.chunk_tokens}: give positions per chunk, or 0 to compute every batch whole")
+    if (problem := placement_problem(args.engine, args.tensor_parallel, args.device_map)) is not None:
+        raise UsageError(problem)
+    if args.devices and args.tensor_parallel == 1 and args.device_map is None:
+        raise UsageError(f"--devices {','.join(args.devices)}: add --tensor-parallel {len(args.devices)} (or --device-map auto) to use them")
+    try:
+        args.devices = (
+            tensor_parallel_devices(args.device, args.tensor_parallel, args.devices) if args.device_map is None else args.devices or [args.device]
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     # The flags above are checked before torch and transformers load: a mistake there is one line at once. Health
     # answers from now on: not ready while the engine loads.
     serving: list[Any] = []
@@ -538,6 +579,7 @@ def run_worker(args: argparse.Namespace) -> int:
         DEFAULT_WORKER_HTTP_PORT,
         lambda: serving[0].health() if serving else "the worker is loading its engine",
         lambda: serving[0].metrics.registry if serving else None,
+        about=lambda: {"tensor_parallel": args.tensor_parallel, "devices": args.devices},
     )
     try:
         return _serve_worker(args, keys, serving, observer.port if observer is not None else None)
@@ -563,7 +605,9 @@ def _serve_worker(args: argparse.Namespace, keys: Any, serving: list[Any], http_
         if (problem := unavailable()) is not None:
             raise UsageError(f"--data-plane nixl: {problem}; or use --data-plane auto (NIXL where both sides have it, else frames)")
     try:
-        engine = load_engine(args.engine, args.target, args.device, args.dtype, dict(args.engine_option))
+        engine = load_engine(
+            args.engine, args.target, args.device, args.dtype, dict(args.engine_option), args.tensor_parallel, args.devices, args.device_map
+        )
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from None
     except OSError as exc:  # transformers could not find or fetch the target
@@ -593,6 +637,8 @@ def _serve_worker(args: argparse.Namespace, keys: Any, serving: list[Any], http_
             max_request_bytes=args.max_request_bytes,
             max_seq_len=args.max_seq_len,
             chunk_tokens=args.chunk_tokens,
+            tensor_parallel=args.tensor_parallel,
+            devices=tuple(args.devices),
         ),
     )
     serving.append(worker)
@@ -601,6 +647,8 @@ def _serve_worker(args: argparse.Namespace, keys: Any, serving: list[Any], http_
         worker.run(on_ready=lambda: announce_ready(role="worker", worker=worker.name, service=service, http_port=http_port))
     finally:
         engine.close()
+    if (lost := getattr(engine, "lost", None)) is not None:
+        raise CannotServe(f"worker {worker.name}: {lost}; its requests went back to the broker")
     return 0
 
 

@@ -72,7 +72,7 @@ def format_status(status: dict[str, Any]) -> str:
         )
         for w in service["workers"]:
             lines.append(
-                f"  worker {w['worker']:<28} host {w['host']} pid {w['pid']} {w['engine']:<8} {w['state']:<8} "
+                f"  worker {w['worker']:<28} host {w['host']} pid {w['pid']} {w['engine']:<8}{_spread(w)} {w['state']:<8} "
                 f"in flight {w['in_flight']}/{w['capacity']}  served {w['served']} ({w['batches']} batches)  failed {w['failed']}  handed back {w['handed_back']}  "
                 f"rank links {w['rank_links']}  heartbeat {w['last_heartbeat_s']:.1f} s ago"
             )
@@ -88,3 +88,9 @@ def format_status(status: dict[str, Any]) -> str:
             f"(peak {c['peak_outstanding']}), done {c['completed']}/{c['submitted']}, heartbeat {c['last_heartbeat_s']:.1f} s ago"
         )
     return "\n".join(lines)
+
+
+def _spread(worker: dict[str, Any]) -> str:
+    """`` tensor-parallel 2 on cuda:0,cuda:1`` for a worker over several devices, else nothing."""
+    degree = worker.get("tensor_parallel", 1)
+    return f" tensor-parallel {degree} on {','.join(worker.get('devices', []))}" if degree > 1 else ""

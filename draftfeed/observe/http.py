@@ -1,7 +1,8 @@
 """A small HTTP server on its own thread: ``GET /health`` and ``GET /metrics``, nothing else.
 
 ``/health`` answers 200 with ``{"status": "ready"}`` while the process's health check says it is ready, else 503 with
-``{"status": "not ready", "reason": ...}``; ``/metrics`` answers the process's metrics in Prometheus' text format. The
+``{"status": "not ready", "reason": ...}``, either with what the process says about itself (a worker: the devices its target
+runs on); ``/metrics`` answers the process's metrics in Prometheus' text format. The
 check and the metrics run on this server's thread: they read what the process's own loop has published, never its
 sockets.
 """
@@ -22,6 +23,8 @@ log = logging.getLogger("draftfeed.observe")
 
 # What a health check returns: None when ready, else why not.
 HealthCheck = Callable[[], str | None]
+# What a process says about itself in every /health answer.
+About = Callable[[], dict]
 # Where the metrics are: a registry, or nothing yet (a worker still loading its engine).
 Registry = Callable[[], CollectorRegistry | None]
 
@@ -29,8 +32,8 @@ Registry = Callable[[], CollectorRegistry | None]
 class ObserveServer:
     """Serves ``/health`` and ``/metrics`` on ``host:port`` until ``close()``."""
 
-    def __init__(self, host: str, port: int, health: HealthCheck, registry: Registry, flag: str = "--http-port") -> None:
-        handler = _handler(health, registry)
+    def __init__(self, host: str, port: int, health: HealthCheck, registry: Registry, flag: str = "--http-port", about: About = dict) -> None:
+        handler = _handler(health, registry, about)
         try:
             self._server = ThreadingHTTPServer((host, port), handler)
         except OSError as exc:
@@ -48,7 +51,7 @@ class ObserveServer:
         self._server.server_close()
 
 
-def _handler(health: HealthCheck, registry: Registry) -> type[BaseHTTPRequestHandler]:
+def _handler(health: HealthCheck, registry: Registry, about: About) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
@@ -58,6 +61,7 @@ def _handler(health: HealthCheck, registry: Registry) -> type[BaseHTTPRequestHan
                 except Exception as exc:  # a failing check reports it, never the server's thread
                     reason = f"the health check failed: {exc}"
                 body = {"status": "ready"} if reason is None else {"status": "not ready", "reason": reason}
+                body |= about()
                 self._answer(200 if reason is None else 503, "application/json", json.dumps(body).encode())
             elif path == "/metrics":
                 current = registry()

@@ -28,6 +28,16 @@ class WorkerMetrics:
         self._registered = Gauge("draftfeed_worker_registered", "1 while registered with a broker", names, registry=self.registry)
         self._labels = labels
 
+    def spread_over(self, devices: list[str]) -> None:
+        """The devices the worker's target runs on, one process each."""
+        gauge = Gauge(
+            "draftfeed_worker_tensor_parallel",
+            "devices (one process each) the worker's target is spread over",
+            [*self._labels, "devices"],
+            registry=self.registry,
+        )
+        gauge.labels(**self._labels, devices=",".join(devices)).set(len(devices))
+
     def watch(self, in_flight: Callable[[], float], registered: Callable[[], float]) -> None:
         """Gauges read when scraped: the worker's queue and its registration."""
         self._in_flight.labels(**self._labels).set_function(in_flight)

@@ -308,6 +308,9 @@ class Register(Strict):
     pid: Annotated[int, Field(ge=0)]
     # The longest row this worker takes (its target's max_position_embeddings, or less); None: no limit known.
     max_positions: Annotated[int, Field(gt=0)] | None = None
+    # One worker is one replica of the target, spread over this many devices (one process each; docs/engines.md).
+    tensor_parallel: Annotated[int, Field(ge=1, le=4096)] = 1
+    devices: Annotated[list[Name], Field(max_length=4096)] = []
 
 
 # How a worker is finished with a ticket (Done.outcome). The rank has been answered: served (its result), failed

@@ -25,6 +25,11 @@ class RetryableEngineError(RuntimeError):
     """An engine error that another worker may not hit (a transient device fault): the request goes to another worker."""
 
 
+class EngineLost(RuntimeError):
+    """The engine can no longer compute, through no fault of the request (a tensor-parallel process died): the worker
+    hands the request back uncharged and stops."""
+
+
 # Errors a worker hands a request back for, instead of failing it: another worker may well serve it.
 RETRYABLE_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError, MemoryError, RetryableEngineError)
 

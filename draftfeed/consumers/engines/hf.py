@@ -10,9 +10,13 @@ from torch import nn
 
 from draftfeed.consumers.config import DTYPES
 from draftfeed.consumers.engines.base import Capture, ForwardOutput, TargetShape
+from draftfeed.consumers.engines.parallel.group import join_process_group
+from draftfeed.consumers.engines.parallel.spec import ParallelRank
 from draftfeed.contract.packing import Documents
 from draftfeed.schemas.errors import BadRequest
 from draftfeed.schemas.messages import LogitTransform
+
+LOAD_TIMEOUT_S = 1800.0  # a tensor-parallel worker's processes meet within this while they start and load the target
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -35,17 +39,42 @@ def text_decoder(model: nn.Module) -> nn.Module:
 
 
 class HFEngine:
-    """Loads a causal LM with ``AutoModelForCausalLM`` once, frozen and in eval mode."""
+    """Loads a causal LM with ``AutoModelForCausalLM`` once, frozen and in eval mode, straight onto its devices.
+
+    One device: the weights are loaded onto it (``device_map``), never first into host memory. ``parallel``: this
+    process is one rank of a tensor-parallel worker, the model sharded by transformers' own tensor-parallel plan
+    over the group. ``device_map="auto"``: the layers spread over ``devices`` in this one process (accelerate's
+    big-model placement), for a model without a tensor-parallel plan.
+    """
 
     name = "hf"
 
-    def __init__(self, target: str, device: str = "cpu", dtype: str = "auto") -> None:
+    def __init__(
+        self,
+        target: str,
+        device: str = "cpu",
+        dtype: str = "auto",
+        parallel: ParallelRank | None = None,
+        device_map: str | None = None,
+        devices: Sequence[str] = (),
+    ) -> None:
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=self.dtype)
-        self.model = model.to(self.device).eval().requires_grad_(False)
+        if parallel is not None:
+            from transformers.distributed import DistributedConfig
+
+            self.device = join_process_group(parallel, timeout_s=LOAD_TIMEOUT_S)
+            placement: dict = {"distributed_config": DistributedConfig(tp_size=parallel.world_size)}
+        elif device_map == "auto":
+            placement = _spread_over(devices or [device])
+        elif device_map is not None:
+            raise ValueError(f"--device-map {device_map!r}: the hf engine takes auto (layers across --devices in one process)")
+        else:
+            placement = {"device_map": {"": self.device}}
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=self.dtype, **placement)
+        self.model = model.eval().requires_grad_(False)
         text_config = model.config.get_text_config()
         self.shape = TargetShape.from_text_config(text_config)
         self.logit_transform = LogitTransform.from_text_config(text_config)
@@ -123,32 +152,61 @@ class HFEngine:
                 logits_to_keep=0 if capture.logits else 1,
             )
         if capture.logits:
-            out.logits = result.logits
+            out.logits = result.logits.to(self.device)
         return out
 
-    @staticmethod
-    def _store_layer(out: ForwardOutput, layer_id: int):
+    # Hooks keep what they catch on the engine's device: with --device-map auto a layer may sit on another one.
+    def _store_layer(self, out: ForwardOutput, layer_id: int):
         def hook(_module: nn.Module, _inputs: object, output: object) -> None:
-            out.layer_outputs[layer_id] = output[0] if isinstance(output, tuple) else output
+            out.layer_outputs[layer_id] = (output[0] if isinstance(output, tuple) else output).to(self.device)
 
         return hook
 
-    @staticmethod
-    def _store_embeddings(out: ForwardOutput):
+    def _store_embeddings(self, out: ForwardOutput):
         def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
-            out.embeddings = args[0] if args else kwargs["hidden_states"]
+            out.embeddings = (args[0] if args else kwargs["hidden_states"]).to(self.device)
 
         return hook
 
-    @staticmethod
-    def _store_final(out: ForwardOutput):
+    def _store_final(self, out: ForwardOutput):
         def hook(_module: nn.Module, _inputs: object, output: torch.Tensor) -> None:
-            out.final_hidden = output
+            out.final_hidden = output.to(self.device)
 
         return hook
 
     def input_embeddings(self) -> torch.Tensor:
-        return self.model.get_input_embeddings().weight.detach()
+        return _whole(self.model.get_input_embeddings().weight)
 
     def output_embeddings(self) -> torch.Tensor:
-        return self.model.get_output_embeddings().weight.detach()
+        return _whole(self.model.get_output_embeddings().weight)
+
+
+def _whole(weight: torch.Tensor) -> torch.Tensor:
+    """A weight as one tensor on this process: a tensor-parallel shard (DTensor) is gathered from every rank, which
+    must all call this together."""
+    from torch.distributed.tensor import DTensor
+
+    weight = weight.detach()
+    return weight.full_tensor() if isinstance(weight, DTensor) else weight
+
+
+def _spread_over(devices: Sequence[str]) -> dict:
+    """``from_pretrained``'s placement for ``--device-map auto``: accelerate's, over the free memory of the accelerators
+    in ``devices`` and none other (not the host); on CPU, the host."""
+    indices = [torch.device(d).index for d in devices if torch.device(d).type != "cpu"]
+    if not indices:
+        return {"device_map": {"": "cpu"}}
+    return {"device_map": "auto", "max_memory": {index: torch.cuda.mem_get_info(index)[0] for index in indices}}
+
+
+def tensor_parallel_problem(target: str) -> str | None:
+    """Why transformers cannot shard ``target`` by its tensor-parallel plan (it has none), or None."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(target)
+    if config.get_text_config().base_model_tp_plan:
+        return None
+    return (
+        f"{config.model_type} has no tensor-parallel plan in transformers; serve it with --device-map auto (its layers spread over "
+        "--devices in one process) or with --engine vllm or sglang"
+    )

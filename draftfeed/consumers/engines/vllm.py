@@ -14,6 +14,12 @@ own final norm and lm_head, loaded by transformers (``TargetHead``), and its log
 
 Each row of a batch (each document of a packed row) runs as its own prompt holding only its real tokens (attention_mask 1, in order);
 results go back to those positions, and padded positions are left for the task to fill.
+
+Tensor parallel: ``tensor_parallel=N`` is vLLM's ``tensor_parallel_size``. vLLM replicates the hidden states on every
+rank, and only TP rank 0 writes the hidden-states file (the stock connector and ``SyncHiddenStatesConnector`` alike).
+On CUDA, ``devices`` become ``CUDA_VISIBLE_DEVICES`` for vLLM's workers; on CPU each rank gets its own share of this
+process's cores through ``VLLM_CPU_OMP_THREADS_BIND`` (vLLM refuses more than one CPU rank without it). Pipeline
+parallelism is refused: vLLM 0.32 does not run the ``extract_hidden_states`` capture under it.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -40,6 +47,15 @@ SYNC_CONNECTOR = ("SyncHiddenStatesConnector", "draftfeed.consumers.engines.vllm
 STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
 # Options the engine sets itself; everything else in engine_options goes to vllm.LLM unchanged.
 OWN_OPTIONS = ("model", "dtype", "speculative_config", "kv_transfer_config", "enable_chunked_prefill", "skip_tokenizer_init")
+# vllm.LLM options the engine does not pass on, and what to do instead.
+PARALLEL_OPTIONS = {
+    "tensor_parallel_size": "set --tensor-parallel N instead",
+    "pipeline_parallel_size": (
+        "vLLM's extract_hidden_states capture does not run under pipeline parallelism (vLLM 0.32 refuses it: "
+        "'Pipeline parallelism is not supported for this model'); spread the target with --tensor-parallel N"
+    ),
+}
+THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 def capture_ids(captures: Sequence[Capture], num_hidden_layers: int) -> tuple[int, ...]:
@@ -52,6 +68,109 @@ def capture_ids(captures: Sequence[Capture], num_hidden_layers: int) -> tuple[in
     return tuple(sorted(ids))
 
 
+def refuse_parallel_options(options: dict[str, Any]) -> None:
+    """Raise ValueError if ``--engine-option`` names vLLM's tensor or pipeline parallel size (PARALLEL_OPTIONS says why)."""
+    for key in sorted(set(options) & set(PARALLEL_OPTIONS)):
+        raise ValueError(f"--engine-option {key}: {PARALLEL_OPTIONS[key]}")
+
+
+def rank_devices(device: torch.device, tensor_parallel: int, devices: Sequence[str] | None) -> list[torch.device] | None:
+    """The device of each rank, checked against ``device`` and ``tensor_parallel``; None when vLLM places the ranks.
+
+    On CPU every rank runs on this machine's cores, so ``devices`` may only say "cpu"; on CUDA each rank needs a GPU
+    with an index, each a different one.
+    """
+    if tensor_parallel < 1:
+        raise ValueError(f"--tensor-parallel {tensor_parallel}: give 1 or more ranks")
+    if devices is None:
+        return None
+    named = ",".join(devices)
+    if len(devices) != tensor_parallel:
+        raise ValueError(f"--devices {named} names {len(devices)} devices but --tensor-parallel is {tensor_parallel}: give one device per rank")
+    parsed = [torch.device(name) for name in devices]
+    if device.type == "cpu":
+        if any(rank.type != "cpu" for rank in parsed):
+            raise ValueError(f"--devices {named} with --device cpu: vLLM's CPU ranks share this machine's cores; leave --devices out")
+        return None
+    if any(rank.type != "cuda" or rank.index is None for rank in parsed) or len(set(parsed)) != len(parsed):
+        raise ValueError(f"--devices {named} with --device {device}: name a different GPU for each rank, e.g. cuda:2,cuda:3")
+    return parsed
+
+
+def show_gpus(ranks: Sequence[torch.device]) -> torch.device:
+    """Set CUDA_VISIBLE_DEVICES to the ranks' GPUs for vLLM's workers; return where the first of them is in this process.
+
+    Indices count within an existing CUDA_VISIBLE_DEVICES, as torch counts them. Once CUDA has started in this process
+    the variable no longer changes what this process sees, so its own tensors stay on the GPU it names.
+    """
+    visible = [name for name in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if name.strip()]
+    indices = [int(rank.index) for rank in ranks]  # type: ignore[arg-type]
+    if visible and max(indices) >= len(visible):
+        raise ValueError(f"--devices {','.join(map(str, ranks))}: CUDA_VISIBLE_DEVICES={','.join(visible)} shows only {len(visible)} GPUs")
+    chosen = ",".join(visible[index] if visible else str(index) for index in indices)
+    started = torch.cuda.is_initialized()
+    os.environ["CUDA_VISIBLE_DEVICES"] = chosen
+    log.info("vllm engine: CUDA_VISIBLE_DEVICES=%s for its %d tensor-parallel ranks", chosen, len(ranks))
+    return ranks[0] if started else torch.device("cuda", 0)
+
+
+def core_ranges(cores: Sequence[int]) -> str:
+    """Cores as vLLM's CPU list syntax: runs of consecutive ids as "a-b", joined by commas ("0-3,6")."""
+    runs: list[list[int]] = []
+    for core in cores:
+        if runs and core == runs[-1][-1] + 1:
+            runs[-1].append(core)
+        else:
+            runs.append([core])
+    return ",".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
+
+
+def cpu_thread_binding(tensor_parallel: int, cores: Sequence[int]) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for ``tensor_parallel`` CPU ranks: ``cores`` (sorted) in that many contiguous groups,
+    as even as they split ("0|1" on 2 cores, "0-3|4-7" on 8)."""
+    if len(cores) < tensor_parallel:
+        raise ValueError(
+            f"--tensor-parallel {tensor_parallel} on CPU needs a core per rank, and this process may use {len(cores)}; "
+            f"lower --tensor-parallel, or set {THREADS_BIND} yourself"
+        )
+    size, extra = divmod(len(cores), tensor_parallel)
+    groups, start = [], 0
+    for rank in range(tensor_parallel):
+        end = start + size + (rank < extra)
+        groups.append(core_ranges(cores[start:end]))
+        start = end
+    return "|".join(groups)
+
+
+def cpu_start_environment(tensor_parallel: int) -> dict[str, str]:
+    """The variables vLLM's CPU ranks start with: each rank's share of this process's cores in VLLM_CPU_OMP_THREADS_BIND
+    (vLLM refuses several CPU ranks without it). Nothing for one rank; a binding the user set is kept."""
+    if tensor_parallel == 1:
+        return {}
+    if THREADS_BIND in os.environ:
+        log.info("vllm engine: %s=%s (set by the user) for %d ranks", THREADS_BIND, os.environ[THREADS_BIND], tensor_parallel)
+        return {}
+    binding = cpu_thread_binding(tensor_parallel, sorted(os.sched_getaffinity(0)))
+    log.info("vllm engine: %s=%s, one group of cores per tensor-parallel rank", THREADS_BIND, binding)
+    return {THREADS_BIND: binding}
+
+
+@contextmanager
+def environment(variables: dict[str, str]) -> Iterator[None]:
+    """``variables`` set in os.environ inside the block (vLLM's processes inherit them as they start), restored after,
+    so that a later engine in this process (one rank, another binding) does not inherit them."""
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def storage_root() -> str | None:
     """Where the connector writes: /dev/shm (memory) where it exists, else the system temp folder."""
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
@@ -62,17 +181,31 @@ class VLLMEngine:
 
     name = "vllm"
 
-    def __init__(self, target: str, device: str = "cpu", dtype: str = "auto", **llm_options: Any) -> None:
+    def __init__(
+        self,
+        target: str,
+        device: str = "cpu",
+        dtype: str = "auto",
+        tensor_parallel: int = 1,
+        devices: Sequence[str] | None = None,
+        **llm_options: Any,
+    ) -> None:
         self._vllm = import_engine_package(VLLM)
         self.target = target
         self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index not in (None, 0):
+        refuse_own_options("vllm", llm_options, OWN_OPTIONS)
+        refuse_parallel_options(llm_options)
+        ranks = rank_devices(self.device, tensor_parallel, devices)
+        if ranks is not None:
+            self.device = show_gpus(ranks)
+        elif self.device.type == "cuda" and self.device.index not in (None, 0):
             raise ValueError(
                 f"--device {device}: vLLM places the target on the first visible GPU; "
                 f"select the GPU with CUDA_VISIBLE_DEVICES={self.device.index} and pass --device cuda"
             )
+        self._start_environment = cpu_start_environment(tensor_parallel) if self.device.type == "cpu" else {}
+        self.tensor_parallel = tensor_parallel
         self.dtype = resolve_dtype(dtype, self.device)
-        refuse_own_options("vllm", llm_options, OWN_OPTIONS)
         self.llm_options = llm_options
         self.head = TargetHead(target, self.device, self.dtype)
         self.shape = self.head.shape
@@ -95,11 +228,24 @@ class VLLMEngine:
             connector["kv_connector"] = STOCK_CONNECTOR
         else:
             connector["kv_connector"], connector["kv_connector_module_path"] = SYNC_CONNECTOR
-        log.info("vllm engine: starting vLLM %s on %s, capture ids %s", self._vllm.__version__, self.target, list(ids))
-        self._llm = self._vllm.LLM(
+        log.info(
+            "vllm engine: starting vLLM %s on %s, tensor parallel %d, capture ids %s",
+            self._vllm.__version__,
+            self.target,
+            self.tensor_parallel,
+            list(ids),
+        )
+        with environment(self._start_environment):
+            self._llm = self._start(ids, connector)
+        self._sampling = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+
+    def _start(self, ids: tuple[int, ...], connector: dict[str, Any]) -> Any:
+        """vllm.LLM with the capture of ``ids``, written through ``connector``."""
+        return self._vllm.LLM(
             model=self.target,
             dtype=str(self.dtype).removeprefix("torch."),
             skip_tokenizer_init=True,
+            tensor_parallel_size=self.tensor_parallel,
             enable_chunked_prefill=False,  # a prompt's hidden states come out of one prefill
             speculative_config={
                 "method": "extract_hidden_states",
@@ -109,7 +255,6 @@ class VLLMEngine:
             kv_transfer_config=connector,
             **({"enforce_eager": True} | self.llm_options),
         )
-        self._sampling = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 
     # ---------------------------------------------------------------- forward
     @torch.inference_mode()

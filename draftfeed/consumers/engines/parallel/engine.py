@@ -1,0 +1,224 @@
+"""The leader of a tensor-parallel worker: an Engine whose every call runs on all the worker's processes.
+
+It starts the followers (ranks 1..N-1), builds rank 0 of the engine in the worker's own process, and waits until
+every rank has loaded the target. Each call goes to the followers first, then runs here; the engine's collectives
+line up across the ranks and this process keeps what the call returns. A weight is gathered once and kept.
+
+A follower that ends while the worker runs leaves the group unable to compute: the worker is told to stop
+(``on_lost``, by default a SIGTERM to this process, which drains as a SIGTERM does), a call in progress raises
+EngineLost (its request goes back to the broker, not charged), and if this process is stuck in a collective
+that never returns, it exits after ``LOST_GRACE_S`` with its followers killed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+
+from draftfeed.consumers.engines.base import Capture, Engine, EngineLost, ForwardOutput
+from draftfeed.consumers.engines.parallel.commands import Ack, CaptureSpec, Forward, LeaderChannel, Prepare, Stop, Weight
+from draftfeed.consumers.engines.parallel.followers import FollowerProcesses
+from draftfeed.consumers.engines.parallel.group import COLLECTIVE_TIMEOUT_S, host_rendezvous
+from draftfeed.consumers.engines.parallel.ranked import build_ranked
+from draftfeed.consumers.engines.parallel.spec import FollowerSpec, ParallelRank
+from draftfeed.contract.packing import Documents
+
+log = logging.getLogger("draftfeed.worker")
+
+LOAD_TIMEOUT_S = 1800.0  # every rank loads its shard of the target within this
+LOST_GRACE_S = 10.0  # after a follower ended, how long the worker may take to stop before it is ended
+# After rank 0 raised in a call, how long the others get to say they raised too (they end the call at the same point).
+ACK_TIMEOUT_S = 10.0
+
+
+def _sigterm_self(_why: str) -> None:
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def spec_of(capture: Capture) -> CaptureSpec:
+    return CaptureSpec(layer_ids=list(capture.layer_ids), embeddings=capture.embeddings, final_hidden=capture.final_hidden, logits=capture.logits)
+
+
+class TensorParallelEngine:
+    """``engine`` over ``devices``, one process a device, this one rank 0."""
+
+    def __init__(
+        self,
+        engine: str,
+        target: str,
+        devices: Sequence[str],
+        dtype: str = "auto",
+        options: dict[str, Any] | None = None,
+        on_lost: Callable[[str], None] = _sigterm_self,
+    ) -> None:
+        options = options or {}
+        self.tensor_parallel = len(devices)
+        self.devices = list(devices)
+        self.lost: str | None = None
+        self._on_lost = on_lost
+        self._weights: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self._started = False
+        self._calls = 0
+        store = host_rendezvous(self.tensor_parallel, LOAD_TIMEOUT_S)
+        self._channel = LeaderChannel()
+        specs = [
+            FollowerSpec(
+                engine=engine,
+                target=target,
+                dtype=dtype,
+                options=options,
+                rank=rank,
+                devices=self.devices,
+                rendezvous_port=store.port,
+                channel=self._channel.endpoint,
+                leader_pid=os.getpid(),
+            )
+            for rank in range(1, self.tensor_parallel)
+        ]
+        self._followers: FollowerProcesses | None = None
+        try:
+            self._followers = FollowerProcesses(specs, self._follower_ended)
+            self.inner: Engine = build_ranked(engine, target, dtype, options, ParallelRank(0, tuple(self.devices), store.port, store))
+            self._channel.await_followers(len(specs), LOAD_TIMEOUT_S, lambda: self.lost)
+            self._check_padded_batch(target)
+        except BaseException:
+            self._abandon()
+            raise
+        self._started = True
+        self.name = self.inner.name
+        self.shape = self.inner.shape
+        self.device = self.inner.device
+        self.dtype = self.inner.dtype
+        self.logit_transform = self.inner.logit_transform
+        log.info("worker: the target runs over %d processes on %s", self.tensor_parallel, ", ".join(self.devices))
+
+    @property
+    def pids(self) -> list[int]:
+        """The worker's own process first, then its followers'."""
+        return [os.getpid(), *(self._followers.pids if self._followers else [])]
+
+    def _follower_ended(self, how: str) -> None:
+        """Called on a watch thread when a follower ends while the worker runs."""
+        self.lost = how
+        log.error("worker: %s; the worker stops (its requests go back to the broker)", how)
+        timer = threading.Timer(LOST_GRACE_S, self._end_now)
+        timer.daemon = True
+        timer.start()
+        if self._started:  # while starting, the start itself fails (await_followers), or the timer ends a stuck one
+            self._on_lost(how)
+
+    def _end_now(self) -> None:
+        log.error("worker: still running %.0f s after %s: exiting now", LOST_GRACE_S, self.lost)
+        if self._followers is not None:
+            self._followers.kill()
+        os._exit(70)
+
+    def _call(self, command: Prepare | Forward | Weight, run: Callable[[], Any], tensors: dict[str, torch.Tensor] | None = None) -> Any:
+        """Send a call to the followers, make it here, and take every follower's ack of it.
+
+        The call's result when every rank made it; its exception when every rank raised one of the same type (the
+        group is still in step: a batch the model cannot take fails here as it would on one device). Anything
+        else leaves the ranks out of step: EngineLost, and the worker stops.
+        """
+        if self.lost is not None:
+            raise EngineLost(f"the worker cannot compute: {self.lost}")
+        with self._lock:
+            command = command.model_copy(update={"call": self._calls})
+            self._calls += 1
+            self._channel.send(command, tensors)
+            error: Exception | None = None
+            try:
+                result = run()
+            except Exception as exc:
+                error = exc
+            acks = self._channel.await_acks(command.call, ACK_TIMEOUT_S if error is not None else COLLECTIVE_TIMEOUT_S, lambda: self.lost)
+            outcomes = {None if error is None else type(error).__name__} | {ack.error_type for ack in acks or ()}
+            if acks is not None and len(outcomes) == 1:
+                if error is not None:
+                    raise error
+                return result
+            if self.lost is None:
+                self.lost = f"its ranks ended call {command.call} ({command.type}) differently: {self._outcomes(error, acks)}"
+                log.error("worker: %s; the worker stops", self.lost)
+                self._on_lost(self.lost)
+            raise EngineLost(f"the worker cannot compute: {self.lost}") from error
+
+    @staticmethod
+    def _outcomes(error: Exception | None, acks: list[Ack] | None) -> str:
+        here = "rank 0 " + ("returned" if error is None else f"raised {type(error).__name__}: {error}")
+        if acks is None:
+            return f"{here}; not every other rank answered"
+        return "; ".join([here, *(f"rank {a.rank} " + ("returned" if a.error_type is None else f"raised {a.error_type}: {a.error}") for a in acks)])
+
+    def prepare(self, captures: Sequence[Capture]) -> None:
+        self._call(Prepare(call=0, captures=[spec_of(c) for c in captures]), lambda: self.inner.prepare(captures))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture, documents: Documents | None = None) -> ForwardOutput:
+        tensors = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if documents is not None:
+            tensors |= {"seq_lens": documents.seq_lens, "position_ids": documents.position_ids}
+        command = Forward(call=0, capture=spec_of(capture), tensors=[])
+        if documents is None:
+            run = lambda: self.inner.forward(input_ids, attention_mask, capture)  # noqa: E731
+        else:
+            run = lambda: self.inner.forward(input_ids, attention_mask, capture, documents=documents)  # type: ignore[call-arg]  # noqa: E731
+        return self._call(command, run, tensors)
+
+    def _weight(self, which: Literal["input", "output"]) -> torch.Tensor:
+        if which not in self._weights:
+            inner = self.inner.input_embeddings if which == "input" else self.inner.output_embeddings
+            self._weights[which] = self._call(Weight(call=0, which=which), inner)
+        return self._weights[which]
+
+    def _check_padded_batch(self, target: str) -> None:
+        """A padded two-row forward on every rank, at start: a model whose tensor-parallel plan cannot take one
+        (seen with DeepSeek-V3 in transformers 5.24) is refused now, in one line, not at its first real batch."""
+        input_ids = torch.zeros(2, 8, dtype=torch.int64)
+        attention_mask = torch.ones_like(input_ids)
+        attention_mask[1, 5:] = 0
+        try:
+            self.forward(input_ids, attention_mask, Capture(layer_ids=(0,), logits=True))
+        except EngineLost:
+            raise
+        except Exception as exc:
+            raise ValueError(
+                f"{target}: the target fails a padded batch at --tensor-parallel {self.tensor_parallel} ({type(exc).__name__}: {exc}); "
+                "serve it with --device-map auto, or with --engine vllm"
+            ) from None
+
+    def input_embeddings(self) -> torch.Tensor:
+        return self._weight("input")
+
+    def output_embeddings(self) -> torch.Tensor:
+        return self._weight("output")
+
+    def close(self) -> None:
+        """Stop the followers (they leave the group), then this rank; a follower that does not exit is killed."""
+        if self._followers is None:
+            return
+        if self.lost is None:
+            self._channel.send(Stop())
+            self._followers.stop()
+        else:
+            self._followers.kill()
+        self._followers = None
+        self.inner.close()
+        self._channel.close()
+        if torch.distributed.is_initialized() and self.lost is None:
+            torch.distributed.destroy_process_group()
+
+    def _abandon(self) -> None:
+        """A failed start: no follower is left running, nothing is left bound."""
+        if self._followers is not None:
+            self._followers.kill()
+            self._followers = None
+        self._channel.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -1,0 +1,96 @@
+"""A follower of a tensor-parallel worker: ``python -m draftfeed.consumers.engines.parallel.follower SPEC``.
+
+It builds its rank of the engine, says hello, then makes each call the leader makes, in the same order, drops the
+results (the leader keeps them) and acknowledges each call with whether it raised: a call that fails the same way on
+every rank (a batch the model cannot take) leaves the group in step, and the leader decides whether it did.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+
+import torch
+
+from draftfeed.consumers.engines.base import Capture, Engine
+from draftfeed.consumers.engines.parallel.commands import CaptureSpec, FollowerChannel, Forward, Prepare, Stop, Weight
+from draftfeed.consumers.engines.parallel.ranked import build_ranked
+from draftfeed.consumers.engines.parallel.spec import FollowerSpec
+from draftfeed.contract.packing import Documents
+
+log = logging.getLogger("draftfeed.worker")
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with(leader_pid: int) -> None:
+    """SIGKILL this process when the worker's process ends, however it ends (Linux)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != leader_pid:  # it ended before the line above took effect
+        os._exit(1)
+
+
+def capture_of(spec: CaptureSpec) -> Capture:
+    return Capture(layer_ids=tuple(spec.layer_ids), embeddings=spec.embeddings, final_hidden=spec.final_hidden, logits=spec.logits)
+
+
+def serve(engine: Engine, channel: FollowerChannel) -> None:
+    """Make the leader's calls until it says stop, acknowledging each with how it ended."""
+    while True:
+        command, tensors = channel.receive()
+        if isinstance(command, Stop):
+            return
+        try:
+            call(engine, command, tensors)
+        except Exception as exc:  # the leader compares it with its own outcome of the same call
+            log.debug("call %d raised %s: %s", command.call, type(exc).__name__, exc)
+            channel.ack(command.call, exc)
+        else:
+            channel.ack(command.call)
+
+
+def call(engine: Engine, command: Prepare | Forward | Weight, tensors: dict[str, torch.Tensor]) -> None:
+    if isinstance(command, Prepare):
+        engine.prepare([capture_of(c) for c in command.captures])
+    elif isinstance(command, Weight):
+        engine.input_embeddings() if command.which == "input" else engine.output_embeddings()
+    elif "seq_lens" in tensors:
+        documents = Documents(seq_lens=tensors["seq_lens"], position_ids=tensors["position_ids"])
+        engine.forward(tensors["input_ids"], tensors["attention_mask"], capture_of(command.capture), documents=documents)  # type: ignore[call-arg]
+    else:
+        engine.forward(tensors["input_ids"], tensors["attention_mask"], capture_of(command.capture))
+
+
+def main(argv: list[str]) -> int:
+    spec = FollowerSpec.model_validate_json(argv[1])
+    die_with(spec.leader_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the worker, which stops its followers itself
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # so does a SIGTERM sent to the worker's process group
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank-{spec.rank}: %(message)s")
+    _quiet_transformers()
+    engine = build_ranked(spec.engine, spec.target, spec.dtype, spec.options, spec.place())
+    channel = FollowerChannel(spec.channel, spec.rank)
+    channel.hello()
+    try:
+        serve(engine, channel)
+    finally:
+        channel.close()
+        engine.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+def _quiet_transformers() -> None:
+    import transformers
+
+    transformers.logging.disable_progress_bar()
+    transformers.logging.set_verbosity_error()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,244 @@
+"""Workers at --tensor-parallel 2 (hf engine, gloo on CPU): one registration and two processes, supervision equal
+bit for bit to the in-process computation under the same plan and degree, and no process left behind.
+
+The reference runs transformers' own tensor-parallel plan over two processes of its own (tests/tp_reference.py).
+Every worker here is two processes: the module's workers start side by side, once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TESTS_DIR, WORKER_ENV, Cluster, add_service, assert_supervision_equal, run_concurrently, wait_until
+from reference import reference_eagle3
+from tp_reference import AUX, DSPARK_IDS, batches
+
+from draftfeed import RemoteDSparkTarget, RemoteEagle3Target
+from draftfeed.launch import processes
+from draftfeed.net import free_port
+from draftfeed.tiny import build_tiny_target
+
+pytestmark = pytest.mark.timeout(300)
+
+TP = ["--tensor-parallel", "2"]
+TARGETS = {"llama": 0, "qwen3-moe": 1}  # index of each target in the reference file
+FOLLOWER_LINE = r"started 1 tensor-parallel processes: rank 1 pid (\d+)"
+
+
+@pytest.fixture(scope="module")
+def moe_target(tmp_path_factory) -> Path:
+    return build_tiny_target(tmp_path_factory.mktemp("targets") / "tiny-qwen3-moe", arch="qwen3-moe")
+
+
+@pytest.fixture(scope="module")
+def targets(tiny_target, moe_target) -> dict[str, Path]:
+    return {"llama": tiny_target, "qwen3-moe": moe_target}
+
+
+@pytest.fixture(scope="module")
+def reference(targets, tmp_path_factory) -> dict[str, torch.Tensor]:
+    """Every batch's supervision, both tasks, both targets, from two processes of transformers' tensor-parallel plan."""
+    from safetensors.torch import load_file
+
+    out = tmp_path_factory.mktemp("tp-reference") / "reference.safetensors"
+    port = free_port()
+    env = {**os.environ, **WORKER_ENV}
+    command = [sys.executable, str(Path(TESTS_DIR) / "tp_reference.py")]
+    paths = [str(targets[name]) for name in TARGETS]
+    ranks = [subprocess.Popen([*command, str(rank), str(port), str(out), *paths], env=env, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        for rank in ranks:
+            _out, err = rank.communicate(timeout=240)
+            assert rank.returncode == 0, f"the tensor-parallel reference failed:\n{err[-3000:]}"
+    finally:
+        for rank in ranks:
+            rank.kill()
+    return load_file(out)
+
+
+def expected(reference: dict[str, torch.Tensor], target: str, task: str, batch: str) -> dict[str, torch.Tensor]:
+    prefix = f"{TARGETS[target]}/{task}/{batch}/"
+    return {key[len(prefix) :]: value for key, value in reference.items() if key.startswith(prefix)}
+
+
+@pytest.fixture(scope="module")
+def services(cluster, targets) -> Cluster:
+    """A worker at --tensor-parallel 2 for each task on each target, started side by side."""
+    starts = [
+        lambda name=name, task=task: add_service(cluster, targets[name], f"tp-{name}-{task}", "--task", task, *TP)
+        for name in TARGETS
+        for task in ("eagle3", "dspark")
+    ]
+    run_concurrently(*starts, timeout_s=240)
+    return cluster
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_eagle3_equals_the_same_plan_in_process(services, reference, target):
+    named = batches()
+    names = ["plain-0", "plain-1", "plain-2", "full"]
+    with RemoteEagle3Target(services.frontend, f"tp-{target}-eagle3", prefetch_depth=2) as remote:
+        assert remote.model_info().aux_layer_ids == AUX
+        for name, (_batch, supervision) in zip(names, remote.iterate(named[name] for name in names)):
+            assert_supervision_equal(supervision, expected(reference, target, "eagle3", name))
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_dspark_equals_the_same_plan_in_process(services, reference, target):
+    named = batches()
+    with RemoteDSparkTarget(services.frontend, f"tp-{target}-dspark", prefetch_depth=2) as remote:
+        assert remote.model_info().target_layer_ids == DSPARK_IDS
+        for name in ("plain-0", "plain-1", "full"):
+            assert_supervision_equal(remote.generate_batch(**named[name]), expected(reference, target, "dspark", name))
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_packed_rows_equal_the_same_plan_in_process(services, reference, target):
+    named = batches()
+    with (
+        RemoteEagle3Target(services.frontend, f"tp-{target}-eagle3") as eagle,
+        RemoteDSparkTarget(services.frontend, f"tp-{target}-dspark") as dspark,
+    ):
+        for name in ("packed-0", "packed-1"):
+            assert_supervision_equal(eagle.generate_batch(**named[name]), expected(reference, target, "eagle3", name))
+            assert_supervision_equal(dspark.generate_batch(**named[name]), expected(reference, target, "dspark", name))
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_the_weights_are_gathered_whole(services, reference, target):
+    with RemoteDSparkTarget(services.frontend, f"tp-{target}-dspark") as remote:
+        for which, weight in (("input", remote.get_input_embeddings().weight), ("output", remote.get_output_embeddings().weight)):
+            assert torch.equal(weight, reference[f"{TARGETS[target]}/weights/{which}"]), f"the {which} embeddings differ"
+
+
+def test_across_degrees_only_the_last_bits_differ(services, reference, tiny_model):
+    """Degree 2 against degree 1 (the plain in-process forward): the reductions split differently, so the bits may
+    differ, but only in the last places (docs/contract.md quotes the sizes)."""
+    named = batches()
+    worst = 0.0
+    for name in ("plain-0", "plain-1", "full", "packed-0"):
+        one = reference_eagle3(tiny_model, named[name], AUX)
+        two = expected(reference, "llama", "eagle3", name)
+        for field in ("aux_hidden_states", "target_probs"):
+            worst = max(worst, (one[field].double() - two[field].double()).abs().max().item())
+    print(f"largest |difference| between degree 1 and degree 2, EAGLE-3 on the tiny Llama: {worst:.3g}")
+    assert worst < 1e-5
+
+
+def test_status_health_and_metrics_say_tensor_parallel_2(services, targets):
+    worker = services.worker_status("tp-llama-eagle3-0")
+    assert worker is not None and worker["tensor_parallel"] == 2 and worker["devices"] == ["cpu", "cpu"], worker
+    port = free_port()
+    observed = services.add_worker(targets["llama"], "--service", "tp-observed", *TP, "--http-port", str(port))
+    try:
+        health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10).read())
+        assert health == {"status": "ready", "tensor_parallel": 2, "devices": ["cpu", "cpu"]}
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert re.search(r'draftfeed_worker_tensor_parallel\{devices="cpu,cpu",.*\} 2\.0', metrics), metrics
+    finally:
+        observed.stop()
+
+
+# ---------------------------------------------------------------- faults: no batch lost, no process left behind
+def follower_pid(worker: processes.Process) -> int:
+    return int(re.search(FOLLOWER_LINE, worker.wait_for_line(FOLLOWER_LINE, timeout_s=60)).group(1))
+
+
+def gone(pid: int) -> bool:
+    """Not running: exited, or a zombie waiting to be reaped (it holds no device, port or memory)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")
+
+
+def test_a_follower_killed_mid_run_stops_its_worker_and_the_run_completes_elsewhere(fast_cluster, tiny_target, reference):
+    """Every batch once, in order, equal to the reference (both workers run at degree 2); the worker whose follower
+    died exits with the reason, its requests served by the other."""
+    doomed = fast_cluster.add_worker(tiny_target, "--service", "tp-run", *TP, "--name", "doomed")
+    fast_cluster.add_worker(tiny_target, "--service", "tp-run", *TP, "--name", "survivor")
+    victim = follower_pid(doomed)
+    named = batches()
+    names = [f"run-{i}" for i in range(12)]
+    results = []
+    with RemoteEagle3Target(fast_cluster.frontend, "tp-run", prefetch_depth=3) as remote:
+        for index, (batch, supervision) in enumerate(remote.iterate(named[name] for name in names)):
+            results.append((batch, supervision))
+            if index == 2:
+                os.kill(victim, signal.SIGKILL)
+    assert [b is named[n] for (b, _s), n in zip(results, names)] == [True] * len(names), "a batch missing, repeated or out of order"
+    for name, (_batch, supervision) in zip(names, results):
+        assert_supervision_equal(supervision, expected(reference, "llama", "eagle3", name))
+    assert doomed.popen.wait(30) != 0
+    doomed.wait_for_line(r"tensor-parallel process rank 1 \(pid \d+\) was killed by SIGKILL", timeout_s=5)
+    status = fast_cluster.status()
+    assert status["counters"]["requests_failed"] == 0 and "retry" not in status["requeues"], status  # the request in the engine is not charged
+
+
+def test_sigterm_stops_every_process_of_the_worker(cluster, tiny_target):
+    worker = cluster.add_worker(tiny_target, "--service", "tp-term", *TP)
+    follower = follower_pid(worker)
+    assert worker.stop(timeout_s=30) == 0
+    wait_until(lambda: gone(follower), timeout_s=15, what=f"the follower (pid {follower}) to exit")
+
+
+def test_sigkill_of_the_worker_takes_its_followers_with_it(cluster, tiny_target):
+    worker = cluster.add_worker(tiny_target, "--service", "tp-kill", *TP)
+    follower = follower_pid(worker)
+    worker.kill()
+    wait_until(lambda: gone(follower), timeout_s=15, what=f"the follower (pid {follower}) to die with its worker")
+
+
+# ---------------------------------------------------------------- mistakes: one line, at once
+def run_worker(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "draftfeed", "launch", "worker", "--broker", "tcp://127.0.0.1:1", "--http-port", "0", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **WORKER_ENV})
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--tensor-parallel", "0"], "--tensor-parallel 0: give the number of devices"),
+        (["--devices", "cpu,cpu"], "add --tensor-parallel 2"),
+        (["--tensor-parallel", "2", "--devices", "cuda:0"], "names 1 devices (cuda:0) for --tensor-parallel 2"),
+        (["--tensor-parallel", "2", "--device-map", "auto"], "exclude each other"),
+        (["--tensor-parallel", "2", "--engine", "fake_engines:FakeSlowEngine"], "an engine of your own runs at --tensor-parallel 1"),
+    ],
+)
+def test_mistakes_are_one_line(tiny_target, flags, message):
+    result = run_worker("--target", str(tiny_target), *flags)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_a_model_without_a_tensor_parallel_plan_is_refused_naming_what_to_use(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    path = tmp_path / "tiny-gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64)).save_pretrained(path)
+    result = run_worker("--target", str(path), *TP)
+    assert result.returncode == 2, result.stderr
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .endswith("serve it with --device-map auto (its layers spread over --devices in one process) or with --engine vllm or sglang")
+    )
+
+
+def test_device_map_auto_serves_the_in_process_computation(cluster, tiny_target, tiny_model):
+    """--device-map auto on CPU puts every layer on the host: equal to the plain forward."""
+    add_service(cluster, tiny_target, "tp-map", "--device-map", "auto")
+    batch = batches()["plain-0"]
+    with RemoteEagle3Target(cluster.frontend, "tp-map") as remote:
+        assert_supervision_equal(remote.generate_batch(**batch), reference_eagle3(tiny_model, batch, AUX))
