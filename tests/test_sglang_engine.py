@@ -9,10 +9,18 @@ results put back at the right positions, HF layer ids passed through unchanged, 
 the logits processor, pools cleared between requests, the refusals and the version gate. What it does
 NOT prove: that the real sglang's internals have these signatures and behave this way (they move between
 versions), nor sglang's numerics on a GPU; that needs a run against a real sglang install.
+
+Tensor parallel (issue 26): ``load_engine("sglang", ..., tensor_parallel=2)`` runs this process and one follower
+process, each a fake ``ModelRunner`` at its tp_rank, joined in a gloo group on the worker's ``engine_port``; the fake
+holds vocab shards of the embeddings and lm_head and runs collectives in every forward. That proves the
+orchestration (ranks in step, sglang's group set up and torn down by the runner, embeddings gathered from shards),
+not sglang's sharded layers, NCCL or GPUs.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -24,6 +32,7 @@ from draftfeed.consumers.engines import load_engine
 from draftfeed.consumers.engines.base import Capture
 from draftfeed.consumers.tasks import load_task
 
+TESTS = str(Path(__file__).parent)
 FAKE = str(Path(__file__).parent / "fake_sglang")
 LAYERS = 6
 AUX_IDS = [0, 2, 4]
@@ -157,3 +166,79 @@ def test_close_tears_down(engine, fake_sglang):
     engine.close()
     assert DESTROYED == ["model_parallel", "distributed_environment"]
     engine.close()  # a second close does nothing
+
+
+def test_parallel_options_are_refused(fake_sglang, target):
+    from draftfeed.consumers.engines.sglang import SGLangEngine
+
+    with pytest.raises(ValueError, match=r"^--engine-option tp_size: set --tensor-parallel N instead"):
+        SGLangEngine(str(target), device="cpu", tp_size=2)
+    with pytest.raises(ValueError, match=r"^--engine-option tp_size: set --tensor-parallel N instead"):
+        load_engine("sglang", str(target), "cpu", "float32", {"tp_size": 1})
+    with pytest.raises(ValueError, match=r"^--engine-option pp_size: .*--tensor-parallel N"):
+        SGLangEngine(str(target), device="cpu", pp_size=2)
+
+
+@pytest.fixture
+def no_sigterm():
+    """A SIGTERM to this process (TensorParallelEngine's default on_lost) is recorded, not obeyed: pytest lives on."""
+    received: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    yield received
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_tensor_parallel_2_equals_tp_1(fake_sglang, target, monkeypatch, no_sigterm):
+    import torch.distributed as dist
+
+    from draftfeed.consumers.engines.parallel.commands import Forward
+    from draftfeed.consumers.engines.parallel.engine import TensorParallelEngine, spec_of
+    from draftfeed.consumers.engines.sglang import SGLangEngine
+
+    # The follower processes import the fake too, and compute with one thread as this process does.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [FAKE, TESTS, os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    batch = make_batch(3, 24, 512, seed=3)
+    args = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None)
+    one = SGLangEngine(str(target), device="cpu", dtype="float32")
+    try:
+        expected = load_task("eagle3", one, AUX_IDS).compute(*args)
+        embeddings = (one.input_embeddings(), one.output_embeddings())
+    finally:
+        one.close()
+    assert not dist.is_initialized()  # at tp 1 the fake makes no group
+
+    engine = load_engine("sglang", str(target), "cpu", "float32", tensor_parallel=2)
+    pids = engine.pids
+    try:
+        assert isinstance(engine, TensorParallelEngine) and len(pids) == 2
+        task = load_task("eagle3", engine, AUX_IDS)  # prepare starts sglang on every rank
+        runner = engine.inner._runner
+        assert (runner.tp_rank, runner.tp_size, runner.gpu_id, runner.server_args.tp_size) == (0, 2, 0, 2)
+        assert dist.is_initialized() and dist.get_world_size() == 2  # sglang's group (the fake's), not draftfeed's
+        assert runner.model.lm_head.weight.shape == (256, 64)  # this rank's half of the vocab
+        for _ in range(2):
+            got = task.compute(*args)
+            assert set(got) == set(expected)
+            for name, tensor in expected.items():
+                assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+        assert torch.equal(engine.input_embeddings(), embeddings[0])
+        assert torch.equal(engine.output_embeddings(), embeddings[1])
+
+        # Ranks out of step fail, both of them, rather than compute: the follower gets other tokens than rank 0.
+        capture = Capture(layer_ids=tuple(AUX_IDS), logits=True)
+        ids, mask = torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.int64)
+        call, engine._calls = engine._calls, engine._calls + 1
+        engine._channel.send(Forward(call=call, capture=spec_of(capture), tensors=[]), {"input_ids": ids + 1, "attention_mask": mask})
+        with pytest.raises(RuntimeError, match="ranks ran different forwards"):
+            engine.inner.forward(ids, mask, capture)
+        acks = engine._channel.await_acks(call, 60, lambda: engine.lost)
+        assert acks is not None and [a.error_type for a in acks] == ["RuntimeError"]
+        assert torch.equal(load_task("eagle3", engine, AUX_IDS).compute(*args)["aux_hidden_states"], expected["aux_hidden_states"])
+    finally:
+        engine.close()
+    assert engine.lost is None and no_sigterm == []
+    for pid in pids[1:]:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert not dist.is_initialized()  # sglang's group left with its runner

@@ -242,3 +242,19 @@ def test_device_map_auto_serves_the_in_process_computation(cluster, tiny_target,
     batch = batches()["plain-0"]
     with RemoteEagle3Target(cluster.frontend, "tp-map") as remote:
         assert_supervision_equal(remote.generate_batch(**batch), reference_eagle3(tiny_model, batch, AUX))
+
+
+def test_moe_families_at_degree_2(tmp_path):
+    """Every family of MOE_ARCHS is served at degree 2 within the last bits of degree 1, or refused at start in one
+    line that says what to use instead (docs/engines.md has the table this prints)."""
+    command = [sys.executable, str(Path(TESTS_DIR) / "tp_families.py"), str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=280, env={**os.environ, **WORKER_ENV})
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcomes = {line["family"]: line for line in map(json.loads, result.stdout.splitlines())}
+    print("\n".join(json.dumps(line) for line in outcomes.values()))
+    for outcome in outcomes.values():
+        if outcome["served"]:
+            assert outcome["layers"] < 1e-5 and outcome["logits"] < 1e-5, outcome
+        else:
+            assert "serve it with --device-map auto, or with --engine vllm" in outcome["refused"], outcome
+    assert {f for f, o in outcomes.items() if o["served"]} >= {"qwen3-moe", "mixtral", "gpt-oss", "glm4-moe", "qwen3-next"}, outcomes

@@ -17,6 +17,7 @@ _MODULES = {
     "overlap": "overlap",
     "scaling": "scaling",
     "real-target": "real_target",
+    "tensor-parallel": "tensor_parallel",
     "long-rows": "long_rows",
     "store": "store",
 }

@@ -10,9 +10,9 @@ DRAFTFEED_SKIP_ENGINE_VERSION_CHECK=1 to try anyway). What it uses, and nothing 
 - ``sglang.srt.configs.model_config.ModelConfig.from_server_args``;
 - ``sglang.srt.model_executor.model_runner.ModelRunner(model_config=, mem_fraction_static=, gpu_id=, tp_rank=,
   tp_size=, moe_ep_rank=, moe_ep_size=, pp_rank=, pp_size=, nccl_port=, server_args=, is_draft_worker=)``,
-  which sets up its own one-rank torch.distributed group (``init_distributed_environment`` and
-  ``initialize_model_parallel``) on ``nccl_port``, and its ``model``, ``model_config``, ``req_to_token_pool``,
-  ``token_to_kv_pool_allocator`` and ``forward(forward_batch).logits_output``;
+  which sets up its own torch.distributed group of ``tp_size`` ranks (``init_distributed_environment`` and
+  ``initialize_model_parallel``) at ``tcp://127.0.0.1:nccl_port``, and its ``model``, ``model_config``,
+  ``req_to_token_pool``, ``token_to_kv_pool_allocator`` and ``forward(forward_batch).logits_output``;
 - the model's ``set_eagle3_layers_to_capture(ids)``, ``logits_processor`` (a ``LogitsProcessor``, whose
   ``_get_logits(hidden_states, lm_head, logits_metadata)`` applies lm_head, the vocab cut and the model's
   logit scaling or soft-capping), ``model.embed_tokens`` and ``lm_head``;
@@ -22,7 +22,19 @@ DRAFTFEED_SKIP_ENGINE_VERSION_CHECK=1 to try anyway). What it uses, and nothing 
   ``sglang.srt.mem_cache.cache_init_params.CacheInitParams`` (disabled: no prefix sharing between requests);
 - ``sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new`` and ``CaptureHiddenMode.FULL``;
 - ``sglang.srt.sampling.sampling_params.SamplingParams``, ``sglang.srt.speculative.spec_info.SpeculativeAlgorithm``;
-- ``sglang.srt.distributed.parallel_state.destroy_model_parallel`` / ``destroy_distributed_environment`` at close.
+- ``sglang.srt.distributed.parallel_state.destroy_model_parallel`` / ``destroy_distributed_environment`` at close;
+- under tensor parallel only, ``sglang.srt.distributed.communication_op.tensor_model_parallel_all_gather(tensor,
+  dim)``, to put the vocab shards of ``embed_tokens`` / ``lm_head`` back together.
+
+Tensor parallel (``--tensor-parallel N``, ``parallel``): sglang's own ranks are draftfeed's processes. The worker's
+process and the N - 1 it starts (engines/parallel/) each build this engine with their ``ParallelRank``; each starts a
+``ModelRunner`` at ``tp_rank`` = its rank, ``tp_size`` = N, ``gpu_id`` = the index of its device and ``nccl_port`` =
+the port every rank shares (``engine_port``), so the N runners form sglang's own group; draftfeed joins no process
+group itself. Every call (prepare, each forward, each weight) is made on every rank in the same order, so sglang's
+collectives line up. sglang shards the weights and its layers all-reduce, so the captured aux states and the logits
+(all-gathered over the vocab by its logits processor) are whole on every rank; only rank 0's are kept. The
+embeddings are vocab shards (``VocabParallelEmbedding`` / ``ParallelLMHead``), gathered over the ranks. ``tp_size``
+is set by ``--tensor-parallel`` only, and ``pp_size`` must stay 1.
 
 Layer semantics. sglang's ``set_eagle3_layers_to_capture(ids)`` stores ``hidden_states + residual`` entering
 decoder layer id + 1, which is what transformers' layer id returns, so HF layer ids are passed unchanged.
@@ -53,6 +65,7 @@ from torch import nn
 from draftfeed.consumers.engines.base import Capture, ForwardOutput, TargetShape, request_segments
 from draftfeed.consumers.engines.hf import resolve_dtype
 from draftfeed.consumers.engines.packages import EnginePackage, import_engine_package, refuse_own_options
+from draftfeed.consumers.engines.parallel.spec import ParallelRank
 from draftfeed.contract.packing import Documents
 from draftfeed.net import free_port
 from draftfeed.schemas.messages import LogitTransform
@@ -63,6 +76,19 @@ SGLANG = EnginePackage(module="sglang", distributions="sglang", minimum=(0, 5, 9
 # ServerArgs fields the engine sets itself; every other --engine-option goes to ServerArgs unchanged.
 OWN_OPTIONS = ("model_path", "dtype", "device", "enable_return_hidden_states", "disable_cuda_graph", "disable_radix_cache")
 INSTEAD = "use --engine hf or vllm"
+# ServerArgs fields draftfeed's own flags decide (why each is refused as an --engine-option).
+PARALLEL_OPTIONS = {
+    "tp_size": "set --tensor-parallel N instead (N processes, each an sglang ModelRunner at its tp_rank)",
+    "pp_size": "the sglang engine does not run sglang's pipeline parallelism; spread the target with --tensor-parallel N",
+}
+
+
+def refuse_parallel_options(options: dict[str, Any]) -> None:
+    """Raise ValueError if ``--engine-option`` sets sglang's tensor or pipeline parallel size (PARALLEL_OPTIONS says why)."""
+    for key in sorted(set(options) & set(PARALLEL_OPTIONS)):
+        if key == "pp_size" and options[key] == 1:
+            continue
+        raise ValueError(f"--engine-option {key}: {PARALLEL_OPTIONS[key]}")
 
 
 def refusal(capture: Capture, num_hidden_layers: int) -> str | None:
@@ -116,18 +142,24 @@ class FullLogits(nn.Module):
 
 
 class SGLangEngine:
-    """An sglang ``ModelRunner`` started once the task has said what it will capture (``prepare``)."""
+    """An sglang ``ModelRunner`` started once the task has said what it will capture (``prepare``).
+
+    ``parallel``: this process is rank ``parallel.rank`` of a tensor-parallel worker, its runner sglang's
+    ``tp_rank`` of ``parallel.world_size`` on ``parallel.device`` (the module docstring says how).
+    """
 
     name = "sglang"
 
-    def __init__(self, target: str, device: str = "cuda", dtype: str = "auto", **server_options: Any) -> None:
+    def __init__(self, target: str, device: str = "cuda", dtype: str = "auto", parallel: ParallelRank | None = None, **server_options: Any) -> None:
         self._sglang = import_engine_package(SGLANG)
         from transformers import AutoConfig
 
         self.target = target
-        self.device = torch.device(device)
+        self.parallel = parallel
+        self.device = torch.device(parallel.device if parallel is not None else device)
         self.dtype = resolve_dtype(dtype, self.device)
         refuse_own_options("sglang", server_options, OWN_OPTIONS)
+        refuse_parallel_options(server_options)
         self.server_options = server_options
         text_config = AutoConfig.from_pretrained(target).get_text_config()
         self.shape = TargetShape.from_text_config(text_config)
@@ -136,6 +168,10 @@ class SGLangEngine:
         self._runner: Any = None
         self._logits: FullLogits | None = None
         self._requests = 0
+
+    @property
+    def tp_size(self) -> int:
+        return 1 if self.parallel is None else self.parallel.world_size
 
     # ---------------------------------------------------------------- start
     def prepare(self, captures: Sequence[Capture]) -> None:
@@ -165,22 +201,30 @@ class SGLangEngine:
             enable_return_hidden_states=True,
             disable_cuda_graph=True,  # one extend per request, of any length
             disable_radix_cache=True,  # no prefix sharing between requests
+            tp_size=self.tp_size,
             **self.server_options,
         )
-        if args.tp_size != 1 or args.pp_size != 1:
-            raise ValueError("the sglang engine runs one rank (tp_size=1, pp_size=1): start one worker per GPU instead")
-        log.info("sglang engine: starting sglang %s on %s", self._sglang.__version__, self.target)
+        tp_size = self.tp_size
+        tp_rank = 0 if self.parallel is None else self.parallel.rank
+        if args.pp_size != 1:
+            raise ValueError(f"--engine-option pp_size={args.pp_size}: {PARALLEL_OPTIONS['pp_size']}")
+        if args.ep_size < 1 or tp_size % args.ep_size:
+            raise ValueError(f"--engine-option ep_size={args.ep_size} must divide the tensor-parallel size {tp_size} (sglang's rule)")
+        log.info(
+            "sglang engine: starting sglang %s on %s (tp_rank %d of %d, %s)", self._sglang.__version__, self.target, tp_rank, tp_size, self.device
+        )
         runner = ModelRunner(
             model_config=ModelConfig.from_server_args(args),
             mem_fraction_static=args.mem_fraction_static,
             gpu_id=self.device.index or 0,
-            tp_rank=0,
-            tp_size=1,
-            moe_ep_rank=0,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            moe_ep_rank=tp_rank // (tp_size // args.ep_size),  # as sglang's scheduler places its expert-parallel ranks
             moe_ep_size=args.ep_size,
             pp_rank=0,
             pp_size=1,
-            nccl_port=free_port(),  # sglang's one-rank torch.distributed group
+            # sglang's torch.distributed group: one rank of its own, or the port every rank of the worker shares
+            nccl_port=free_port() if self.parallel is None else self.parallel.engine_port,
             server_args=args,
             is_draft_worker=False,
         )
@@ -292,7 +336,12 @@ class SGLangEngine:
             raise ValueError(
                 f"sglang's {type(self._runner.model).__name__} has no {path}; the sglang engine reads the target's embeddings there; {INSTEAD}"
             )
-        weight = module.detach()[: self.shape.vocab_size]  # sglang pads the vocab of its lm_head
+        weight = module.detach()
+        if self.tp_size > 1:  # each rank holds a contiguous shard of the padded vocab, in rank order
+            from sglang.srt.distributed.communication_op import tensor_model_parallel_all_gather
+
+            weight = tensor_model_parallel_all_gather(weight.contiguous(), dim=0)
+        weight = weight[: self.shape.vocab_size]  # sglang pads the vocab of its embeddings and lm_head
         if tuple(weight.shape) != (self.shape.vocab_size, self.shape.hidden_size):
             raise ValueError(f"sglang's {path} has shape {tuple(module.shape)}, not [{self.shape.vocab_size}, {self.shape.hidden_size}]")
         return weight.to(self.device)

@@ -5,16 +5,31 @@
   a stored L (id L - 1) is never reached and silently gives nothing;
 - the logits processor, under ``CaptureHiddenMode.FULL``, stores the concatenated aux states when any were
   captured, else the post-norm hidden states; ``next_token_logits`` are the last position's only;
-- the request and KV pools fill up unless cleared.
+- the request and KV pools fill up unless cleared;
+- tensor parallel: ``ModelRunner(tp_rank=, tp_size=, nccl_port=, ...)`` makes this process rank ``tp_rank`` of a
+  torch.distributed group of ``tp_size`` processes met at ``tcp://127.0.0.1:nccl_port`` (``init_distributed_environment``
+  and ``initialize_model_parallel``; the fake uses gloo, real sglang NCCL on GPUs, and the fake sets up no group at
+  ``tp_size`` 1, where real sglang makes a one-rank one); ``model.embed_tokens`` and ``lm_head`` hold this rank's
+  contiguous shard of the vocab, padded (``VocabParallelEmbedding``, ``ParallelLMHead``): the embedding lookup
+  all-reduces the ranks' masked lookups and the logits processor all-gathers the logits over the vocab;
+  ``tensor_model_parallel_all_gather`` gathers over the group; ``destroy_model_parallel`` /
+  ``destroy_distributed_environment`` leave the group.
+
+What the fake does NOT copy: sglang shards every layer (column/row-parallel linears, all-reduced); the fake runs the
+decoder layers whole on every rank with transformers. Its collectives (the embedding's all-reduce, the logits'
+all-gather, and a check in every forward that every rank runs the same call on the same tokens) make ranks that are
+out of step fail or hang, as real sglang's would; they prove nothing about sglang's numerics or its NCCL setup.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -155,13 +170,99 @@ class LogitsProcessorOutput:
     hidden_states: torch.Tensor | None = None
 
 
+# ---------------------------------------------------------------- parallel state (sglang.srt.distributed)
+VOCAB_PADDING = 64
+TIMEOUT_S = 120.0  # a rank that does not join, or a collective a peer never enters, fails after this
+_TP = {"rank": 0, "size": 1}  # this process's place in the tensor-parallel group, set by initialize_model_parallel
+DESTROYED: list[str] = []
+
+
+def init_distributed_environment(world_size: int, rank: int, distributed_init_method: str, backend: str = "gloo") -> None:
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend, init_method=distributed_init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=TIMEOUT_S))
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int) -> None:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    size = dist.get_world_size() if dist.is_initialized() else 1
+    assert size == tensor_model_parallel_size, (size, tensor_model_parallel_size)
+    _TP.update(rank=rank, size=size)
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return _TP["rank"]
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return _TP["size"]
+
+
+def tensor_model_parallel_all_reduce(input_: torch.Tensor) -> torch.Tensor:
+    if _TP["size"] > 1:
+        dist.all_reduce(input_)
+    return input_
+
+
+def tensor_model_parallel_all_gather(input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    if _TP["size"] == 1:
+        return input_
+    parts = [torch.empty_like(input_) for _ in range(_TP["size"])]
+    dist.all_gather(parts, input_.contiguous())
+    return torch.cat(parts, dim=dim)
+
+
+def destroy_model_parallel() -> None:
+    DESTROYED.append("model_parallel")
+    _TP.update(rank=0, size=1)
+
+
+def destroy_distributed_environment() -> None:
+    DESTROYED.append("distributed_environment")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def vocab_shard(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of ``weight`` [V, H], its vocab padded with zero rows to a multiple of 64 x tp_size."""
+    step = VOCAB_PADDING * _TP["size"]
+    padded = -(-weight.shape[0] // step) * step
+    full = torch.zeros(padded, weight.shape[1], dtype=weight.dtype)
+    full[: weight.shape[0]] = weight
+    per = padded // _TP["size"]
+    return full[_TP["rank"] * per : (_TP["rank"] + 1) * per].clone()
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's shard of the embeddings; a lookup sums every rank's (zero outside its shard) over the group."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(vocab_shard(weight), requires_grad=False)
+        self.start = _TP["rank"] * self.weight.shape[0]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out[outside] = 0
+        return tensor_model_parallel_all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """This rank's shard of lm_head; the logits processor applies it."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(vocab_shard(weight), requires_grad=False)
+
+
 class LogitsProcessor(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
 
     def _get_logits(self, hidden_states: torch.Tensor, lm_head: nn.Module, logits_metadata: LogitsMetadata) -> torch.Tensor:
-        logits = F.linear(hidden_states, lm_head.weight)[:, : self.config.vocab_size]
+        logits = tensor_model_parallel_all_gather(F.linear(hidden_states, lm_head.weight))[:, : self.config.vocab_size]
         if getattr(self.config, "logit_scale", None) is not None:
             logits = logits * self.config.logit_scale
         if getattr(self.config, "final_logit_softcapping", None) is not None:
@@ -185,7 +286,8 @@ class CausalLM(nn.Module):
         super().__init__()
         text_config = hf_model.config.get_text_config()
         self.model = hf_model.model
-        self.lm_head = hf_model.lm_head
+        self.model.embed_tokens = VocabParallelEmbedding(hf_model.model.embed_tokens.weight.detach())
+        self.lm_head = ParallelLMHead(hf_model.lm_head.weight.detach())
         self.logits_processor = LogitsProcessor(text_config)
         self.layers_to_capture: list[int] = []
         self.capture_aux_hidden_states = False
@@ -249,23 +351,28 @@ class ModelRunner:
     ) -> None:
         from transformers import AutoModelForCausalLM
 
-        assert isinstance(nccl_port, int) and tp_size == 1 and pp_size == 1
+        assert isinstance(nccl_port, int) and 0 < nccl_port < 65536 and isinstance(gpu_id, int) and gpu_id >= 0
+        assert pp_size == 1 and pp_rank == 0, "the fake runs no pipeline parallelism"
+        assert 0 <= tp_rank < tp_size and server_args.tp_size == tp_size, (tp_rank, tp_size, server_args.tp_size)
+        assert moe_ep_size == server_args.ep_size and moe_ep_rank == tp_rank // (tp_size // moe_ep_size)
+        self.gpu_id, self.tp_rank, self.tp_size, self.nccl_port = gpu_id, tp_rank, tp_size, nccl_port
         self.model_config, self.server_args = model_config, server_args
+        init_distributed_environment(world_size=tp_size, rank=tp_rank, distributed_init_method=f"tcp://127.0.0.1:{nccl_port}")
+        initialize_model_parallel(tensor_model_parallel_size=tp_size)
         hf_model = AutoModelForCausalLM.from_pretrained(model_config.model_path, dtype=model_config.dtype)
         self.model = CausalLM(hf_model.eval().requires_grad_(False))
         self.req_to_token_pool = Pool(4)
         self.token_to_kv_pool_allocator = Pool(4096)
+        self.forwards = 0
 
     def forward(self, forward_batch: ForwardBatch) -> ModelRunnerOutput:
+        self.forwards += 1
+        if self.tp_size > 1:  # every rank runs the same forward, on the same tokens, or none runs it
+            ids = forward_batch.input_ids
+            mine = torch.tensor([self.forwards, ids.numel(), int(ids.sum()), int((ids * torch.arange(1, ids.numel() + 1)).sum())])
+            everyone = tensor_model_parallel_all_gather(mine[None], dim=0)
+            if not bool((everyone == mine).all()):
+                raise RuntimeError(
+                    f"fake sglang: the tensor-parallel ranks ran different forwards ([call, tokens, checksums] per rank: {everyone.tolist()})"
+                )
         return ModelRunnerOutput(self.model(forward_batch.input_ids, None, forward_batch))
-
-
-DESTROYED: list[str] = []
-
-
-def destroy_model_parallel() -> None:
-    DESTROYED.append("model_parallel")
-
-
-def destroy_distributed_environment() -> None:
-    DESTROYED.append("distributed_environment")

@@ -28,6 +28,7 @@ from draftfeed.consumers.engines.parallel.group import COLLECTIVE_TIMEOUT_S, hos
 from draftfeed.consumers.engines.parallel.ranked import build_ranked
 from draftfeed.consumers.engines.parallel.spec import FollowerSpec, ParallelRank
 from draftfeed.contract.packing import Documents
+from draftfeed.net import free_port
 
 log = logging.getLogger("draftfeed.worker")
 
@@ -67,6 +68,7 @@ class TensorParallelEngine:
         self._started = False
         self._calls = 0
         store = host_rendezvous(self.tensor_parallel, LOAD_TIMEOUT_S)
+        engine_port = free_port()
         self._channel = LeaderChannel()
         specs = [
             FollowerSpec(
@@ -77,6 +79,7 @@ class TensorParallelEngine:
                 rank=rank,
                 devices=self.devices,
                 rendezvous_port=store.port,
+                engine_port=engine_port,
                 channel=self._channel.endpoint,
                 leader_pid=os.getpid(),
             )
@@ -85,9 +88,10 @@ class TensorParallelEngine:
         self._followers: FollowerProcesses | None = None
         try:
             self._followers = FollowerProcesses(specs, self._follower_ended)
-            self.inner: Engine = build_ranked(engine, target, dtype, options, ParallelRank(0, tuple(self.devices), store.port, store))
+            self.inner: Engine = build_ranked(engine, target, dtype, options, ParallelRank(0, tuple(self.devices), store.port, engine_port, store))
             self._channel.await_followers(len(specs), LOAD_TIMEOUT_S, lambda: self.lost)
-            self._check_padded_batch(target)
+            if engine == "hf":
+                self._check_padded_batch(target)
         except BaseException:
             self._abandon()
             raise
@@ -178,8 +182,9 @@ class TensorParallelEngine:
         return self._weights[which]
 
     def _check_padded_batch(self, target: str) -> None:
-        """A padded two-row forward on every rank, at start: a model whose tensor-parallel plan cannot take one
-        (seen with DeepSeek-V3 in transformers 5.24) is refused now, in one line, not at its first real batch."""
+        """A padded two-row forward on every rank, at start: a model whose transformers tensor-parallel plan cannot
+        take one (seen with DeepSeek-V3 in transformers 5.24) is refused now, in one line, not at its first real
+        batch. The hf engine alone: it needs no ``prepare`` first."""
         input_ids = torch.zeros(2, 8, dtype=torch.int64)
         attention_mask = torch.ones_like(input_ids)
         attention_mask[1, 5:] = 0
