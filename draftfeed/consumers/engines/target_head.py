@@ -34,10 +34,10 @@ class TargetHead:
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # the decoder layers' weights are skipped on purpose: no load report
         try:
-            model = AutoModelForCausalLM.from_pretrained(target, config=config, dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(target, config=config, dtype=dtype, device_map={"": device})  # straight onto the device
         finally:
             hf_logging.set_verbosity(verbosity)
-        model = model.to(device).eval().requires_grad_(False)
+        model = model.eval().requires_grad_(False)
         decoder = text_decoder(model)
         norm = getattr(decoder, "norm", None)
         if not isinstance(norm, nn.Module):
