@@ -68,6 +68,7 @@ def test_every_scenario_is_a_module_with_one_signature():
         "overlap",
         "scaling",
         "real-target",
+        "tensor-parallel",
         "long-rows",
         "store",
     )

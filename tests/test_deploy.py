@@ -196,8 +196,8 @@ def test_slurm_nodes_on_localhost(tiny_target, tiny_model, tmp_path):
         assert broker["frontend"].endswith(f":{frontend}") and broker["backend"].endswith(f":{backend}")
         assert (broker["http_port"], worker["http_port"]) == (broker_http, worker_http)
         assert worker["worker"] == "localhost-0" and worker["service"] == "tiny-llama-eagle3"
-        for port in (broker_http, worker_http):
-            assert get(f"http://127.0.0.1:{port}/health") == (200, json.dumps({"status": "ready"}))
+        assert get(f"http://127.0.0.1:{broker_http}/health") == (200, json.dumps({"status": "ready"}))
+        assert get(f"http://127.0.0.1:{worker_http}/health") == (200, json.dumps({"status": "ready", "tensor_parallel": 1, "devices": ["cpu"]}))
 
         training = NodeScript({**job, "DF_ROLE": "train", "SLURM_NODEID": "0"})
         assert training.wait(90) == 0, training.log()

@@ -78,7 +78,7 @@ def test_health_and_metrics_of_a_known_run(observed):
     broker, broker_port, worker, worker_port = observed
     assert broker.ready["http_port"] == broker_port and worker.ready["http_port"] == worker_port
     assert get(broker_port, "/health") == (200, json.dumps({"status": "ready"}))
-    assert get(worker_port, "/health") == (200, json.dumps({"status": "ready"}))
+    assert get(worker_port, "/health") == (200, json.dumps({"status": "ready", "tensor_parallel": 1, "devices": ["cpu"]}))
     assert get(broker_port, "/nothing")[0] == 404
     rank_port = free_port()
     with RemoteEagle3Target(broker.ready["frontend"], SERVICE, metrics_port=rank_port) as target:

@@ -85,6 +85,10 @@ absolute figures (shared hosts are noisy). Regenerate with `draftfeed bench --re
   forward) against 1 worker's rate times their number.
 - **real target**: the hf engine on the tiny Llama, end to end one batch at a time, against the same task
   called in-process: the pipeline's share of the time is 1 - ratio.
+- **tensor parallel**: a worker at `--tensor-parallel 2` (the tiny Llama sharded over two processes, gloo) end to end
+  one batch at a time, against the same task over the same two-process engine in-process (goal 0.9). On 2 cores
+  the two processes of the target take both cores, so the rank's and the broker's work in the end-to-end run
+  takes its time from the forward.
 
 ## Page faults on large receives
 

@@ -23,7 +23,7 @@ class WorkerConfig:
     send_timeout_s: float = 60.0  # how long a rank may take to accept supervision before the worker gives up on it
     connect_timeout_s: float = 5.0  # how long to reach a rank's data socket the first time
     register_timeout_s: float = 60.0  # how long to wait for the broker at start
-    drain_timeout_s: float = 10.0  # on SIGTERM, how long to wait for the broker to confirm the drain
+    drain_timeout_s: float = 10.0  # on SIGTERM, how long delivering the answer in hand may still take before it is given up
     data_plane: str = "auto"  # auto | frames | nccl | gloo | nixl (docs/data-planes.md)
     pair_timeout_s: float = 30.0  # a pair group's rendezvous and each transfer on it (nixl: the open, each grant and each write)
     nixl_min_bytes: int = 1 << 20  # a smaller answer goes as frames on a nixl pair too: its grant's round trip costs more than the copy

@@ -375,7 +375,7 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
         "--drain-timeout",
         type=float,
         default=_default(WorkerConfig, "drain_timeout_s"),
-        help="on SIGTERM, seconds to wait for the broker to confirm the drain",
+        help="on SIGTERM, seconds delivering the answer in hand may still take before it is given up",
     )
     worker.add_argument(
         "--max-request-bytes",
