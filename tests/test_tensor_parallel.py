@@ -23,6 +23,8 @@ from reference import reference_eagle3
 from tp_reference import AUX, DSPARK_IDS, batches
 
 from draftfeed import RemoteDSparkTarget, RemoteEagle3Target
+from draftfeed.consumers.engines import load_engine
+from draftfeed.consumers.engines.parallel.engine import TensorParallelEngine
 from draftfeed.launch import processes
 from draftfeed.net import free_port
 from draftfeed.tiny import build_tiny_target
@@ -142,6 +144,14 @@ def test_status_health_and_metrics_say_tensor_parallel_2(services, http_port):
     assert re.search(r'draftfeed_worker_tensor_parallel\{devices="cpu,cpu",.*\} 2\.0', metrics), metrics
 
 
+def test_sigkill_of_a_worker_takes_its_follower_with_it(services):
+    """The module's last use of its workers: the DSpark one is killed, its follower must not outlive it."""
+    worker = next(w for w in services.workers if w.ready["worker"] == "tp-qwen3-moe-dspark-0")
+    follower = follower_pid(worker)
+    worker.kill()
+    wait_until(lambda: gone(follower), timeout_s=15, what=f"the follower (pid {follower}) to die with its worker")
+
+
 # ---------------------------------------------------------------- faults: no batch lost, no process left behind
 def follower_pid(worker: processes.Process) -> int:
     return int(re.search(FOLLOWER_LINE, worker.wait_for_line(FOLLOWER_LINE, timeout_s=60)).group(1))
@@ -183,13 +193,6 @@ def test_a_follower_killed_mid_run_stops_its_worker_and_the_run_completes_elsewh
     wait_until(lambda: gone(follower), timeout_s=15, what=f"the follower (pid {follower}) to exit after SIGTERM")
 
 
-def test_sigkill_of_the_worker_takes_its_followers_with_it(cluster, tiny_target):
-    worker = cluster.add_worker(tiny_target, "--service", "tp-kill", *TP)
-    follower = follower_pid(worker)
-    worker.kill()
-    wait_until(lambda: gone(follower), timeout_s=15, what=f"the follower (pid {follower}) to die with its worker")
-
-
 # ---------------------------------------------------------------- mistakes: one line, at once
 def run_worker(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "draftfeed", "launch", "worker", "--broker", "tcp://127.0.0.1:1", "--http-port", "0", *args]
@@ -218,12 +221,11 @@ def test_a_model_without_a_tensor_parallel_plan_is_refused_naming_what_to_use(tm
 
     path = tmp_path / "tiny-gpt2"
     GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64)).save_pretrained(path)
-    result = run_worker("--target", str(path), *TP)
-    assert result.returncode == 2, result.stderr
-    assert (
-        result.stderr.strip()
-        .splitlines()[-1]
-        .endswith("serve it with --device-map auto (its layers spread over --devices in one process) or with --engine vllm or sglang")
+    with pytest.raises(ValueError) as refused:  # before any process starts (the CLI prints this line)
+        load_engine("hf", str(path), "cpu", "float32", tensor_parallel=2)
+    assert str(refused.value) == (
+        "--tensor-parallel 2: gpt2 has no tensor-parallel plan in transformers; serve it with --device-map auto (its layers spread "
+        "over --devices in one process) or with --engine vllm or sglang"
     )
 
 
@@ -266,8 +268,8 @@ def test_moe_families_at_degree_2(tmp_path):
     for family, outcome in outcomes.items():
         if family not in failing:
             assert outcome["layers"] < 1e-5 and outcome["logits"] < 1e-5, outcome
-    for family in failing:
-        result = run_worker("--target", str(tmp_path / family), *TP)
-        assert result.returncode == 2, result.stderr
-        refusal = result.stderr.strip().splitlines()[-1]
-        assert f"fails a padded batch at --tensor-parallel 2 ({outcomes[family]['fails']}); serve it with --device-map auto" in refusal, refusal
+    for family in failing:  # the worker's start check refuses it (the CLI prints this line and exits 2)
+        with pytest.raises(ValueError) as refused:
+            TensorParallelEngine("hf", str(tmp_path / family), ["cpu", "cpu"], "float32", on_lost=lambda _why: None)
+        assert f"fails a padded batch at --tensor-parallel 2 ({outcomes[family]['fails']}); serve it with --device-map auto" in str(refused.value)
+        assert not torch.distributed.is_initialized()  # nothing is left of the group
