@@ -145,20 +145,28 @@ def test_eagle3_probs_agree_with_hf(name, engines, hf_engine, vllm_target):
 @pytest.mark.parametrize("name", OTHER_ENGINES)
 def test_packed_rows_agree_with_hf(name, engines, hf_engine, vllm_target):
     """Each document of a packed row runs as its own prompt; hf runs the row under its block-causal mask."""
-    from reference import make_packed_batch
-
-    from draftfeed.contract.packing import check_packing
 
     engine = get_engine(engines, name, vllm_target)
-    batch = make_packed_batch([[10, 14, 20], [48]], pad=[4, 0], vocab_size=VOCAB, seed=13)
-    documents = check_packing(batch["attention_mask"], batch["position_ids"], batch["seq_lens"])
+    worst, probs_error = eagle3_agreement(engine, hf_engine, *packed_batch(seed=13))
+    print(f"\n{name}, packed rows: aux rel {worst:.1e}, probs abs {probs_error:.1e}")
+
+
+def packed_batch(seed: int) -> tuple[dict[str, torch.Tensor], object]:
+    """Two packed rows (three documents and padding; one document) and their documents."""
+    batch = make_packed_batch([[10, 14, 20], [48]], pad=[4, 0], vocab_size=VOCAB, seed=seed)
+    return batch, check_packing(batch["attention_mask"], batch["position_ids"], batch["seq_lens"])
+
+
+def eagle3_agreement(engine, hf_engine, batch: dict[str, torch.Tensor], documents=None) -> tuple[float, float]:
+    """EAGLE-3 through its task on ``engine`` against hf: the aux states' largest relative error and the probabilities'
+    largest absolute error, each checked against the module's bound."""
     args = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None, documents)
     got = load_task("eagle3", engine, AUX_IDS).compute(*args)
     expected = load_task("eagle3", hf_engine, AUX_IDS).compute(*args)
     worst = assert_hidden_close(got["aux_hidden_states"], expected["aux_hidden_states"], batch["attention_mask"], "aux_hidden_states")
     probs_error = float((got["target_probs"] - expected["target_probs"]).abs().max())
     assert probs_error <= PROBS_ATOL, probs_error
-    print(f"\n{name}, packed rows: aux rel {worst:.1e}, probs abs {probs_error:.1e}")
+    return worst, probs_error
 
 
 @pytest.mark.parametrize("name", OTHER_ENGINES)
@@ -323,16 +331,9 @@ def check_tensor_parallel(one, two, hf_engine) -> None:
         hidden = max(value for key, value in worst.items() if key != "logits")
         print(f"\nvllm-tp2 vs {other}: hidden states max abs {hidden:.1e}, logits max abs {worst['logits']:.1e} ({worst})")
         assert worst["logits"] <= 1e-4, worst
-    packed = make_packed_batch([[10, 14, 20], [48]], pad=[4, 0], vocab_size=VOCAB, seed=16)
-    documents = check_packing(packed["attention_mask"], packed["position_ids"], packed["seq_lens"])
-    for batch, docs in ((padded_batch(seed=17), None), (packed, documents)):
-        args = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None, docs)
-        got = load_task("eagle3", two, AUX_IDS).compute(*args)
-        expected = load_task("eagle3", hf_engine, AUX_IDS).compute(*args)
-        worst = assert_hidden_close(got["aux_hidden_states"], expected["aux_hidden_states"], batch["attention_mask"], "aux_hidden_states")
-        probs_error = float((got["target_probs"] - expected["target_probs"]).abs().max())
-        assert probs_error <= PROBS_ATOL, probs_error
-        print(f"vllm-tp2 EAGLE-3, {'packed' if docs else 'padded'} rows: aux rel {worst:.1e}, probs abs {probs_error:.1e}")
+    for label, (batch, documents) in (("padded", (padded_batch(seed=17), None)), ("packed", packed_batch(seed=16))):
+        worst, probs_error = eagle3_agreement(two, hf_engine, batch, documents)
+        print(f"vllm-tp2 EAGLE-3, {label} rows: aux rel {worst:.1e}, probs abs {probs_error:.1e}")
     batch = padded_batch(seed=18)
     args = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
     got, expected = load_task("dspark", two, DSPARK_IDS).compute(*args), load_task("dspark", hf_engine, DSPARK_IDS).compute(*args)

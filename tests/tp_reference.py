@@ -1,7 +1,7 @@
 """The supervision contract computed in-process over 2 processes, the target sharded by transformers' own
 tensor-parallel plan: the reference a worker at ``--tensor-parallel 2`` is compared with (tests/test_tensor_parallel.py).
 
-Run as ``python tp_reference.py RANK PORT OUT TARGET [TARGET ...]`` in two processes (ranks 0 and 1, gloo over a store
+Run as ``python tp_reference.py RANK PORT OUT TASK=TARGET [TASK=TARGET ...]`` in two processes (ranks 0 and 1, gloo over a store
 rank 0 hosts on 127.0.0.1:PORT); both make every call in the same order, and rank 0 writes the results to OUT (safetensors,
 keys ``TARGET_INDEX/TASK/BATCH/FIELD``). Written from transformers' documented API and tests/reference.py, not from
 the worker's code.
@@ -29,7 +29,8 @@ def batches() -> dict[str, dict[str, torch.Tensor]]:
     return named
 
 
-def main(rank: int, port: int, out: str, targets: list[str]) -> None:
+def main(rank: int, port: int, out: str, served: list[str]) -> None:
+    """``served``: TASK=TARGET, each target's index its place in the list."""
     import torch.distributed as dist
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
@@ -39,13 +40,13 @@ def main(rank: int, port: int, out: str, targets: list[str]) -> None:
     store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=rank == 0, timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     results: dict[str, torch.Tensor] = {}
-    for index, target in enumerate(targets):
+    for index, (task, target) in enumerate(item.split("=", 1) for item in served):
         model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32, distributed_config=DistributedConfig(tp_size=2)).eval()
         for name, batch in batches().items():
-            if index == 1 and name.startswith("run-"):
-                continue  # the run batches go to the Llama target alone
-            for task, supervision in (("eagle3", reference_eagle3(model, batch, AUX)), ("dspark", reference_dspark(model, batch, DSPARK_IDS))):
-                results |= {f"{index}/{task}/{name}/{field}": tensor.contiguous().clone() for field, tensor in supervision.items()}
+            if index > 0 and name.startswith("run-"):
+                continue  # the run batches go to the first target alone
+            supervision = reference_eagle3(model, batch, AUX) if task == "eagle3" else reference_dspark(model, batch, DSPARK_IDS)
+            results |= {f"{index}/{task}/{name}/{field}": tensor.contiguous().clone() for field, tensor in supervision.items()}
         for which in ("input", "output"):
             weight = (model.get_input_embeddings() if which == "input" else model.get_output_embeddings()).weight.detach()
             results[f"{index}/weights/{which}"] = weight.full_tensor()

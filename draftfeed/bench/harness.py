@@ -7,9 +7,11 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import zmq
@@ -40,6 +42,24 @@ class Row:
 def best_of(fn: Callable[[], float], repeat: int) -> float:
     """The fastest of ``repeat`` timings."""
     return min(fn() for _ in range(repeat))
+
+
+def seconds_per_call(call: Callable[[], object], count: int) -> float:
+    """``call()`` once to warm up, then the mean wall time of ``count`` more."""
+    call()
+    started = time.perf_counter()
+    for _ in range(count):
+        call()
+    return (time.perf_counter() - started) / count
+
+
+def token_batch(batch_size: int, seq_len: int, vocab_size: int) -> dict[str, Any]:
+    """A full batch of random token ids (no padding), the same in every run: a real target's request."""
+    generator = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator)}
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    batch["loss_mask"] = batch["attention_mask"].clone()
+    return batch
 
 
 def cpu_seconds(pid: int) -> float:

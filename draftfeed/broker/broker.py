@@ -47,7 +47,7 @@ class Broker:
     """Routes requests from ranks (frontend) to workers (backend); supervision bypasses it.
 
     ``bind()`` opens the sockets and returns the bound endpoints; ``run()`` serves until ``stop()``,
-    then drains: nothing new is dispatched, what workers hold completes (up to ``drain_timeout_s``),
+    then drains: nothing new is dispatched, what workers hold completes (up to ``settings.drain_timeout_s``),
     and every peer is told goodbye so that it reconnects to the next broker at once.
 
     With ``keys`` both sockets are CURVE servers: only rank keys get in at the frontend, only worker keys
@@ -61,13 +61,12 @@ class Broker:
         *,
         name: str | None = None,
         settings: BrokerSettings | None = None,
-        drain_timeout_s: float = 30.0,
         context: zmq.Context | None = None,
         keys: BrokerKeys | None = None,
     ) -> None:
         self.frontend_endpoint, self.backend_endpoint = frontend, backend
         self.state = BrokerState(name or f"{socket.gethostname()}-{os.getpid()}", settings)
-        self.drain_timeout_s = drain_timeout_s
+        self.drain_timeout_s = self.state.settings.drain_timeout_s
         self._context = context or zmq.Context.instance()
         self._stop = threading.Event()
         self._frontend: zmq.Socket | None = None

@@ -25,6 +25,8 @@ class BrokerSettings:
     # Tensor bytes one request may declare, per service (others: max_request_bytes); checked before queueing.
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     service_max_request_bytes: dict[str, int] = field(default_factory=dict)
+    # On SIGTERM, how long the broker waits for requests at workers to finish before it exits.
+    drain_timeout_s: float = 30.0
 
     def request_limit(self, service: str) -> int:
         return self.service_max_request_bytes.get(service, self.max_request_bytes)

@@ -264,7 +264,9 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
     broker.add_argument(
         "--max-attempts", type=int, default=BROKER.max_attempts, help="workers a request may be tried on before the rank gets an error"
     )
-    broker.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds to wait for requests at workers before exiting")
+    broker.add_argument(
+        "--drain-timeout", type=float, default=BROKER.drain_timeout_s, help="on SIGTERM, seconds to wait for requests at workers before exiting"
+    )
     broker.add_argument(
         "--secure",
         action="store_true",
@@ -468,8 +470,9 @@ def run_broker(args: argparse.Namespace) -> int:
         max_frame_bytes=args.max_frame_bytes,
         max_request_bytes=args.max_request_bytes,
         service_max_request_bytes=dict(args.service_max_request_bytes),
+        drain_timeout_s=args.drain_timeout,
     )
-    broker = Broker(args.frontend, args.backend, name=args.name, settings=settings, drain_timeout_s=args.drain_timeout, keys=_broker_keys(args))
+    broker = Broker(args.frontend, args.backend, name=args.name, settings=settings, keys=_broker_keys(args))
     frontend, backend = broker.bind()
     registry = CollectorRegistry()
     registry.register(BrokerCollector(lambda: broker.published_status))

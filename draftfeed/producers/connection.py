@@ -40,6 +40,7 @@ from draftfeed.net import SendBacklog, bind, close_quietly, host_identity, is_lo
 from draftfeed.producers.nixl_receivers import NixlReceivers
 from draftfeed.producers.pair_receivers import PairReceivers
 from draftfeed.producers.requests import RequestKind, RequestTable, Waiter
+from draftfeed.producers.settings import RankSettings
 from draftfeed.schemas.errors import MalformedMessage, RemoteTargetError, RemoteTargetTimeout, TargetClosed
 from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import (
@@ -65,9 +66,10 @@ from draftfeed.schemas.messages import (
     WorkerGone,
     WorkerKeys,
 )
-from draftfeed.schemas.protocol import DEFAULT_MAX_MESSAGE_BYTES
 from draftfeed.security.curve import DATA, PeerKeys, RoleGate, make_client, make_server, start_authenticator
 from draftfeed.security.handshake import HandshakeWatch
+
+RANK_DEFAULTS = RankSettings()  # the rank's defaults, stated once in producers/settings.py
 
 log = logging.getLogger("draftfeed.producer")
 
@@ -104,11 +106,11 @@ class Connection:
         *,
         task: str = "eagle3",
         data_endpoint: str | None = None,
-        connect_timeout_s: float = 60.0,
+        connect_timeout_s: float = RANK_DEFAULTS.connect_timeout,
         data_plane: DataPlaneOffer | None = None,
         keys: PeerKeys | None = None,
-        max_result_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        nixl_pool_bytes: int = 4 << 30,
+        max_result_bytes: int = RANK_DEFAULTS.max_result_bytes,
+        nixl_pool_bytes: int = RANK_DEFAULTS.nixl_pool_bytes,
     ) -> None:
         self.broker, self.service, self.window, self.task = broker, service, window, task
         self.requests = RequestTable(window)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
 
-from draftfeed.bench.harness import Row
+from draftfeed.bench.harness import Row, seconds_per_call, token_batch
 from draftfeed.launch import processes
 
 
@@ -18,18 +17,11 @@ def run(quick: bool, workdir: Path) -> list[Row]:
     from draftfeed.tiny import build_tiny_target
 
     target_dir = build_tiny_target(workdir / "tiny", num_hidden_layers=8, hidden_size=128, vocab_size=4096)
-    generator = torch.Generator().manual_seed(0)
-    batch = {"input_ids": torch.randint(0, 4096, (4, 256), generator=generator)}
-    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
-    batch["loss_mask"] = batch["attention_mask"].clone()
+    batch = token_batch(4, 256, 4096)
     count = 10 if quick else 40
     torch.set_num_threads(1)
     task = Eagle3Task(HFEngine(str(target_dir)))
-    task.compute(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None)
-    started = time.perf_counter()
-    for _ in range(count):
-        task.compute(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None)
-    in_process = (time.perf_counter() - started) / count
+    in_process = seconds_per_call(lambda: task.compute(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None), count)
     broker = processes.start_broker(extra=["--log-level", "WARNING"])
     try:
         worker = processes.start_worker(
@@ -37,11 +29,7 @@ def run(quick: bool, workdir: Path) -> list[Row]:
         )
         try:
             with RemoteEagle3Target(broker.ready["frontend"], "tiny", prefetch_depth=0) as target:
-                target.generate_batch(**batch)
-                started = time.perf_counter()
-                for _ in range(count):
-                    target.generate_batch(**batch)
-                remote = (time.perf_counter() - started) / count
+                remote = seconds_per_call(lambda: target.generate_batch(**batch), count)
         finally:
             worker.stop()
     finally:

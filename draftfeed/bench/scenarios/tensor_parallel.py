@@ -8,12 +8,11 @@ other a broker, a worker and its follower. The ratio is in-process time over end
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import torch
 
-from draftfeed.bench.harness import Row
+from draftfeed.bench.harness import Row, seconds_per_call, token_batch
 from draftfeed.launch import processes
 
 DEGREE = 2
@@ -26,43 +25,23 @@ def run(quick: bool, workdir: Path) -> list[Row]:
     from draftfeed.tiny import build_tiny_target
 
     target_dir = build_tiny_target(workdir / "tiny-tp", num_hidden_layers=8, hidden_size=256, vocab_size=4096)
-    generator = torch.Generator().manual_seed(0)
-    batch = {"input_ids": torch.randint(0, 4096, (4, 256), generator=generator)}
-    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
-    batch["loss_mask"] = batch["attention_mask"].clone()
+    batch = token_batch(4, 256, 4096)
     count = 5 if quick else 20
     os.environ["OMP_NUM_THREADS"] = "1"  # the follower's threads, as the worker's below
     torch.set_num_threads(1)
     engine = TensorParallelEngine("hf", str(target_dir), ["cpu"] * DEGREE, "float32")
     try:
         task = Eagle3Task(engine)
-        task.compute(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None)
-        started = time.perf_counter()
-        for _ in range(count):
-            task.compute(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None)
-        in_process = (time.perf_counter() - started) / count
+        in_process = seconds_per_call(lambda: task.compute(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None), count)
     finally:
         engine.close()
     broker = processes.start_broker(extra=["--log-level", "WARNING"])
     try:
-        worker = processes.start_worker(
-            broker.ready["backend"],
-            str(target_dir),
-            "--service",
-            "tiny-tp",
-            "--tensor-parallel",
-            str(DEGREE),
-            "--log-level",
-            "WARNING",
-            env={"OMP_NUM_THREADS": "1"},
-        )
+        flags = ["--service", "tiny-tp", "--tensor-parallel", str(DEGREE), "--log-level", "WARNING"]
+        worker = processes.start_worker(broker.ready["backend"], str(target_dir), *flags, env={"OMP_NUM_THREADS": "1"})
         try:
             with RemoteEagle3Target(broker.ready["frontend"], "tiny-tp", prefetch_depth=0) as target:
-                target.generate_batch(**batch)
-                started = time.perf_counter()
-                for _ in range(count):
-                    target.generate_batch(**batch)
-                remote = (time.perf_counter() - started) / count
+                remote = seconds_per_call(lambda: target.generate_batch(**batch), count)
         finally:
             worker.stop(timeout_s=30)
     finally:
