@@ -191,8 +191,7 @@ def no_sigterm():
 def test_tensor_parallel_2_equals_tp_1(fake_sglang, target, monkeypatch, no_sigterm):
     import torch.distributed as dist
 
-    from draftfeed.consumers.engines.parallel.commands import Forward
-    from draftfeed.consumers.engines.parallel.engine import TensorParallelEngine, spec_of
+    from draftfeed.consumers.engines.parallel.engine import TensorParallelEngine
     from draftfeed.consumers.engines.sglang import SGLangEngine
 
     # The follower processes import the fake too, and compute with one thread as this process does.
@@ -225,16 +224,6 @@ def test_tensor_parallel_2_equals_tp_1(fake_sglang, target, monkeypatch, no_sigt
         assert torch.equal(engine.input_embeddings(), embeddings[0])
         assert torch.equal(engine.output_embeddings(), embeddings[1])
 
-        # Ranks out of step fail, both of them, rather than compute: the follower gets other tokens than rank 0.
-        capture = Capture(layer_ids=tuple(AUX_IDS), logits=True)
-        ids, mask = torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.int64)
-        call, engine._calls = engine._calls, engine._calls + 1
-        engine._channel.send(Forward(call=call, capture=spec_of(capture), tensors=[]), {"input_ids": ids + 1, "attention_mask": mask})
-        with pytest.raises(RuntimeError, match="ranks ran different forwards"):
-            engine.inner.forward(ids, mask, capture)
-        acks = engine._channel.await_acks(call, 60, lambda: engine.lost)
-        assert acks is not None and [a.error_type for a in acks] == ["RuntimeError"]
-        assert torch.equal(load_task("eagle3", engine, AUX_IDS).compute(*args)["aux_hidden_states"], expected["aux_hidden_states"])
     finally:
         engine.close()
     assert engine.lost is None and no_sigterm == []

@@ -3,7 +3,8 @@
 Frames are draftfeed's own (``[SIGNATURE, header JSON, *tensor frames]``, schemas/frames.py), over a ZeroMQ
 ROUTER the leader binds on an ``ipc://`` path of a folder of its own (reachable from a network namespace too) and one
 DEALER per follower. A follower says ``hello`` once its engine is built, then answers each call with an ``ack`` that
-says whether the call raised, and what: the leader learns whether every rank ended the call the same way.
+says whether the call raised, and what: the leader learns whether every rank ended the call the same way, and when
+they all raised, tells them to ``go_on``.
 """
 
 from __future__ import annotations
@@ -73,7 +74,16 @@ class Stop(Strict):
     type: Literal["stop"] = "stop"
 
 
-Command = Prepare | Forward | Weight | Stop
+class GoOn(Strict):
+    """Every rank raised the same way in call ``call``: the group is in step, the followers go on. A follower that
+    raised and does not hear this soon is out of step with the leader (which may be waiting in a collective for it),
+    so it exits, and the worker stops."""
+
+    type: Literal["go_on"] = "go_on"
+    call: Annotated[int, Field(ge=0)]
+
+
+Command = Prepare | Forward | Weight | Stop | GoOn
 TO_FOLLOWERS = Accepts(Annotated[Command, Field(discriminator="type")])
 TO_LEADER = Accepts(Annotated[Hello | Ack, Field(discriminator="type")])
 UNBOUNDED = 1 << 62
@@ -123,7 +133,7 @@ class LeaderChannel:
                     acks[message.rank] = message
         return list(acks.values())
 
-    def send(self, command: Prepare | Forward | Weight | Stop, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
+    def send(self, command: Prepare | Forward | Weight | Stop | GoOn, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
         buffers: list[Any] = []
         if tensors is not None:
             specs, buffers = encode_tensors({name: t.detach().cpu() for name, t in tensors.items()})
@@ -155,7 +165,10 @@ class FollowerChannel:
         failed = {} if error is None else {"error_type": type(error).__name__, "error": str(error)[:2000]}
         self._socket.send_multipart(pack(Ack(rank=self.rank, call=call, **failed)))
 
-    def receive(self) -> tuple[Prepare | Forward | Weight | Stop, dict[str, torch.Tensor]]:
+    def receive(self, timeout_s: float | None = None) -> tuple[Prepare | Forward | Weight | Stop | GoOn | None, dict[str, torch.Tensor]]:
+        """The next command and its tensors; (None, {}) if none came within ``timeout_s``."""
+        if timeout_s is not None and not self._socket.poll(int(timeout_s * 1000)):
+            return None, {}
         command, frames = unpack(self._socket.recv_multipart(copy=False), TO_FOLLOWERS)
         # The leader checked the request against its limits already; here a frame is as large as the request it carries.
         tensors = (

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 
 from draftfeed.consumers.engines.base import Capture, Engine, EngineLost, ForwardOutput
-from draftfeed.consumers.engines.parallel.commands import Ack, CaptureSpec, Forward, LeaderChannel, Prepare, Stop, Weight
+from draftfeed.consumers.engines.parallel.commands import Ack, CaptureSpec, Forward, GoOn, LeaderChannel, Prepare, Stop, Weight
 from draftfeed.consumers.engines.parallel.followers import FollowerProcesses
 from draftfeed.consumers.engines.parallel.group import COLLECTIVE_TIMEOUT_S, host_rendezvous
 from draftfeed.consumers.engines.parallel.ranked import build_ranked
@@ -110,6 +110,8 @@ class TensorParallelEngine:
 
     def _follower_ended(self, how: str) -> None:
         """Called on a watch thread when a follower ends while the worker runs."""
+        if self.lost is not None:  # already stopping: a follower out of step exits by itself
+            return
         self.lost = how
         log.error("worker: %s; the worker stops (its requests go back to the broker)", how)
         timer = threading.Timer(LOST_GRACE_S, self._end_now)
@@ -146,6 +148,7 @@ class TensorParallelEngine:
             outcomes = {None if error is None else type(error).__name__} | {ack.error_type for ack in acks or ()}
             if acks is not None and len(outcomes) == 1:
                 if error is not None:
+                    self._channel.send(GoOn(call=command.call))
                     raise error
                 return result
             if self.lost is None:

@@ -16,7 +16,7 @@ import sys
 import torch
 
 from draftfeed.consumers.engines.base import Capture, Engine
-from draftfeed.consumers.engines.parallel.commands import CaptureSpec, FollowerChannel, Forward, Prepare, Stop, Weight
+from draftfeed.consumers.engines.parallel.commands import CaptureSpec, FollowerChannel, Forward, GoOn, Prepare, Stop, Weight
 from draftfeed.consumers.engines.parallel.ranked import build_ranked
 from draftfeed.consumers.engines.parallel.spec import FollowerSpec
 from draftfeed.contract.packing import Documents
@@ -24,6 +24,9 @@ from draftfeed.contract.packing import Documents
 log = logging.getLogger("draftfeed.worker")
 
 PR_SET_PDEATHSIG = 1
+# After a call that raised here, how long rank 0 has to say every rank raised alike (it answers as soon as it has
+# every ack; longer than its own wait for acks).
+GO_ON_TIMEOUT_S = 20.0
 
 
 def die_with(leader_pid: int) -> None:
@@ -39,16 +42,22 @@ def capture_of(spec: CaptureSpec) -> Capture:
 
 
 def serve(engine: Engine, channel: FollowerChannel) -> None:
-    """Make the leader's calls until it says stop, acknowledging each with how it ended."""
+    """Make the leader's calls until it says stop, acknowledging each with how it ended. After a call that raised,
+    go on only if the leader says every rank raised the same way (``GoOn``) within ``GO_ON_TIMEOUT_S``; else exit."""
     while True:
         command, tensors = channel.receive()
         if isinstance(command, Stop):
             return
+        if isinstance(command, GoOn) or command is None:
+            continue  # a verdict that came late: the call it answers was already settled
         try:
             call(engine, command, tensors)
         except Exception as exc:  # the leader compares it with its own outcome of the same call
-            log.debug("call %d raised %s: %s", command.call, type(exc).__name__, exc)
             channel.ack(command.call, exc)
+            verdict, _ = channel.receive(timeout_s=GO_ON_TIMEOUT_S)
+            if not (isinstance(verdict, GoOn) and verdict.call == command.call):
+                log.error("call %d raised %s (%s), and rank 0 did not; this rank is out of step and exits", command.call, type(exc).__name__, exc)
+                raise SystemExit(1) from None
         else:
             channel.ack(command.call)
 

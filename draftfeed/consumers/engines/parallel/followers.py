@@ -41,8 +41,8 @@ class FollowerProcesses:
                 self._popens.append(
                     (spec.rank, subprocess.Popen([sys.executable, "-m", "draftfeed.consumers.engines.parallel.follower", spec.model_dump_json()]))
                 )
-        except BaseException:
-            self.stop()
+        except BaseException:  # one could not be started: none is left running
+            self.kill()
             raise
         for rank, popen in self._popens:
             threading.Thread(target=self._watch, args=(rank, popen), name=f"draftfeed-tp-watch-{rank}", daemon=True).start()
