@@ -193,6 +193,18 @@ def test_a_follower_killed_mid_run_stops_its_worker_and_the_run_completes_elsewh
     wait_until(lambda: gone(follower), timeout_s=15, what=f"the follower (pid {follower}) to exit after SIGTERM")
 
 
+def test_sigterm_while_the_target_loads_leaves_no_process(cluster, tiny_target):
+    """Stopped at start: the follower is running and rank 0 is loading its shard; neither outlives the signal."""
+    worker = processes.start_worker(cluster.backend, str(tiny_target), "--service", "tp-start", *TP, env=WORKER_ENV, ready_pattern=FOLLOWER_LINE)
+    try:
+        follower = follower_pid(worker)
+        worker.signal(signal.SIGTERM)
+        worker.popen.wait(30)
+        wait_until(lambda: gone(follower), timeout_s=15, what=f"the follower (pid {follower}) to exit with its worker stopped at start")
+    finally:
+        worker.stop()
+
+
 # ---------------------------------------------------------------- mistakes: one line, at once
 def run_worker(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "draftfeed", "launch", "worker", "--broker", "tcp://127.0.0.1:1", "--http-port", "0", *args]
