@@ -99,6 +99,18 @@ def test_the_rank_side_and_the_worker_side_never_import_each_other(side, other):
     assert not crossing, "\n".join(crossing)
 
 
+def test_the_store_imports_neither_side():
+    """store/ is the rank's, used through producers/stored.py, but imports neither producers/ nor consumers/."""
+    crossing = sorted(
+        f"{m} -> {i}"
+        for m, imported in GRAPH.items()
+        if m.startswith("draftfeed.store")
+        for i in imported
+        if i.startswith(("draftfeed.producers", "draftfeed.consumers"))
+    )
+    assert not crossing, "\n".join(crossing)
+
+
 def heavy_imports(path: Path) -> set[str]:
     """The heavy packages (torch, transformers, numpy) ``path`` imports itself, anywhere in the file."""
     names = set()

@@ -132,6 +132,9 @@ class Broker:
         self._stop.set()
 
     def run(self) -> None:
+        """Route until stopped. One turn: start draining if stop was asked (and return once nothing is at workers or
+        the drain timeout passed), wait up to the next tick (at most 100 ms) for messages, handle what waits on the
+        frontend then the backend, and on each tick send what the policy's clock calls for (heartbeats, expiries)."""
         if self._frontend is None:
             self.bind()
         assert self._frontend is not None and self._backend is not None

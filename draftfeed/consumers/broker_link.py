@@ -110,6 +110,9 @@ class BrokerLink(threading.Thread):
             close_quietly(dealer, pipe)
 
     def _serve(self, dealer: zmq.Socket, pipe: zmq.Socket) -> None:
+        """The link's loop. One turn: wait up to the next heartbeat, settle the handshake watch, forward what the
+        compute loop sends (return with a bye on stop), handle or pass on what the broker sends, and on each beat send
+        a heartbeat with the worker's stats and register again if the broker fell silent."""
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)
         poller.register(pipe, zmq.POLLIN)

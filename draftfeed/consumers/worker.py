@@ -219,6 +219,9 @@ class Worker:
         return True
 
     def _serve(self, pipe: zmq.Socket, link: BrokerLink) -> None:
+        """The compute loop. One turn: move finished nixl writes on, file everything the link passed on (waiting up
+        to 100 ms when idle), take what ranks sent on the data links, then compute and deliver one queued request
+        and tell the broker it is done. Ends when stopped (handing back the queue) or when the link ends."""
         while link.is_alive() and not self._stop.is_set():
             self._finish_write(block=False)
             wait_ms = 0 if self._queue else 1 if self._writing else 100

@@ -311,6 +311,10 @@ class Connection:
             close_quietly(control, data, pipe)
 
     def _serve(self, control: zmq.Socket, data: zmq.Socket, pipe: zmq.Socket, watch: HandshakeWatch | None) -> None:
+        """The IO thread's loop. One turn: wait up to the next heartbeat (1 ms while a nixl answer is awaited), settle
+        the handshake watch, take what arrived on the data socket (answers), then the control socket (the broker),
+        then the callers' commands on the pipe (return on stop), resend requests whose busy backoff is over, and on
+        each beat send a heartbeat and say hello again if the broker fell silent."""
         poller = zmq.Poller()
         for sock in (control, data, pipe):
             poller.register(sock, zmq.POLLIN)
