@@ -59,3 +59,28 @@ def test_an_answer_over_the_ranks_limit_fails_with_what_to_change(services, data
             small.generate_batch(**batch)
     with RemoteEagle3Target(services.frontend, "lim", data_plane=data_plane) as default:
         assert default.generate_batch(**batch).target_probs.shape == (2, 16, 1000)
+
+
+def test_a_frame_over_the_workers_limit_from_a_rank_is_dropped_before_it_is_read():
+    """A worker's link to a rank takes the rank's small control messages; a frame over --max-request-bytes makes
+    libzmq drop the rank's connection before allocating it (here a raw ROUTER stands in for the rank)."""
+    import zmq
+    from conftest import raw_router, wait_until
+
+    from draftfeed.consumers.rank_links import Delivery, RankLinks
+
+    context = zmq.Context()
+    links = RankLinks(context, max_frame_bytes=1 << 10)
+    try:
+        with raw_router() as (rank, endpoint):
+            wait_until(lambda: links.try_send(endpoint, [b"hello"]) is Delivery.SENT, timeout_s=10, what="the link to connect")
+            assert rank.poll(10_000)
+            worker, _hello = rank.recv_multipart()
+            rank.send_multipart([worker, bytes(512)])
+            assert wait_until(links.incoming, timeout_s=10, what="a frame under the limit")[0][1][0].bytes == bytes(512)
+            rank.send_multipart([worker, bytes(2 << 10)])
+            rank.send_multipart([worker, b"after"])
+            assert not links.incoming() and not links.socket(endpoint).poll(1000), "libzmq drops the sender of an oversized frame"
+    finally:
+        links.close()
+        context.term()

@@ -10,6 +10,7 @@ from typing import Any
 import zmq
 
 from draftfeed.net import close_quietly
+from draftfeed.schemas.protocol import DEFAULT_MAX_REQUEST_BYTES
 from draftfeed.security.curve import PeerKeys, make_client
 
 _FORGOTTEN_KEPT = 4096
@@ -34,9 +35,12 @@ class RankLinks:
     the broker reported gone are remembered, so a late answer for one opens no socket to a dead endpoint.
     """
 
-    def __init__(self, context: zmq.Context, hwm: int = 4, keys: PeerKeys | None = None) -> None:
+    def __init__(self, context: zmq.Context, hwm: int = 4, keys: PeerKeys | None = None, max_frame_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+        """``max_frame_bytes``: the largest frame a rank may send back (libzmq drops a rank that sends more, before
+        allocating it); a rank only sends small control messages on these links."""
         self._context = context
         self._hwm = hwm
+        self._max_frame_bytes = max_frame_bytes
         self._keys = keys
         self._server_keys: dict[str, str | None] = {}  # endpoint -> the rank's public key (secure brokers send it)
         self._sockets: dict[str, zmq.Socket] = {}
@@ -53,6 +57,7 @@ class RankLinks:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)
             sock.setsockopt(zmq.SNDHWM, self._hwm)
+            sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame_bytes)
             if self._keys is not None:
                 server = self._server_keys.get(endpoint)
                 if server is None:

@@ -156,7 +156,7 @@ class Worker:
         pipe = context.socket(zmq.PAIR)
         pipe.setsockopt(zmq.LINGER, 0)
         pipe.bind(pipe_endpoint)
-        self._ranks = ranks = RankLinks(context, hwm=self.config.capacity + 1, keys=self.config.keys)
+        self._ranks = ranks = RankLinks(context, hwm=self.config.capacity + 1, keys=self.config.keys, max_frame_bytes=self.config.max_request_bytes)
         self._planes = PairPlanes(
             self.name,
             local_offer(self.config.data_plane, self.task.engine.device, encrypted=self.config.keys is not None),

@@ -66,6 +66,7 @@ from draftfeed.schemas.messages import (
     WorkerGone,
     WorkerKeys,
 )
+from draftfeed.schemas.protocol import DEFAULT_MAX_FRAME_BYTES
 from draftfeed.security.curve import DATA, PeerKeys, RoleGate, make_client, make_server, start_authenticator
 from draftfeed.security.handshake import HandshakeWatch
 
@@ -266,6 +267,7 @@ class Connection:
             control.setsockopt(zmq.SNDHWM, self.window + _CONTROL_SLACK)
             control.setsockopt(zmq.RCVHWM, self.window + _CONTROL_SLACK)
             control.setsockopt(zmq.ROUTING_ID, self.rank_id.encode())
+            control.setsockopt(zmq.MAXMSGSIZE, DEFAULT_MAX_FRAME_BYTES)  # the broker sends headers and small tensors only
             data.setsockopt(zmq.RCVHWM, self.window + 1)
             # A frame over the limit is refused by libzmq before it is allocated (workers check first, see hello).
             data.setsockopt(zmq.MAXMSGSIZE, self.max_result_bytes)
