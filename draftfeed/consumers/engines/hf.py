@@ -10,13 +10,11 @@ from torch import nn
 
 from draftfeed.consumers.config import DTYPES
 from draftfeed.consumers.engines.base import Capture, ForwardOutput, TargetShape
-from draftfeed.consumers.engines.parallel.group import join_process_group
+from draftfeed.consumers.engines.parallel.group import LOAD_TIMEOUT_S, join_process_group
 from draftfeed.consumers.engines.parallel.spec import ParallelRank
 from draftfeed.contract.packing import Documents
 from draftfeed.schemas.errors import BadRequest
 from draftfeed.schemas.messages import LogitTransform
-
-LOAD_TIMEOUT_S = 1800.0  # a tensor-parallel worker's processes meet within this while they start and load the target
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -24,7 +24,7 @@ import torch
 from draftfeed.consumers.engines.base import Capture, Engine, EngineLost, ForwardOutput
 from draftfeed.consumers.engines.parallel.commands import Ack, CaptureSpec, Forward, GoOn, LeaderChannel, Prepare, Stop, Weight
 from draftfeed.consumers.engines.parallel.followers import FollowerProcesses
-from draftfeed.consumers.engines.parallel.group import COLLECTIVE_TIMEOUT_S, host_rendezvous
+from draftfeed.consumers.engines.parallel.group import COLLECTIVE_TIMEOUT_S, LOAD_TIMEOUT_S, host_rendezvous
 from draftfeed.consumers.engines.parallel.ranked import build_ranked
 from draftfeed.consumers.engines.parallel.spec import FollowerSpec, ParallelRank
 from draftfeed.contract.packing import Documents
@@ -32,7 +32,6 @@ from draftfeed.net import free_port
 
 log = logging.getLogger("draftfeed.worker")
 
-LOAD_TIMEOUT_S = 1800.0  # every rank loads its shard of the target within this
 LOST_GRACE_S = 10.0  # after a follower ended, how long the worker may take to stop before it is ended
 # After rank 0 raised in a call, how long the others get to say they raised too (they end the call at the same point).
 ACK_TIMEOUT_S = 10.0

@@ -14,6 +14,8 @@ from draftfeed.consumers.engines.parallel.spec import ParallelRank
 # A collective that waits longer than this for a peer fails (a dead follower usually fails it at once, by a closed
 # connection). It bounds a forward of the longest row, so it is generous.
 COLLECTIVE_TIMEOUT_S = 600.0
+# Every rank of a worker joins the group and loads its shard of the target within this.
+LOAD_TIMEOUT_S = 1800.0
 
 
 def host_rendezvous(world_size: int, timeout_s: float) -> dist.TCPStore:
