@@ -9,7 +9,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import WORKER_ENV, make_batch, raw_peer, wait_until
+from conftest import FAST_LIVENESS, WORKER_ENV, make_batch, raw_peer, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from draftfeed import RemoteEagle3Target
@@ -51,7 +51,7 @@ def value(port: int, name: str, **labels: str) -> float | None:
 @pytest.fixture(scope="module")
 def observed(tiny_target):
     broker_port, worker_port = free_port(), free_port()
-    broker = processes.start_broker(extra=["--http-port", str(broker_port), "--http-host", "127.0.0.1", "--heartbeat-interval", "0.2"])
+    broker = processes.start_broker(extra=["--http-port", str(broker_port), "--http-host", "127.0.0.1", *FAST_LIVENESS])
     worker = None
     try:
         worker = processes.start_worker(
