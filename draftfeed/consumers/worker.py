@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import zmq
 
-from draftfeed.consumers.broker_link import RESET, STOP, BrokerLink
+from draftfeed.consumers.broker_link import RESET, STOP, BrokerLink, send_to_link
 from draftfeed.consumers.config import WorkerConfig
 from draftfeed.consumers.engines.base import RETRYABLE_ERRORS, EngineLost
 from draftfeed.consumers.mappings import MissingMapping, WorkerMappings
@@ -184,8 +184,7 @@ class Worker:
             if link.refused is not None:
                 raise CannotServe(f"worker {self.name}: the broker refused its registration: {link.refused}")
         finally:
-            if link.is_alive():
-                pipe.send(STOP)
+            if send_to_link(pipe, [STOP], link):
                 link.join(timeout=5)
             while self._writing:
                 self._finish_write(block=True)
@@ -233,14 +232,18 @@ class Worker:
                 queued = self._queue.popleft()
                 done = self._serve_one(queued.dispatch, queued.frames, pipe)
                 self.metrics.answered(done.outcome)
-                pipe.send_multipart(pack(done))
+                self._to_link(pipe, pack(done))
         if self._stop.is_set():
             self._leave(pipe)
+
+    def _to_link(self, pipe: zmq.Socket, frames: list[Any]) -> None:
+        assert self._link is not None
+        send_to_link(pipe, frames, self._link)
 
     def _leave(self, pipe: zmq.Socket) -> None:
         """Stopping: no more work, and what was queued goes back to the broker now; the bye that follows (run's
         finally) makes the broker requeue whatever it had sent on its way here."""
-        pipe.send_multipart(pack(Draining()))
+        self._to_link(pipe, pack(Draining()))
         handed_back = len(self._queue)
         self._hand_back(pipe, "worker draining")
         log.info("worker %s: stopping after serving %d requests; %d queued went back to the broker", self.name, self.served, handed_back)
@@ -294,13 +297,13 @@ class Worker:
         dropped = [q for q in self._queue if q.dispatch.rank == message.rank]
         self._queue = deque(q for q in self._queue if q.dispatch.rank != message.rank)
         for queued in dropped:
-            pipe.send_multipart(pack(Done(ticket=queued.dispatch.ticket, outcome="undelivered", message="rank gone")))
+            self._to_link(pipe, pack(Done(ticket=queued.dispatch.ticket, outcome="undelivered", message="rank gone")))
         log.info("worker %s: rank %s is gone; dropped %d of its queued requests", self.name, message.rank, len(dropped))
 
     def _hand_back(self, pipe: zmq.Socket, reason: str) -> None:
         while self._queue:
             queued = self._queue.popleft()
-            pipe.send_multipart(pack(Done(ticket=queued.dispatch.ticket, outcome="draining", message=reason)))
+            self._to_link(pipe, pack(Done(ticket=queued.dispatch.ticket, outcome="draining", message=reason)))
 
     # ------------------------------------------------------------ serving one request
     def _serve_one(self, dispatch: Dispatch, tensor_frames: list[Any], pipe: zmq.Socket) -> Done:
@@ -308,7 +311,7 @@ class Worker:
         is in the engine before the engine starts: if the worker dies now, that one is charged with it."""
         request = dispatch.request
         self._in_engine = dispatch.ticket
-        pipe.send_multipart(pack(self._stats()))
+        self._to_link(pipe, pack(self._stats()))
         started = time.perf_counter()
         try:
             tensors = self._compute(dispatch, tensor_frames)
