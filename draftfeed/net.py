@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import socket
+import threading
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,21 @@ class SendBacklog:
 
     def clear(self) -> None:
         self._waiting.clear()
+
+
+def send_to_thread(pipe: zmq.Socket, frames: list[Any], thread: threading.Thread) -> bool:
+    """Send on an inproc PAIR pipe to the thread that owns its other end; False, at once, if that thread has ended.
+
+    A PAIR socket without a peer blocks a plain send forever, and a thread that ends before it connects its end (or
+    connects and closes it before this end has sent anything) leaves this end without one."""
+    while True:
+        try:
+            pipe.send_multipart(frames, flags=zmq.DONTWAIT, copy=False)
+            return True
+        except zmq.Again:
+            if not thread.is_alive():
+                return False
+            pipe.poll(100, zmq.POLLOUT)
 
 
 def host_identity() -> str:

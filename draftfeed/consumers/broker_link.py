@@ -44,21 +44,6 @@ STOP = b"stop"  # compute loop -> link: say bye and end
 RESET = b"reset"  # link -> compute loop: registered afresh; drop queued dispatches and mappings
 
 
-def send_to_link(pipe: zmq.Socket, frames: list[Any], link: threading.Thread) -> bool:
-    """Send from the compute loop to the link; False, at once, if the link has ended.
-
-    A PAIR socket whose peer has closed blocks a plain send forever: a link that ended (refused, failed) between the
-    compute loop's last look and its send would hang the worker's exit."""
-    while True:
-        try:
-            pipe.send_multipart(frames, flags=zmq.DONTWAIT, copy=False)
-            return True
-        except zmq.Again:
-            if not link.is_alive():
-                return False
-            pipe.poll(100, zmq.POLLOUT)
-
-
 class _Refused(Exception):
     """The broker refused this worker's registration: the link ends and the worker exits."""
 

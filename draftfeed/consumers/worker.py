@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import zmq
 
-from draftfeed.consumers.broker_link import RESET, STOP, BrokerLink, send_to_link
+from draftfeed.consumers.broker_link import RESET, STOP, BrokerLink
 from draftfeed.consumers.config import WorkerConfig
 from draftfeed.consumers.engines.base import RETRYABLE_ERRORS, EngineLost
 from draftfeed.consumers.mappings import MissingMapping, WorkerMappings
@@ -43,7 +43,7 @@ from draftfeed.dataplane.choice import local_offer
 from draftfeed.dataplane.nixl_transport import NixlError, Region
 from draftfeed.dataplane.pair_group import DataPlaneError, PairGroup, describe
 from draftfeed.dataplane.tensor_codec import decode_tensors, pack_tensors, tensor_bytes
-from draftfeed.net import close_quietly, host_identity
+from draftfeed.net import close_quietly, host_identity, send_to_thread
 from draftfeed.observe.worker_metrics import WorkerMetrics
 from draftfeed.schemas.errors import BadRequest, CannotServe, MalformedMessage
 from draftfeed.schemas.frames import pack, unpack
@@ -184,7 +184,7 @@ class Worker:
             if link.refused is not None:
                 raise CannotServe(f"worker {self.name}: the broker refused its registration: {link.refused}")
         finally:
-            if send_to_link(pipe, [STOP], link):
+            if send_to_thread(pipe, [STOP], link):
                 link.join(timeout=5)
             while self._writing:
                 self._finish_write(block=True)
@@ -238,7 +238,7 @@ class Worker:
 
     def _to_link(self, pipe: zmq.Socket, frames: list[Any]) -> None:
         assert self._link is not None
-        send_to_link(pipe, frames, self._link)
+        send_to_thread(pipe, frames, self._link)
 
     def _leave(self, pipe: zmq.Socket) -> None:
         """Stopping: no more work, and what was queued goes back to the broker now; the bye that follows (run's

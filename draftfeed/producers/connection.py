@@ -1,10 +1,11 @@
 """A training rank's connection: one IO thread owns its sockets, the caller's threads get futures.
 
 Sockets: a DEALER to the broker's frontend (requests, control, heartbeats) and a ROUTER bound on this
-host (supervision arrives straight from workers). The caller hands requests to the IO thread through an
-inproc pipe; the IO thread packs and sends them and resolves one future per request (requests.py keeps
-them). Errors from the pipeline, and the death of the IO thread itself, surface on those futures, where
-the caller waits.
+host (supervision arrives straight from workers). The caller packs each request on its own thread and hands
+it to the IO thread through an inproc pipe; the IO thread only moves frames: it sends requests, resends them,
+and settles one future per request with the reply as received (requests.py keeps them; answers.py runs the
+caller's ``finish`` on the thread that takes the result). Errors from the pipeline, and the death of the IO
+thread itself, surface on those futures, where the caller waits.
 
 Every unanswered request (its frames are small: token ids and masks) and every vocab mapping a live
 request names are kept. When the broker restarts, says it does not know or has forgotten this rank, says
@@ -27,7 +28,6 @@ import os
 import threading
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,13 +36,14 @@ import zmq
 from draftfeed.broker_session import BrokerSession
 from draftfeed.dataplane.tensor_codec import decode_tensors
 from draftfeed.logs import RateLimitedLog
-from draftfeed.net import SendBacklog, bind, close_quietly, host_identity, is_loopback, local_address_towards
+from draftfeed.net import SendBacklog, bind, close_quietly, host_identity, is_loopback, local_address_towards, send_to_thread
+from draftfeed.producers.answers import Answer, Finish
 from draftfeed.producers.nixl_receivers import NixlReceivers
 from draftfeed.producers.pair_receivers import PairReceivers
-from draftfeed.producers.requests import RequestKind, RequestTable, Waiter
+from draftfeed.producers.requests import RequestKind, RequestTable
 from draftfeed.producers.settings import RankSettings
 from draftfeed.schemas.errors import MalformedMessage, RemoteTargetError, RemoteTargetTimeout, TargetClosed
-from draftfeed.schemas.frames import pack, unpack
+from draftfeed.schemas.frames import pack, unpack, with_request_id
 from draftfeed.schemas.messages import (
     DATA_INBOUND,
     FRONTEND_OUTBOUND,
@@ -76,7 +77,7 @@ log = logging.getLogger("draftfeed.producer")
 
 # Commands to the IO thread, on the pipe: the first frame names the command.
 _STOP = b"stop"
-_PACK = b"pack"  # caller: pack and send the request with this id
+_SEND = b"send"  # caller: send the request with this id (packed already)
 _ASK_AGAIN = b"again"  # a pair receiver: this request's answer was lost; ask under a new id
 _TO_WORKER = b"worker"  # a pair receiver: send these frames to this worker on the data socket
 _TO_BROKER = b"broker"  # the caller: send these frames to the broker (a new hello)
@@ -179,27 +180,32 @@ class Connection:
     def request(
         self,
         build: Callable[[int, int], list[Any]],
-        finish: Callable[[Any, dict[str, Any]], Any],
+        finish: Finish,
         kind: RequestKind,
         *,
         mapping: str | None = None,
         timeout_s: float | None = None,
-    ) -> Future:
+    ) -> Answer:
         """Send ``build(request_id, token)``; the future gets ``finish(reply_header, tensors)`` or the error.
 
-        ``mapping``: the vocab mapping (digest) a BATCH names or a SET_MAPPING sets. ``build`` runs on the IO
-        thread: tensors it packs must not change until the future is done (they are sent zero-copy)."""
+        ``build`` runs here, on the caller's thread, and ``finish`` on the thread that takes the result: the IO
+        thread only moves frames. ``mapping``: the vocab mapping (digest) a BATCH names or a SET_MAPPING sets.
+        Tensors ``build`` packs are sent zero-copy: they must not change until the future is done."""
         if self._broken is not None:
             raise RemoteTargetError(f"the connection to {self.broker} is broken: {self._broken}")
-        added = self.requests.add(build, finish, kind, mapping=mapping, timeout_s=timeout_s)
+        added = self.requests.add(finish, kind, mapping=mapping, timeout_s=timeout_s)
         if added is None:
             raise RemoteTargetTimeout(
                 f"all {self.window} prefetch slots of service {self.service!r} stayed busy for {timeout_s} s: "
                 "no worker answered; check `draftfeed status`"
             )
         request_id, waiter = added
-        # The IO thread packs the message: the caller (a training loop) only hands it over.
-        self._tell_io_thread([_PACK, request_id.to_bytes(8, "little")])
+        try:
+            waiter.frames = build(request_id, waiter.token)
+        except BaseException:
+            self.requests.resolve(request_id, error=RemoteTargetError(f"request {request_id} could not be packed"))
+            raise
+        self._tell_io_thread([_SEND, request_id.to_bytes(8, "little")])
         return waiter.future
 
     def expect(self, info: Any) -> None:
@@ -253,7 +259,7 @@ class Connection:
         """Hand a command to the IO thread from any thread (the pipe is shared under the lock)."""
         with self._lock:
             if not self._pipe.closed:
-                self._pipe.send_multipart(frames)
+                send_to_thread(self._pipe, frames, self._thread)
 
     # ------------------------------------------------------------ IO thread
     def _io_main(self, pipe_endpoint: str) -> None:
@@ -371,11 +377,10 @@ class Connection:
             command = frames[0].bytes
             if command == _STOP:
                 return False
-            if command == _PACK:
-                request_id = int.from_bytes(frames[1].bytes, "little")
-                waiter = self.requests.get(request_id)
-                if waiter is not None:  # else closed or failed meanwhile
-                    self._send_as(waiter, request_id, control)
+            if command == _SEND:
+                waiter = self.requests.get(int.from_bytes(frames[1].bytes, "little"))
+                if waiter is not None and waiter.frames is not None:  # else closed or failed meanwhile
+                    self._send(control, waiter.frames)
             elif command == _ASK_AGAIN:
                 self._ask_again(int.from_bytes(frames[1].bytes, "little"), frames[2].bytes.decode(), control)
             elif command == _TO_WORKER:
@@ -385,15 +390,6 @@ class Connection:
                     pass  # the worker's link is full or gone: it learns from its own failed send
             elif command == _TO_BROKER:
                 self._send(control, frames[1:])
-
-    def _send_as(self, waiter: Waiter, request_id: int, control: zmq.Socket) -> None:
-        """Pack the request under ``request_id`` (kept for resending) and send it; one that cannot be packed fails."""
-        try:
-            waiter.frames = waiter.build(request_id, waiter.token)
-        except Exception as exc:
-            self.requests.resolve(request_id, error=RemoteTargetError(f"request {request_id} could not be packed: {exc}"))
-            return
-        self._send(control, waiter.frames)
 
     def _send(self, control: zmq.Socket, frames: list[Any], *, droppable: bool = False) -> None:
         """Never block on a broker out of reach: a heartbeat or hello that cannot go now is dropped (the next one goes)."""
@@ -607,4 +603,6 @@ class Connection:
             reason,
             new_id,
         )
-        self._send_as(waiter, new_id, control)
+        assert waiter.frames is not None  # packed before it was sent, and only what was sent is lost
+        waiter.frames = with_request_id(waiter.frames, new_id)
+        self._send(control, waiter.frames)

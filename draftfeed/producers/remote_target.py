@@ -276,7 +276,7 @@ class RemoteTarget(Generic[Sup, Info]):
         for name, tensor in sent.items():
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-            dtype_name(tensor.dtype)  # raises here, not on the IO thread, for a dtype the codec cannot carry
+            dtype_name(tensor.dtype)  # a dtype the codec cannot carry is refused before a prefetch slot is taken
         try:
             packed = check_packing(attention_mask, position_ids, seq_lens, doc_remaining) is not None
         except BadRequest as exc:
@@ -318,7 +318,7 @@ class RemoteTarget(Generic[Sup, Info]):
         )
 
     def _from_wire(self, received: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The supervision fields from what the worker sent (on the IO thread)."""
+        """The supervision fields from what the worker sent (on the thread that takes the result)."""
         return {name: received[name] for name in self.SUPERVISION.WIRE_FIELDS}
 
     def generate_batch(

@@ -1,6 +1,6 @@
 """A rank's table of unanswered requests: ids and tokens, the credit window, first-answer-wins resolution.
 
-Thread-safe: callers add requests from their threads, the IO thread packs, resends and resolves them.
+Thread-safe: callers add requests and pack them on their threads, the IO thread sends, resends and resolves them.
 
 - Each request has a random 63-bit token; an answer that does not echo it is not for this request.
 - A request of kind BATCH holds one slot of the window (``prefetch_depth``) until it is resolved; adding one
@@ -20,11 +20,10 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from draftfeed.schemas.errors import RemoteTargetError
+from draftfeed.producers.answers import Answer, Finish, Reply, settle
 
 BUSY_RETRY_S = (0.05, 1.0)  # a busy request is sent again after the first, doubling per busy answer up to the second
 
@@ -48,13 +47,11 @@ class RequestKind(enum.Enum):
 class Waiter:
     """One unanswered request."""
 
-    future: Future
-    finish: Callable[[Any, dict[str, Any]], Any]  # (reply header, tensors) -> the future's value, on the IO thread
+    future: Answer
     kind: RequestKind
-    build: Callable[[int, int], list[Any]]  # (request id, token) -> frames, on the IO thread
     token: int
     mapping: str | None = None  # the vocab mapping it names (BATCH) or sets (SET_MAPPING)
-    frames: list[Any] | None = None  # packed by the IO thread under its latest id; kept for resending
+    frames: list[Any] | None = None  # packed by the caller, under its latest id; kept for resending
     retry_at: float | None = None
     busy_retries: int = 0
     ids: list[int] = field(default_factory=list)  # every request id it answers to, the latest last
@@ -78,19 +75,19 @@ class RequestTable:
     # ------------------------------------------------------------ adding
     def add(
         self,
-        build: Callable[[int, int], list[Any]],
-        finish: Callable[[Any, dict[str, Any]], Any],
+        finish: Finish,
         kind: RequestKind,
         *,
         mapping: str | None = None,
         timeout_s: float | None = None,
     ) -> tuple[int, Waiter] | None:
-        """A new request and its id; None if it needs a window slot and none came free within ``timeout_s``."""
+        """A new request and its id, to be packed (``frames``) by the caller; None if it needs a window slot and none
+        came free within ``timeout_s``. Its future's value is ``finish(reply header, tensors)``, run by the taker."""
         if kind.holds_window_slot and not self._slots.acquire(timeout=timeout_s):
             return None
-        waiter = Waiter(Future(), finish, kind, build, self._random.getrandbits(63), mapping)
         with self._lock:
             request_id = next(self._ids)
+            waiter = Waiter(Answer(finish, request_id), kind, self._random.getrandbits(63), mapping)
             waiter.ids.append(request_id)
             self._waiters[request_id] = waiter
             if kind is RequestKind.SET_MAPPING and mapping is not None:
@@ -170,8 +167,8 @@ class RequestTable:
 
     # ------------------------------------------------------------ resolving
     def resolve(self, request_id: int, *, header: Any = None, tensors: dict[str, Any] | None = None, error: BaseException | None = None) -> bool:
-        """Settle the request that answers to ``request_id`` with ``finish(header, tensors)`` or ``error``, once.
-        False if it was already resolved."""
+        """Settle the request that answers to ``request_id`` with the reply (``header``, ``tensors``) or ``error``,
+        once; False if it was already resolved. Nothing of the caller's runs here (``finish`` runs when taken)."""
         with self._lock:
             waiter = self._waiters.pop(request_id, None)
             if waiter is None:
@@ -182,13 +179,7 @@ class RequestTable:
                 self.in_flight -= 1
         if waiter.kind.holds_window_slot:
             self._slots.release()
-        value = None
-        if error is None:
-            try:
-                value = waiter.finish(header, tensors or {})
-            except Exception as exc:
-                error = RemoteTargetError(f"reply to request {request_id} is unusable: {exc}")
-        settle(waiter.future, value, error)
+        settle(waiter.future, Reply(header, tensors or {}), error)
         return True
 
     def fail_all(self, error: BaseException) -> None:
@@ -205,14 +196,3 @@ class RequestTable:
     def _unique(self) -> list[Waiter]:
         """Each waiter once (one asked again answers to several ids); call with the lock held."""
         return list({id(w): w for w in self._waiters.values()}.values())
-
-
-def settle(future: Future, value: Any, error: BaseException | None) -> None:
-    """Complete a future unless its owner has cancelled it (an abandoned iterator does)."""
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(value)
-    except InvalidStateError:
-        pass

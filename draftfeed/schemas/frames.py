@@ -18,6 +18,13 @@ def pack(header: BaseModel, buffers: Sequence[Any] = ()) -> list[Any]:
     return [SIGNATURE, header.model_dump_json().encode(), *buffers]
 
 
+def with_request_id(frames: Sequence[Any], request_id: int) -> list[Any]:
+    """The same message under another request id: a new header, the tensor frames as they are (a rank asking again)."""
+    header = json.loads(frame_bytes(frames[1]))
+    header["request_id"] = request_id
+    return [frames[0], json.dumps(header, separators=(",", ":")).encode(), *frames[FIRST_TENSOR_FRAME:]]
+
+
 def frame_bytes(frame: Any) -> bytes:
     """A received frame's bytes (a zmq.Frame, or bytes already)."""
     if type(frame) is bytes:

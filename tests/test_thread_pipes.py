@@ -1,4 +1,4 @@
-"""The worker's compute loop and its broker link: what passes between the two threads."""
+"""The inproc pipes between a process's threads (a worker's compute loop and broker link, a rank's callers and IO thread)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import uuid
 import pytest
 import zmq
 
-from draftfeed.consumers.broker_link import send_to_link
+from draftfeed.net import send_to_thread
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -26,7 +26,7 @@ def test_a_send_to_a_link_that_has_ended_returns_at_once():
     link.start()
     try:
         link.join(10)
-        assert send_to_link(pipe, [b"stop"], link) is False
+        assert send_to_thread(pipe, [b"stop"], link) is False
     finally:
         pipe.close()
         context.term()
@@ -53,7 +53,7 @@ def test_a_send_to_a_live_link_arrives():
     link.start()
     try:
         assert connected.wait(10)
-        assert send_to_link(pipe, [b"done", b"7"], link) is True
+        assert send_to_thread(pipe, [b"done", b"7"], link) is True
         link.join(15)
         assert received == [[b"done", b"7"]]
     finally:
