@@ -5,13 +5,15 @@ the request waited in its queue, nor a worker that was only frozen and came back
 from __future__ import annotations
 
 import pytest
-from test_broker_state import INFO, Clock, dispatches, errors, hello
+import torch
+from support.clock import Clock
+from support.messages import dispatches, errors, hello, register, submit
 
 from draftfeed.broker.settings import BrokerSettings
 from draftfeed.broker.state import BrokerState
-from draftfeed.schemas.messages import Done, Register, Submit, TensorSpec, WorkerHeartbeat
+from draftfeed.schemas.messages import Done, WorkerHeartbeat
 
-SPEC = [TensorSpec(name="input_ids", dtype="int64", shape=[1, 1])]
+INPUT = {"input_ids": torch.zeros(1, 1, dtype=torch.int64)}
 
 
 @pytest.fixture
@@ -22,16 +24,6 @@ def clock() -> Clock:
 @pytest.fixture
 def state(clock) -> BrokerState:
     return BrokerState("test", BrokerSettings(heartbeat_interval_s=1.0, liveness=3, max_attempts=3), clock)
-
-
-def register(state: BrokerState, name: str, capacity: int = 2):
-    return state.on_register(
-        name.encode(), Register(worker=name, service="svc", task="eagle3", engine="hf", info=INFO, capacity=capacity, host="h", pid=1)
-    )
-
-
-def submit(state: BrokerState, request_id: int):
-    return state.on_submit(b"r", Submit(request_id=request_id, kind="eagle3", token=1, tensors=SPEC), [b"\0" * 8])
 
 
 def beat(state: BrokerState, worker: str, in_engine: int | None = None):
@@ -49,11 +41,11 @@ def kill(state: BrokerState, clock: Clock, worker: str, keep: list[str]):
 
 def test_a_death_charges_the_request_in_the_engine_not_those_queued_behind_it(state, clock):
     hello(state, "r", window=4)
-    register(state, "w1")
-    first = dispatches(submit(state, 0))[0][1]
-    dispatches(submit(state, 1))
+    register(state, "w1", capacity=2)
+    first = dispatches(submit(state, "r", 0, tensors=INPUT))[0][1]
+    dispatches(submit(state, "r", 1, tensors=INPUT))
     beat(state, "w1", in_engine=first.ticket)
-    register(state, "w2")  # joins after; both requests stay at w1 until it dies
+    register(state, "w2", capacity=2)  # joins after; both requests stay at w1 until it dies
     kill(state, clock, "w1", keep=["w2"])
     in_engine, queued = state.ranks[b"r"].requests[0], state.ranks[b"r"].requests[1]
     assert in_engine.failures == 1 and "worker w1 died with it in its engine" in in_engine.attempts[0][1]
@@ -67,8 +59,8 @@ def test_a_request_that_only_waits_at_dying_workers_never_fails(state, clock):
     hello(state, "r", window=4)
     names = [f"w{i}" for i in range(5)]
     register(state, names[0], capacity=2)
-    dispatches(submit(state, 0))
-    dispatches(submit(state, 1))
+    dispatches(submit(state, "r", 0, tensors=INPUT))
+    dispatches(submit(state, "r", 1, tensors=INPUT))
     failed = []
     for index, name in enumerate(names):
         held = {p.request.request_id: p.ticket for p in state.workers[name.encode()].in_flight.values()}
@@ -84,10 +76,10 @@ def test_a_poison_batch_fails_after_max_attempts_naming_itself_and_each_try(stat
     hello(state, "r", window=4)
     out = []
     for index in range(3):
-        register(state, f"w{index}")
+        register(state, f"w{index}", capacity=2)
         pending_ticket = next(iter(state.workers[f"w{index}".encode()].in_flight), None)
         if pending_ticket is None:
-            pending_ticket = dispatches(submit(state, 7))[0][1].ticket
+            pending_ticket = dispatches(submit(state, "r", 7, tensors=INPUT))[0][1].ticket
         beat(state, f"w{index}", in_engine=pending_ticket)
         out = kill(state, clock, f"w{index}", keep=[])
     (failure,) = errors(out)
@@ -99,13 +91,13 @@ def test_a_poison_batch_fails_after_max_attempts_naming_itself_and_each_try(stat
 
 def test_a_frozen_worker_that_comes_back_charges_nothing(state, clock):
     hello(state, "r", window=4)
-    register(state, "w1")
-    first = dispatches(submit(state, 0))[0][1]
+    register(state, "w1", capacity=2)
+    first = dispatches(submit(state, "r", 0, tensors=INPUT))[0][1]
     beat(state, "w1", in_engine=first.ticket)
-    register(state, "w2")
+    register(state, "w2", capacity=2)
     kill(state, clock, "w1", keep=["w2"])  # frozen past the window: looks dead
     assert state.ranks[b"r"].requests[0].failures == 1
-    register(state, "w1")  # thawed: it registers again
+    register(state, "w1", capacity=2)  # thawed: it registers again
     pending = state.ranks[b"r"].requests[0]
     assert pending.failures == 0 and pending.attempts == [] and b"w1" not in pending.excluded
 
@@ -115,7 +107,7 @@ def test_an_engine_that_cannot_run_a_batch_counts_draining_does_not(state):
     register(state, "w1", capacity=1)
     register(state, "w2", capacity=1)
     register(state, "w3", capacity=1)
-    peer, dispatch = dispatches(submit(state, 0))[0]
+    peer, dispatch = dispatches(submit(state, "r", 0, tensors=INPUT))[0]
     out = state.on_done(peer, Done(ticket=dispatch.ticket, outcome="draining", message="worker draining"))
     assert state.ranks[b"r"].requests[0].failures == 0
     for _ in range(3):

@@ -9,25 +9,20 @@ from __future__ import annotations
 import logging
 
 import pytest
-from test_broker_state import Clock, register
+from support.clock import Clock
+from support.messages import backend, dispatches, frontend, hello, only, register, submit, welcome
 
 from draftfeed.broker.settings import BrokerSettings
 from draftfeed.broker.state import BrokerState
-from draftfeed.schemas.frames import unpack
 from draftfeed.schemas.messages import (
-    BACKEND_OUTBOUND,
-    FRONTEND_OUTBOUND,
     Dispatch,
     Done,
     ErrorReply,
     ForgetMapping,
     ForgetRank,
-    Hello,
     SetVocabMapping,
-    Submit,
     TensorSpec,
     VocabMapping,
-    Welcome,
     WorkerHeartbeat,
 )
 
@@ -45,56 +40,32 @@ def state(clock) -> BrokerState:
     return BrokerState("test", BrokerSettings(heartbeat_interval_s=1.0, liveness=3), clock)
 
 
-def hello(state: BrokerState, name: str = "r", window: int = 4) -> Welcome:
-    (reply,) = frontend(
-        state.on_hello(name.encode(), Hello(rank=name, service="svc", data_endpoint="tcp://127.0.0.1:1", window=window, host="h", pid=1))
-    )
-    assert isinstance(reply, Welcome)
-    return reply
-
-
 def set_mapping(state: BrokerState, digest: str, rank: str = "r", request_id: int = 900):
     specs = [TensorSpec(name="selected_token_ids", dtype="int64", shape=[2]), TensorSpec(name="selected_token_mask", dtype="bool", shape=[4])]
     return state.on_set_vocab_mapping(rank.encode(), SetVocabMapping(request_id=request_id, digest=digest, tensors=specs), [b"\0" * 16, b"\0" * 4])
 
 
-def submit(state: BrokerState, request_id: int, digest: str | None, rank: str = "r"):
-    return state.on_submit(rank.encode(), Submit(request_id=request_id, kind="eagle3", token=7, mapping_digest=digest), [])
-
-
-def frontend(out) -> list:
-    return [unpack(item.frames, FRONTEND_OUTBOUND)[0] for item in out if item.side == "frontend"]
-
-
-def backend(out, worker: str | None = None) -> list:
-    return [unpack(item.frames, BACKEND_OUTBOUND)[0] for item in out if item.side == "backend" and (worker is None or item.peer == worker.encode())]
-
-
-def only(messages: list, kind: type):
-    return [m for m in messages if isinstance(m, kind)]
-
-
 def test_a_request_naming_a_mapping_the_broker_lacks_is_refused_for_a_resend(state):
     register(state, "w1")
-    hello(state)
-    (refusal,) = frontend(submit(state, 0, DIGEST_A))
+    welcome(hello(state, window=4))
+    (refusal,) = frontend(submit(state, "r", 0, DIGEST_A))
     assert isinstance(refusal, ErrorReply) and refusal.code == "unknown_mapping" and refusal.request_id == 0
     assert DIGEST_A in refusal.message and "send the mapping, then the request again" in refusal.message
     assert state.ranks[b"r"].outstanding == 0
     set_mapping(state, DIGEST_A)
-    sent = backend(submit(state, 0, DIGEST_A), "w1")
+    sent = backend(submit(state, "r", 0, DIGEST_A), "w1")
     assert [type(m) for m in sent] == [VocabMapping, Dispatch]  # the mapping goes first
     assert sent[0].digest == DIGEST_A and sent[1].request.mapping_digest == DIGEST_A
 
 
 def test_a_forgotten_rank_is_told_so_then_resyncs_fully(state, clock, caplog):
     register(state, "w1", capacity=2)
-    assert hello(state).resumed is False
+    assert welcome(hello(state, window=4)).resumed is False
     set_mapping(state, DIGEST_A)
-    assert only(backend(submit(state, 0, DIGEST_A)), Dispatch)
+    assert only(backend(submit(state, "r", 0, DIGEST_A)), Dispatch)
     clock.now = 2.0
     state.on_worker_heartbeat(b"w1", WorkerHeartbeat())
-    assert hello(state).resumed is True  # the same rank again, still known: nothing to resend
+    assert welcome(hello(state, window=4)).resumed is True  # the same rank again, still known: nothing to resend
     clock.now = 5.5  # the rank last heard at 2.0 (its hello): silent for 3.5 s > the 3 s window; the worker heard now
     state.on_worker_heartbeat(b"w1", WorkerHeartbeat())
     with caplog.at_level(logging.INFO, logger="draftfeed.broker"):
@@ -104,28 +75,26 @@ def test_a_forgotten_rank_is_told_so_then_resyncs_fully(state, clock, caplog):
     assert [type(m) for m in backend(out, "w1") if not m.type == "heartbeat"] == [ForgetRank, ForgetMapping]
     (told,) = only(frontend(state.on_rank_heartbeat(b"r")), ErrorReply)
     assert told.code == "forgotten" and "forgot this rank: silent for 3.5 s" in told.message
-    (refused,) = frontend(submit(state, 1, DIGEST_A))
+    (refused,) = frontend(submit(state, "r", 1, DIGEST_A))
     assert refused.code == "forgotten"
     # Its hello: a new record, and the welcome says the broker holds nothing of it.
-    assert hello(state).resumed is False
-    (refusal,) = frontend(submit(state, 0, DIGEST_A))  # a batch that overtook the resync: never computed without A
+    assert welcome(hello(state, window=4)).resumed is False
+    (refusal,) = frontend(submit(state, "r", 0, DIGEST_A))  # a batch that overtook the resync: never computed without A
     assert refusal.code == "unknown_mapping"
     set_mapping(state, DIGEST_A)
-    sent = backend(submit(state, 0, DIGEST_A), "w1")
+    sent = backend(submit(state, "r", 0, DIGEST_A), "w1")
     assert [type(m) for m in sent] == [VocabMapping, Dispatch]  # the worker was told to forget A: it gets A again
 
 
 def test_an_old_request_of_a_forgotten_rank_is_never_dispatched_for_its_new_record(state, clock):
     register(state, "w1")
-    hello(state)
+    welcome(hello(state, window=4))
     set_mapping(state, DIGEST_A)
-    ((_, old),) = [
-        (i.peer, m) for i, m in ((i, unpack(i.frames, BACKEND_OUTBOUND)[0]) for i in submit(state, 0, DIGEST_A)) if isinstance(m, Dispatch)
-    ]
+    ((_, old),) = dispatches(submit(state, "r", 0, DIGEST_A))
     clock.now = 3.5
     state.on_worker_heartbeat(b"w1", WorkerHeartbeat())
     state.on_tick()  # forgets the rank
-    hello(state)  # back, empty
+    welcome(hello(state, window=4))  # back, empty
     # The worker hands the old request back (e.g. draining): it belongs to a forgotten record and goes nowhere.
     out = state.on_done(b"w1", Done(ticket=old.ticket, outcome="draining", message="worker draining"))
     assert only(backend(out), Dispatch) == [] and not state.services["svc"].queue
@@ -133,9 +102,9 @@ def test_an_old_request_of_a_forgotten_rank_is_never_dispatched_for_its_new_reco
 
 def test_a_worker_lacking_a_mapping_gets_it_again_before_the_request(state):
     register(state, "w1")
-    hello(state)
+    welcome(hello(state, window=4))
     set_mapping(state, DIGEST_A)
-    (first,) = only(backend(submit(state, 0, DIGEST_A)), Dispatch)
+    (first,) = only(backend(submit(state, "r", 0, DIGEST_A)), Dispatch)
     out = state.on_done(b"w1", Done(ticket=first.ticket, outcome="missing_mapping", missing_mapping=DIGEST_A, message="no vocab mapping"))
     sent = backend(out, "w1")
     assert [type(m) for m in sent] == [VocabMapping, Dispatch] and sent[1].request.request_id == 0
@@ -149,20 +118,20 @@ def test_a_worker_lacking_a_mapping_gets_it_again_before_the_request(state):
 
 def test_a_worker_registering_again_is_sent_its_mappings_again(state):
     register(state, "w1", capacity=2)
-    hello(state)
+    welcome(hello(state, window=4))
     set_mapping(state, DIGEST_A)
-    (first,) = only(backend(submit(state, 0, DIGEST_A)), Dispatch)
+    (first,) = only(backend(submit(state, "r", 0, DIGEST_A)), Dispatch)
     out = register(state, "w1", capacity=2)  # it lost sight of the broker and dropped what it held
     assert [type(m) for m in backend(out, "w1") if m.type in ("vocab_mapping", "dispatch")] == [VocabMapping, Dispatch]
 
 
 def test_a_mapping_lives_while_a_request_names_it(state):
     register(state, "w1")
-    hello(state)
+    welcome(hello(state, window=4))
     set_mapping(state, DIGEST_A)
-    (first,) = only(backend(submit(state, 0, DIGEST_A)), Dispatch)
+    (first,) = only(backend(submit(state, "r", 0, DIGEST_A)), Dispatch)
     assert only(backend(set_mapping(state, DIGEST_B)), ForgetMapping) == []  # request 0 still names A
-    assert only(frontend(submit(state, 1, DIGEST_A)), ErrorReply) == []  # so A is still held
+    assert only(frontend(submit(state, "r", 1, DIGEST_A)), ErrorReply) == []  # so A is still held
     out = state.on_done(b"w1", Done(ticket=first.ticket, outcome="served"))
     (second,) = only(backend(out), Dispatch)
     assert second.request.request_id == 1 and only(backend(out), ForgetMapping) == []

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from support.clock import Clock
+from support.messages import INFO, dispatches, errors, hello, register, submit
 
 from draftfeed.broker.settings import BrokerSettings
 from draftfeed.broker.state import BrokerState
@@ -14,11 +16,9 @@ from draftfeed.schemas.messages import (
     Dispatch,
     Done,
     DSparkTargetInfo,
-    Eagle3TargetInfo,
     ErrorReply,
     Hello,
     PairStatus,
-    Register,
     Submit,
     TensorSpec,
     WorkerGone,
@@ -26,16 +26,6 @@ from draftfeed.schemas.messages import (
     dispatch_header,
     dispatch_rank_fields,
 )
-
-INFO = Eagle3TargetInfo(num_hidden_layers=8, hidden_size=64, vocab_size=1000, aux_layer_ids=[1, 3, 4])
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
@@ -46,34 +36,6 @@ def clock() -> Clock:
 @pytest.fixture
 def state(clock) -> BrokerState:
     return BrokerState("test", BrokerSettings(heartbeat_interval_s=1.0, liveness=3, max_queued_per_service=4), clock)
-
-
-def register(state: BrokerState, name: str, capacity: int = 1, info=INFO):
-    return state.on_register(
-        name.encode(), Register(worker=name, service="svc", task=info.task, engine="hf", info=info, capacity=capacity, host="h", pid=1)
-    )
-
-
-def hello(state: BrokerState, name: str, window: int = 2):
-    return state.on_hello(name.encode(), Hello(rank=name, service="svc", data_endpoint=f"tcp://127.0.0.1:1/{name}", window=window, host="h", pid=1))
-
-
-def submit(state: BrokerState, rank: str, request_id: int):
-    return state.on_submit(rank.encode(), Submit(request_id=request_id, kind="eagle3", token=request_id + 100), [])
-
-
-def dispatches(out) -> list[tuple[bytes, Dispatch]]:
-    found = []
-    for item in out:
-        if item.side == "backend":
-            message, _ = unpack(item.frames, BACKEND_OUTBOUND)
-            if isinstance(message, Dispatch):
-                found.append((item.peer, message))
-    return found
-
-
-def errors(out) -> list[ErrorReply]:
-    return [m for m in (unpack(i.frames, FRONTEND_OUTBOUND)[0] for i in out if i.side == "frontend") if isinstance(m, ErrorReply)]
 
 
 def test_dispatch_header_is_the_dispatch_model():

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 from conftest import Cluster, make_batch, wait_until
-from test_broker_state import INFO, dispatches, errors
+from support.messages import INFO, dispatches, errors
 
 from draftfeed import RemoteEagle3Target, RemoteTargetError
 from draftfeed.broker.fair_queue import FairQueue

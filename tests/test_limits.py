@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import Cluster, add_service, make_batch, raw_peer
-from test_broker_state import errors
+from support.messages import errors
 
 from draftfeed import RemoteEagle3Target, RemoteTargetError
 from draftfeed.broker.settings import BrokerSettings

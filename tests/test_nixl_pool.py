@@ -7,20 +7,13 @@ import gc
 
 import pytest
 import torch
+from support.clock import Clock
 
 from draftfeed.dataplane.nixl_transport import HOST_ALIGNMENT, host_memory
 from draftfeed.producers.nixl_pool import PoolFull, ReceivePool
 from draftfeed.schemas.messages import TensorSpec
 
 KIB = 1 << 10
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def pool(limit: int, clock: Clock | None = None) -> tuple[ReceivePool, list[int]]:

@@ -4,19 +4,13 @@ from __future__ import annotations
 
 import io
 
+from support.clock import Clock
+
 from draftfeed.launch.progress import Progress
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_not_a_terminal_prints_a_line_every_interval_and_at_the_end():
-    clock, out = Clock(), io.StringIO()
+    clock, out = Clock(100.0), io.StringIO()
     progress = Progress(10, "steps", stream=out, every_s=5.0, clock=clock, terminal=False)
     for _ in range(4):
         clock.now += 1.0
@@ -33,7 +27,7 @@ def test_not_a_terminal_prints_a_line_every_interval_and_at_the_end():
 
 
 def test_a_terminal_redraws_in_place_and_lines_go_above_the_bar():
-    clock, bar, lines = Clock(), io.StringIO(), io.StringIO()
+    clock, bar, lines = Clock(100.0), io.StringIO(), io.StringIO()
     progress = Progress(4, "scenarios", stream=bar, clock=clock, terminal=True)
     clock.now += 30.0
     progress.advance()

@@ -1,0 +1,9 @@
+"""Helpers shared by the tests, one module per job; the tests import them as ``from support.clock import Clock``.
+
+pytest puts tests/ on sys.path (the rootdir conftest.py, in its default ``prepend`` import mode), so ``support``
+is found beside ``conftest`` and ``reference``. A test module imports from here or from those, never from
+another test module.
+
+- ``clock``: a clock the test turns by hand, for code that takes a ``clock`` callable.
+- ``messages``: broker messages built and read for ``BrokerState`` on its own (no sockets).
+"""
