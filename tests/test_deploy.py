@@ -41,6 +41,7 @@ import torch
 import yaml
 from conftest import WORKER_ENV
 from reference import difference, reference_eagle3
+from support.metrics import metric
 
 from draftfeed.launch import cli
 from draftfeed.launch.config import apply_sources
@@ -146,15 +147,6 @@ def get(url: str) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
-def metric(text: str, name: str, **labels: str) -> float:
-    """The value of the sample ``name{labels...}`` in a Prometheus text page (labels: those that must match)."""
-    for line in text.splitlines():
-        match = re.match(rf"^{re.escape(name)}(\{{(.*)\}})? (\S+)$", line)
-        if match and all(f'{key}="{value}"' in (match.group(2) or "") for key, value in labels.items()):
-            return float(match.group(3))
-    raise AssertionError(f"no sample {name} {labels} in:\n{text}")
-
-
 def test_slurm_nodes_on_localhost(tiny_target, tiny_model, tmp_path):
     steps, batch_size, seq_len, draft_vocab, saved = 3, 2, 32, 256, 2
     frontend, backend, broker_http, worker_http, master = (free_port() for _ in range(5))
@@ -230,8 +222,8 @@ def test_slurm_nodes_on_localhost(tiny_target, tiny_model, tmp_path):
 
         # Both ranks' batches went through the one worker, as its metrics count them.
         _, page = get(f"http://127.0.0.1:{worker_http}/metrics")
-        assert metric(page, "draftfeed_worker_requests_total", worker="localhost-0", outcome="served") == 2 * steps
-        assert metric(page, "draftfeed_worker_registered", worker="localhost-0") == 1
+        assert metric(page, "draftfeed_worker_requests_total", worker="localhost-0", outcome="served") == 2 * steps, page
+        assert metric(page, "draftfeed_worker_registered", worker="localhost-0") == 1, page
 
         serving.signal_step(signal.SIGTERM)
         assert serving.wait(30) == 0, serving.log()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import FAST_LIVENESS, WORKER_ENV, make_batch, raw_peer, wait_until
-from prometheus_client.parser import text_string_to_metric_families
+from support.metrics import metric
 
 from draftfeed import RemoteEagle3Target
 from draftfeed.contract.supervision import Eagle3Supervision
@@ -31,21 +31,11 @@ def get(port: int, path: str) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
-def samples(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of /metrics by (name, sorted labels)."""
+def value(port: int, name: str, **labels: str) -> float | None:
+    """The sample ``name`` (summed over those whose labels include ``labels``) on the /metrics page at ``port``."""
     status, text = get(port, "/metrics")
     assert status == 200, text
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return out
-
-
-def value(port: int, name: str, **labels: str) -> float | None:
-    """The sum of the samples called ``name`` whose labels include ``labels``."""
-    found = [v for (n, have), v in samples(port).items() if n == name and set(labels.items()) <= set(have)]
-    return sum(found) if found else None
+    return metric(text, name, **labels)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ import pytest
 import torch
 from conftest import TESTS_DIR, WORKER_ENV, Cluster, add_service, assert_supervision_equal, run_concurrently, wait_until
 from reference import reference_eagle3
+from support.metrics import metric
 from tp_reference import AUX, DSPARK_IDS, batches
 
 from draftfeed import RemoteDSparkTarget, RemoteEagle3Target
@@ -141,7 +142,7 @@ def test_status_health_and_metrics_say_tensor_parallel_2(services, http_port):
     health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=10).read())
     assert health == {"status": "ready", "tensor_parallel": 2, "devices": ["cpu", "cpu"]}
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10).read().decode()
-    assert re.search(r'draftfeed_worker_tensor_parallel\{devices="cpu,cpu",.*\} 2\.0', metrics), metrics
+    assert metric(metrics, "draftfeed_worker_tensor_parallel", devices="cpu,cpu") == 2, metrics
 
 
 def test_sigkill_of_a_worker_takes_its_follower_with_it(services):

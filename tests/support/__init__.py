@@ -6,4 +6,5 @@ another test module.
 
 - ``clock``: a clock the test turns by hand, for code that takes a ``clock`` callable.
 - ``messages``: broker messages built and read for ``BrokerState`` on its own (no sockets).
+- ``metrics``: a Prometheus text page (``GET /metrics``) read into samples.
 """
