@@ -4,18 +4,12 @@ from __future__ import annotations
 
 import threading
 
+from support.clock import Clock
+
 from draftfeed.broker_session import BrokerSession
 from draftfeed.producers.requests import RequestKind, RequestTable
 from draftfeed.schemas.errors import RemoteTargetError
 from draftfeed.schemas.messages import Liveness
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def add(table: RequestTable, kind: RequestKind = RequestKind.BATCH, mapping: str | None = None, timeout_s: float | None = 1.0):
@@ -80,7 +74,7 @@ def test_unanswered_requests_are_resent_in_order_behind_the_mappings_they_name()
 
 
 def test_a_busy_request_is_due_again_after_a_doubling_backoff():
-    clock = Clock()
+    clock = Clock(100.0)
     table = RequestTable(window=1, clock=clock)
     request_id, waiter = add(table)
     table.busy(request_id)
@@ -125,7 +119,7 @@ def test_adding_from_many_threads_keeps_ids_unique_and_the_count_exact():
 
 
 def test_a_broker_session_introduces_itself_again_once_per_window():
-    clock = Clock()
+    clock = Clock(100.0)
     session = BrokerSession(clock)
     session.introducing()
     assert not session.may_introduce()  # a hello is on its way
