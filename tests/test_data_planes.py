@@ -14,46 +14,16 @@ import pytest
 import torch
 from conftest import WORKER_ENV, Cluster, assert_supervision_equal, make_batch, reference_eagle3, run_concurrently, wait_until
 from fake_pair_faults import EXIT_CODE
+from support.planes import VOCAB, add_faulty_worker, check_batches, pairs_of
 
 from draftfeed import RemoteEagle3Target
 from draftfeed.dataplane.choice import choose_plane, host_id, local_offer
 from draftfeed.dataplane.nixl_transport import unavailable
-from draftfeed.launch import processes
 from draftfeed.schemas.messages import DataPlaneOffer
 
 pytestmark = pytest.mark.timeout(240)
 SERVICE = "planes"
-VOCAB = 1000
 RANK_SCRIPT = str(Path(__file__).parent / "pair_rank.py")
-
-
-def add_faulty_worker(cluster: Cluster, target: Path, fault: str, *args: str) -> processes.Process:
-    """A real worker whose N-th pair send fails (tests/fake_pair_faults.py)."""
-    worker = processes.start(
-        ["worker", "--broker", cluster.backend, "--target", str(target), *args],
-        env={**WORKER_ENV, "FAKE_PAIR_FAULT": fault},
-        module="fake_pair_faults",
-    )
-    cluster.workers.append(worker)
-    return worker
-
-
-def pairs_of(cluster: Cluster, worker: str) -> dict[str, dict]:
-    """The worker's pairs as status reports them, by rank."""
-    status = cluster.worker_status(worker)
-    return {pair["rank"]: pair for pair in (status or {}).get("pairs", [])}
-
-
-def check_batches(remote: RemoteEagle3Target, model, seeds: list[int]) -> list[dict[str, torch.Tensor]]:
-    """Iterate batches of these seeds; each answer must equal the in-process computation, in order."""
-    aux = remote.model_info().aux_layer_ids
-    batches = [make_batch(2, 24, VOCAB, seed=seed) | {"seed": seed} for seed in seeds]
-    seen = []
-    for batch, supervision in remote.iterate(batches):
-        seen.append(batch["seed"])
-        assert_supervision_equal(supervision, reference_eagle3(model, batch, aux))
-    assert seen == seeds, "each batch exactly once, in the dataloader's order"
-    return [s for s in seen]
 
 
 # ---------------------------------------------------------------- the choice

@@ -15,26 +15,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import WORKER_ENV, Cluster, assert_supervision_equal, make_batch, reference_dspark, reference_eagle3, wait_until
+from conftest import WORKER_ENV, Cluster, make_batch, reference_dspark, reference_eagle3, wait_until
 from fake_pair_faults import EXIT_CODE
 from reference import draft_vocab
+from support.planes import VOCAB, add_faulty_worker, check_batches, pairs_of
 
 from draftfeed import RemoteDSparkTarget, RemoteEagle3Target
 from draftfeed.consumers.nixl_senders import ARENAS
 from draftfeed.dataplane.nixl_transport import unavailable
-from draftfeed.launch import processes
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.skipif(unavailable() is not None, reason=f"NIXL: {unavailable()}")]
-VOCAB = 1000
 AUX = [1, 3, 4]
 DSPARK_IDS = [1, 3, 4, 6, 7]
 RANK_SCRIPT = str(Path(__file__).parent / "pair_rank.py")
 SMALL = ["--nixl-min-bytes", "0"]  # the tiny target's answers are under the default: nixl for all of them
-
-
-def pairs_of(cluster: Cluster, worker: str) -> dict[str, dict]:
-    status = cluster.worker_status(worker)
-    return {pair["rank"]: pair for pair in (status or {}).get("pairs", [])}
+FAULTS = ["--service", "faults", "--data-plane", "nixl", *SMALL]  # a worker with a forced fault in its writes
 
 
 def await_nixl(remote, cluster: Cluster, worker: str) -> None:
@@ -46,24 +41,6 @@ def await_nixl(remote, cluster: Cluster, worker: str) -> None:
         return remote.data_planes().get(worker, "").startswith("nixl") and pairs_of(cluster, worker).get(remote.rank_id, {}).get("state") == "ready"
 
     wait_until(ready, what="the nixl pair, ready on both sides")
-
-
-def check(remote, model, seeds, expected_of, keep: bool = True) -> list:
-    """Iterate batches of these seeds; each answer must equal the in-process computation, in order. Returns the
-    answers (``keep``), or drops each once checked, as a training loop does."""
-    batches = [make_batch(3, 32, VOCAB, seed=seed) | {"seed": seed} for seed in seeds]
-    answers, count = [], 0
-    for batch, supervision in remote.iterate(batches):
-        assert batch["seed"] == seeds[count], "in the dataloader's order"
-        count += 1
-        expected = expected_of(batch)
-        if expected is not None:
-            assert_supervision_equal(supervision, expected)
-        if keep:
-            answers.append(supervision)
-        del supervision
-    assert count == len(seeds)
-    return answers
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +79,8 @@ def test_nixl_equals_frames_and_the_in_process_computation(forms, tiny_model, se
         await_nixl(over_nixl, forms, worker)
         seeds = list(range(10, 18))
         before = over_nixl.connection_stats.received_over_nixl
-        by_nixl = check(over_nixl, tiny_model, seeds, expected_of)
-        by_frames = check(over_frames, tiny_model, seeds, expected_of)
+        by_nixl = check_batches(over_nixl, tiny_model, seeds, expected_of)
+        by_frames = check_batches(over_frames, tiny_model, seeds, expected_of)
         for a, b in zip(by_nixl, by_frames):
             for field, tensor in b.as_dict().items():
                 assert torch.equal(a.as_dict()[field], tensor), f"{field}: nixl and frames differ"
@@ -120,16 +97,16 @@ def test_a_held_batch_is_never_overwritten_and_the_pool_keeps_its_bound(forms, t
     limit = 4 << 20  # room for about 8 answers of this size (448 KiB each, in slots of 64 KiB multiples)
     with RemoteEagle3Target(forms.frontend, "probs", data_plane="nixl", nixl_pool_bytes=limit) as remote:
         await_nixl(remote, forms, "nixl-probs")
-        held = check(remote, tiny_model, [500], lambda b: reference_eagle3(tiny_model, b, AUX))[0]
+        held = check_batches(remote, tiny_model, [500])[0]
         copy = {name: tensor.clone() for name, tensor in held.as_dict().items()}
         before = remote.connection_stats.received_over_nixl
-        check(remote, tiny_model, list(range(501, 541)), lambda b: reference_eagle3(tiny_model, b, AUX), keep=False)
+        check_batches(remote, tiny_model, list(range(501, 541)), keep=False)
         assert remote.connection_stats.received_over_nixl - before == 40, "the later answers reused the free slots"
         for name, tensor in copy.items():
             assert torch.equal(held.as_dict()[name], tensor), f"{name} of a held batch changed"
         assert remote.nixl_pool()["taken"] >= 1 and remote.nixl_pool()["registered_bytes"] <= limit
         # Hold every batch: the pool fills, later answers come as frames, still exact, and the log names the setting.
-        kept = check(remote, tiny_model, list(range(600, 620)), lambda b: reference_eagle3(tiny_model, b, AUX))
+        kept = check_batches(remote, tiny_model, list(range(600, 620)))
         pool = remote.nixl_pool()
         assert pool["registered_bytes"] <= limit, pool
         assert remote.connection_stats.received_over_nixl - before < 60, "some answers came as frames once the pool was full"
@@ -138,25 +115,15 @@ def test_a_held_batch_is_never_overwritten_and_the_pool_keeps_its_bound(forms, t
         gc.collect()
         wait_until(lambda: remote.nixl_pool()["taken"] == 0, what="the slots freed with the tensors over them")
         before = remote.connection_stats.received_over_nixl
-        check(remote, tiny_model, list(range(700, 705)), lambda b: reference_eagle3(tiny_model, b, AUX))
+        check_batches(remote, tiny_model, list(range(700, 705)))
         assert remote.connection_stats.received_over_nixl - before == 5, "nixl again once the slots were free"
 
 
-def add_faulty_worker(cluster: Cluster, target, fault: str, name: str) -> processes.Process:
-    worker = processes.start(
-        ["worker", "--broker", cluster.backend, "--target", str(target), "--service", "faults", "--data-plane", "nixl", "--name", name, *SMALL],
-        env={**WORKER_ENV, "FAKE_NIXL_FAULT": fault},
-        module="fake_pair_faults",
-    )
-    cluster.workers.append(worker)
-    return worker
-
-
 def test_a_failed_write_goes_as_frames_and_the_pair_is_rebuilt(fast_cluster, tiny_target, tiny_model):
-    worker = add_faulty_worker(fast_cluster, tiny_target, "fail:3", "w-flaky")
+    worker = add_faulty_worker(fast_cluster, tiny_target, "fail:3", *FAULTS, "--name", "w-flaky")
     with RemoteEagle3Target(fast_cluster.frontend, "faults", data_plane="nixl") as remote:
         await_nixl(remote, fast_cluster, "w-flaky")
-        check(remote, tiny_model, list(range(6)), lambda b: reference_eagle3(tiny_model, b, AUX))
+        check_batches(remote, tiny_model, list(range(6)))
         pair = wait_until(lambda: pairs_of(fast_cluster, "w-flaky").get(remote.rank_id, {}).get("fallbacks"), what="the fallback in status")
         # The failed answer, and the next one if it was already staged and posted on the same pair (one write in flight
         # per staging arena): each is asked for again and arrives as frames.
@@ -164,38 +131,38 @@ def test_a_failed_write_goes_as_frames_and_the_pair_is_rebuilt(fast_cluster, tin
         seed = iter(range(100, 200))
 
         def rebuilt() -> bool:
-            check(remote, tiny_model, [next(seed)], lambda b: reference_eagle3(tiny_model, b, AUX))
+            check_batches(remote, tiny_model, [next(seed)])
             worker_side = pairs_of(fast_cluster, "w-flaky").get(remote.rank_id, {})
             return remote.data_planes().get("w-flaky") == "nixl 1" and worker_side.get("state") == "ready"
 
         wait_until(rebuilt, timeout_s=60, what="a new nixl pair, ready on both sides", poll_s=0.2)
         before = remote.connection_stats.received_over_nixl
-        check(remote, tiny_model, list(range(200, 204)), lambda b: reference_eagle3(tiny_model, b, AUX))
+        check_batches(remote, tiny_model, list(range(200, 204)))
         assert remote.connection_stats.received_over_nixl == before + 4, "the rebuilt pair carries the answers"
     assert worker.popen.poll() is None
 
 
 def test_a_posted_write_that_fails_takes_the_pair_down_and_its_answer_is_asked_for_again(fast_cluster, tiny_target, tiny_model):
-    worker = add_faulty_worker(fast_cluster, tiny_target, "late:3", "w-late")
+    worker = add_faulty_worker(fast_cluster, tiny_target, "late:3", *FAULTS, "--name", "w-late")
     with RemoteEagle3Target(fast_cluster.frontend, "faults", data_plane="nixl") as remote:
         await_nixl(remote, fast_cluster, "w-late")
-        check(remote, tiny_model, list(range(8)), lambda b: reference_eagle3(tiny_model, b, AUX))
+        check_batches(remote, tiny_model, list(range(8)))
         wait_until(lambda: pairs_of(fast_cluster, "w-late").get(remote.rank_id, {}).get("fallbacks"), what="the torn-down pair in status")
         assert remote.connection_stats.lost_over_pair >= 1, "the answer whose write failed was asked for again"
-        check(remote, tiny_model, list(range(8, 12)), lambda b: reference_eagle3(tiny_model, b, AUX))
+        check_batches(remote, tiny_model, list(range(8, 12)))
     assert worker.popen.poll() is None
 
 
 def test_a_worker_that_dies_after_its_write_loses_nothing(fast_cluster, tiny_target, tiny_model):
-    doomed = add_faulty_worker(fast_cluster, tiny_target, "exit:3", "w-doomed")
+    doomed = add_faulty_worker(fast_cluster, tiny_target, "exit:3", *FAULTS, "--name", "w-doomed")
     with RemoteEagle3Target(fast_cluster.frontend, "faults", data_plane="nixl", prefetch_depth=2) as remote:
         remote.model_info()
         fast_cluster.add_worker(tiny_target, "--service", "faults", "--data-plane", "nixl", "--name", "w-healthy", *SMALL)
-        check(remote, tiny_model, list(range(16)), lambda b: reference_eagle3(tiny_model, b, AUX))
+        check_batches(remote, tiny_model, list(range(16)))
         assert doomed.popen.wait(timeout=30) == EXIT_CODE, "the fault killed the worker between its write and its header"
         wait_until(lambda: "w-doomed" not in remote.data_planes(), timeout_s=10, what="the dead worker's pair closed")
         assert remote.connection_stats.duplicates_dropped == 0
-        check(remote, tiny_model, list(range(16, 20)), lambda b: reference_eagle3(tiny_model, b, AUX))
+        check_batches(remote, tiny_model, list(range(16, 20)))
 
 
 def test_a_killed_rank_makes_the_worker_drop_its_agent_and_others_are_served(fast_cluster, tiny_target, tiny_model):
@@ -215,7 +182,7 @@ def test_a_killed_rank_makes_the_worker_drop_its_agent_and_others_are_served(fas
         worker.wait_for_line(f"dropped the NIXL agent of rank {rank_name}", timeout_s=5, after=mark)
         with RemoteEagle3Target(fast_cluster.frontend, "faults", data_plane="nixl") as remote:
             await_nixl(remote, fast_cluster, "w-survivor")
-            check(remote, tiny_model, list(range(8)), lambda b: reference_eagle3(tiny_model, b, AUX))
+            check_batches(remote, tiny_model, list(range(8)))
     finally:
         rank.kill()
         rank.wait(timeout=10)

@@ -7,4 +7,6 @@ another test module.
 - ``clock``: a clock the test turns by hand, for code that takes a ``clock`` callable.
 - ``messages``: broker messages built and read for ``BrokerState`` on its own (no sockets).
 - ``metrics``: a Prometheus text page (``GET /metrics``) read into samples.
+- ``planes``: data planes end to end: a worker's pairs in status, a worker with a forced fault in its sends, batches
+  checked against the in-process computation.
 """
