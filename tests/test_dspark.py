@@ -99,7 +99,7 @@ def test_eagle3_and_dspark_services_side_by_side(services, tiny_model):
 
 def test_a_rank_of_the_wrong_task_is_told_so(services):
     with RemoteEagle3Target(services.frontend, DEFAULT, request_timeout=30) as target:
-        with pytest.raises(ValueError, match="service 'ds-default' serves dspark supervision; RemoteEagle3Target needs a eagle3 service"):
+        with pytest.raises(ValueError, match="service 'ds-default' serves dspark supervision; RemoteEagle3Target needs eagle3 supervision"):
             target.model_info()
         with pytest.raises(ValueError, match="serves dspark supervision"):
             target.generate_batch(**make_batch(1, 4, 1000, seed=0))

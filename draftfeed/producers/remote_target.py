@@ -10,7 +10,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -24,26 +24,20 @@ from draftfeed.contract.packing import PACKING_KEYS, SENT_KEYS, check_packing
 from draftfeed.contract.supervision import BATCH_KEYS, DSparkSupervision, Eagle3Supervision, Supervision
 from draftfeed.contract.vocab import mapping_digest, validate_vocab_mapping
 from draftfeed.dataplane.choice import local_offer
-from draftfeed.dataplane.tensor_codec import dtype_name, pack_tensors, tensor_bytes
+from draftfeed.dataplane.tensor_codec import dtype_name, tensor_bytes
 from draftfeed.net import host_identity
 from draftfeed.observe.http import ObserveServer
 from draftfeed.observe.rank_metrics import RankMetrics
 from draftfeed.producers.connection import Connection, ConnectionStats
 from draftfeed.producers.prefetch import prefetch
-from draftfeed.producers.requests import RequestKind
 from draftfeed.producers.settings import RankSettings
+from draftfeed.producers.sources import BrokerSource, Served, Source, StoredSource
 from draftfeed.producers.stored import StoredSupervision
 from draftfeed.schemas.errors import BadRequest, RemoteTargetError, RemoteTargetTimeout
-from draftfeed.schemas.frames import pack
 from draftfeed.schemas.messages import (
     DSparkTargetInfo,
     Eagle3TargetInfo,
-    LogitTransform,
-    ModelInfoQuery,
     PairOpen,
-    SetVocabMapping,
-    StatusQuery,
-    Submit,
 )
 from draftfeed.schemas.protocol import DEFAULT_HTTP_HOST
 from draftfeed.security.curve import PeerKeys
@@ -138,21 +132,23 @@ class RemoteTarget(Generic[Sup, Info]):
         self.request_timeout = settings.request_timeout
         self.device = torch.device(settings.device) if settings.device is not None else None
         self.wait_log_interval = settings.wait_log_interval
-        self._connection: Connection | None = None
-        self._stored: StoredSupervision | None = None
+        self._source: Source | None = None
         self._observer: ObserveServer | None = None
-        # This rank's own name: its shard folder in a store, and its name in replay (else the broker's rank_id).
-        self._local_id = f"{host_identity()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._served: Served | None = None
+        self._embeddings: dict[str, nn.Embedding] = {}
+        stored = None
         if settings.store is not None:  # first: a store that cannot be opened fails before anything connects
+            local_id = f"{host_identity()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # its shard folder (and name in replay)
             opened = SupervisionStore(
-                settings.store, settings.store_mode_in_force, self._local_id, settings.store_shard_bytes, settings.store_queue_batches
+                settings.store, settings.store_mode_in_force, local_id, settings.store_shard_bytes, settings.store_queue_batches
             )
-            self._stored = StoredSupervision(opened, max(settings.prefetch_depth, 1), settings.request_timeout)
+            stored = StoredSupervision(opened, max(settings.prefetch_depth, 1), settings.request_timeout)
+            self._source = StoredSource(stored, None, local_id)
         try:
             if not replaying:
                 rank_keys = PeerKeys.resolve(keys, "rank")
                 offer = local_offer(settings.data_plane, self.device, encrypted=rank_keys is not None)
-                self._connection = Connection(
+                connection = Connection(
                     broker,
                     service,
                     max(settings.prefetch_depth, 1),
@@ -164,67 +160,40 @@ class RemoteTarget(Generic[Sup, Info]):
                     max_result_bytes=settings.max_result_bytes,
                     nixl_pool_bytes=settings.nixl_pool_bytes,
                 )
+                live = BrokerSource(connection, service, settings.request_timeout)
+                self._source = StoredSource(stored, live, local_id) if stored is not None else live
             self.metrics = RankMetrics(self.rank_id, service, lambda: self.in_flight, lambda: self.connection_stats)
             if settings.metrics_port is not None:
                 self._observer = ObserveServer(DEFAULT_HTTP_HOST, settings.metrics_port, self._health, lambda: self.metrics.registry, "metrics_port")
             if not replaying:
-                self._await_workers(settings.wait_for_workers)
+                live.await_workers(settings.wait_for_workers)
         except BaseException:
             self.close()
             raise
-        self._info: Info | None = None
-        self._workers: list[str] = []
-        self._forms: list[str] = []
-        self._logit_transform: LogitTransform | None = None
-        self._embeddings: dict[str, nn.Embedding] = {}
 
     # ------------------------------------------------------------ setup
-    def _await_workers(self, wait_s: float) -> None:
-        """A service no worker serves yet: say so, and wait up to ``wait_s`` (wait_for_workers) for its first one."""
-        connection = self._live("waiting for workers")
-        if connection.has_workers.is_set():
-            return
-        served = ", ".join(f"{name} ({count} workers)" for name, count in connection.services.items() if name != self.service and count)
-        served = f"it serves {served}" if served else "it serves no service yet"
-        if wait_s <= 0:
-            raise RemoteTargetError(f"no worker serves service {self.service!r} at the broker at {connection.broker}: {served} (wait_for_workers=0)")
-        log.warning("draftfeed: no worker serves service %r yet (%s); waiting up to %g s (wait_for_workers)", self.service, served, wait_s)
-        if not connection.has_workers.wait(wait_s):
-            raise RemoteTargetError(
-                f"no worker of service {self.service!r} registered at the broker at {connection.broker} within {wait_s:g} s "
-                f"(wait_for_workers): {served}; start a worker with --service {self.service}, or raise wait_for_workers"
-            )
-
     def model_info(self) -> Info:
-        """num_hidden_layers, hidden_size, vocab_size and the layer ids of the service's target (asked once)."""
-        if self._info is None and self._connection is None:  # replay: what the store was recorded from
-            identity = self._replayed_store().identity
-            assert identity is not None  # a store opened for replay has its store.json
-            if not isinstance(identity.target, self.INFO):
-                raise ValueError(
-                    f"the store at {self._replayed_store().path} holds {identity.task} supervision; {type(self).__name__} needs {self.TASK}"
-                )
-            self._info, self._forms, self._logit_transform = identity.target, list(identity.forms), identity.logit_transform
-        if self._info is None:
-            connection = self._live("the model info")
-            reply = self._wait(
-                connection.request(lambda rid, _token: pack(ModelInfoQuery(request_id=rid)), lambda r, _: r, RequestKind.QUERY),
-                "the model info (is a worker for this service running?)",
-            )
-            if not isinstance(reply.info, self.INFO):
-                raise ValueError(f"service {self.service!r} serves {reply.info.task} supervision; {type(self).__name__} needs a {self.TASK} service")
-            self._info, self._workers = reply.info, reply.workers
-            self._forms, self._logit_transform = reply.supervision, reply.logit_transform
-            connection.expect(reply.info)
-        return self._info
+        """num_hidden_layers, hidden_size, vocab_size and the layer ids of the service's target (asked once; in
+        replay, what the store was recorded from)."""
+        return self._served_target().info  # type: ignore[return-value]
+
+    def _served_target(self) -> Served:
+        if self._served is None:
+            served = self._wait(self._opened().served(), "the model info (is a worker for this service running?)")
+            if not isinstance(served.info, self.INFO):
+                raise ValueError(f"{served.origin} {served.verb} {served.info.task} supervision; {type(self).__name__} needs {self.TASK} supervision")
+            self._served = served
+            self._opened().checked(served.info)
+        return self._served
 
     def check_target_info(self, expected: Info) -> None:
         """Raise ValueError naming the service, its workers and each mismatched field, unless the service's
         target is ``expected``. Once checked, the broker refuses any worker of another target, later ones too."""
-        served = self.model_info()
-        mismatch = expected.describe_mismatch(served, "expected", "served")
+        served = self._served_target()
+        mismatch = expected.describe_mismatch(served.info, "expected", "served")
         if mismatch:
-            raise ValueError(f"service {self.service!r} (workers {', '.join(self._workers)}) serves another target: {mismatch}")
+            workers = f" (workers {', '.join(served.workers)})" if served.workers else ""
+            raise ValueError(f"{served.origin}{workers} {served.verb} another target: {mismatch}")
 
     def get_input_embeddings(self) -> nn.Embedding:
         """The target's input embedding as a frozen ``nn.Embedding`` ([V, H] weight), fetched once."""
@@ -240,19 +209,7 @@ class RemoteTarget(Generic[Sup, Info]):
         return self._embeddings[kind]
 
     def _fetch_weight(self, kind: str, rows: torch.Tensor | None = None) -> torch.Tensor:
-        name = kind if rows is None else f"{kind}_rows"  # the rows of the vocab mapping the store is bound to
-        stored = self._stored.store if self._stored is not None else None
-        weight = stored.weight(name) if stored is not None else None
-        if weight is None and self._connection is None:
-            raise RemoteTargetError(
-                f"the store at {stored.path} holds no {name.replace('_', ' ')} (store_mode='replay' has no worker to ask): "  # type: ignore[union-attr]
-                "record with a rank that asks for it (get_input_embeddings() / get_output_embeddings()), or use store_mode='cache'"
-            )
-        if weight is None:
-            tensors = {} if rows is None else {"rows": rows}
-            weight = self._wait(self._submit(kind, tensors, lambda _reply, received: received["weight"]), f"the {kind.replace('_', ' ')}")
-            if stored is not None:
-                stored.put_weight(name, weight)
+        weight = self._wait(self._opened().weight(kind, rows), f"the {kind.replace('_', ' ')}")
         return weight.to(self.device) if self.device is not None else weight
 
     # ------------------------------------------------------------ supervision
@@ -297,24 +254,23 @@ class RemoteTarget(Generic[Sup, Info]):
             self.metrics.received(tensor_bytes(received))
             return supervision  # type: ignore[return-value]
 
-        if self._stored is not None:
-            key = self._stored.store.key(sent)
-            answered = self._stored.answer(key, finish)
-            self.metrics.from_store(answered is not None)
-            if answered is not None:
-                return answered
-            finish = self._stored.recording(key, int(attention_mask.sum()), finish)
-        return self._submit(self.TASK, sent, finish)
+        future, from_store = self._opened().supervise(self.TASK, sent, finish, self._mapping_digest)
+        if from_store is not None:
+            self.metrics.from_store(from_store)
+        return future
 
     def _before_submit(self) -> None:
-        """Setup before the first batch (runs on the caller's thread): the store learns what it is used for."""
-        if self._stored is not None and not self._stored.store.bound:
-            self._stored.store.bind(self._store_identity())
+        """Setup before the first batch (runs on the caller's thread): a store learns what it is used for."""
+        self._opened().bind(self._store_identity)
 
     def _store_identity(self) -> StoreIdentity:
-        info = self.model_info()
+        served = self._served_target()
         return StoreIdentity(
-            task=self.TASK, target=info, forms=sorted(self._forms), logit_transform=self._logit_transform, mapping_digest=self._mapping_digest
+            task=self.TASK,
+            target=served.info,
+            forms=sorted(served.forms),
+            logit_transform=served.logit_transform,
+            mapping_digest=self._mapping_digest,
         )
 
     def _from_wire(self, received: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -362,16 +318,6 @@ class RemoteTarget(Generic[Sup, Info]):
     # The vocab mapping this rank's batches are computed with (its digest; None: the identity), named by every batch.
     _mapping_digest: str | None = None
 
-    def _submit(self, kind: str, tensors: dict[str, torch.Tensor], finish: Callable[[Any, dict[str, torch.Tensor]], Any]) -> Future:
-        digest = self._mapping_digest if kind == self.TASK else None
-        return self._live(f"asking for {kind}").request(
-            lambda rid, token: pack_tensors(Submit, tensors, request_id=rid, kind=kind, token=token, mapping_digest=digest),
-            finish,
-            RequestKind.BATCH,
-            mapping=digest,
-            timeout_s=self.request_timeout,
-        )
-
     def _wait(self, future: Future, what: str) -> Any:
         """The future's result; says every few seconds what it waits for and why; raises after request_timeout."""
         started = time.monotonic()
@@ -396,98 +342,69 @@ class RemoteTarget(Generic[Sup, Info]):
                 )
 
     def _why_no_answer(self) -> str:
-        """What is known of why no answer comes: the broker gone or silent, the service without workers, or neither."""
-        connection = self._connection
-        if connection is None:
-            return f"reading the store at {self._replayed_store().path} is this slow"
-        broker = connection.describe_broker()
-        if not broker.startswith("the broker was heard"):
-            return broker
-        if connection.service_workers == 0:
-            return f"no worker serves the service now ({broker})"
-        return f"its {connection.service_workers} workers have not answered ({broker})"
+        return self._source.why_no_answer() if self._source is not None else "the rank is closed"
 
     def status(self) -> dict[str, Any]:
         """The broker's status document (services, workers, ranks, queues), and under "store" this rank's store
         (path, mode, batches, hits, misses) when it has one; in replay only the latter."""
-        status: dict[str, Any] = {}
-        if self._connection is not None:
-            future = self._connection.request(
-                lambda rid, _token: pack(StatusQuery(request_id=rid)), lambda reply, _: reply.status, RequestKind.STATUS
-            )
-            status = dict(self._wait(future, "the broker status"))
-        if self._stored is not None:
-            status["store"] = self._stored.describe()
-        return status
+        return dict(self._wait(self._opened().status(), "the broker status"))
 
     @property
     def in_flight(self) -> int:
         """Batches of this rank sent and not yet answered (reads from the store included)."""
-        live = self._connection.in_flight if self._connection is not None else 0
-        return live + (self._stored.reading if self._stored is not None else 0)
+        return self._source.in_flight if self._source is not None else 0
 
     @property
     def peak_in_flight(self) -> int:
-        return self._connection.peak_in_flight if self._connection is not None else 0
+        return self._opened().peak_in_flight
 
     @property
     def data_endpoint(self) -> str:
         """Where this rank's data socket listens: workers send supervision there ('' in replay: there is none)."""
-        return self._connection.data_endpoint if self._connection is not None else ""
+        return self._opened().data_endpoint
 
     @property
     def rank_id(self) -> str:
         """This rank's name at the broker (as ``draftfeed status`` lists it); in replay a name of its own."""
-        return self._connection.rank_id if self._connection is not None else f"replay-{self._local_id}"
+        return self._opened().rank_id
 
     def data_planes(self) -> dict[str, str]:
         """The open pair groups and nixl pairs of this rank: worker name -> "backend generation"."""
-        if self._connection is None:
-            return {}
-        return self._connection.pairs.planes() | self._connection.nixl.planes()
+        return self._opened().data_planes()
 
     def nixl_pool(self) -> dict[str, int]:
         """The nixl plane's receive pool: open pairs, slots, bytes registered, slots your tensors still view, quarantined."""
-        return self._connection.nixl.stats() if self._connection is not None else {}
+        return self._opened().nixl_pool()
 
     def pair_group(self, worker: str) -> PairOpen | None:
         """How the pair group with ``worker`` was opened (backend, generation, its rendezvous store), or None."""
-        return self._connection.pairs.opened(worker) if self._connection is not None else None
+        return self._opened().pair_group(worker)
 
     @property
     def connection_stats(self) -> ConnectionStats:
         """Duplicate, foreign and malformed answers dropped, resyncs after broker restarts, busy retries."""
-        return self._connection.stats if self._connection is not None else ConnectionStats()
+        return self._source.stats if self._source is not None else ConnectionStats()
 
     def close(self) -> None:
         """Write what the store has still to record, then release the sockets and the IO thread; outstanding
         requests fail with TargetClosed. A failed last write into the store is raised, after all is released."""
-        stored, self._stored = getattr(self, "_stored", None), None
+        source, self._source = getattr(self, "_source", None), None
         try:
-            if stored is not None:
-                stored.close(self.settings.request_timeout)
+            if source is not None:
+                source.close(self.settings.request_timeout)
         finally:
-            if getattr(self, "_connection", None) is not None:
-                self._connection.close()
             if getattr(self, "_observer", None) is not None:
                 self._observer.close()
                 self._observer = None
 
-    def _live(self, what: str) -> Connection:
-        """The connection to the broker; in replay, a RemoteTargetError saying that ``what`` needs one."""
-        if self._connection is None:
-            raise RemoteTargetError(f"{what} needs a broker, and this rank replays the store at {self._replayed_store().path} without one")
-        return self._connection
-
-    def _replayed_store(self) -> SupervisionStore:
-        assert self._stored is not None
-        return self._stored.store
+    def _opened(self) -> Source:
+        if self._source is None:
+            raise RemoteTargetError(f"{type(self).__name__} of service {self.service!r} is closed")
+        return self._source
 
     def _health(self) -> str | None:
         """None while a broker is heard and the service has a worker (for ``/health`` of metrics_port)."""
-        if self._connection is not None and not self._connection.has_workers.is_set():
-            return f"service {self.service!r} has no worker yet"
-        return None
+        return self._source.health() if self._source is not None else "the rank is closed"
 
     def __enter__(self):
         return self
@@ -512,20 +429,7 @@ class RemoteEagle3Target(RemoteTarget[Eagle3Supervision, Eagle3TargetInfo]):
         except BadRequest as exc:
             raise ValueError(f"set_vocab_mapping: {exc}") from None
         digest = mapping_digest(ids, mask)
-        if self._stored is not None and self._stored.store.bound and digest != self._mapping_digest:
-            raise ValueError(
-                f"set_vocab_mapping: the store at {self._stored.store.path} is in use with the mapping this rank had before its "
-                "first batch; set the mapping before the first batch, or use another store"
-            )
-        if self._connection is not None:
-            tensors = {"selected_token_ids": ids, "selected_token_mask": mask}
-            future = self._connection.request(
-                lambda rid, _token: pack_tensors(SetVocabMapping, tensors, request_id=rid, digest=digest),
-                lambda _reply, _tensors: None,
-                RequestKind.SET_MAPPING,
-                mapping=digest,
-            )
-            self._wait(future, "the broker's acknowledgement of the vocab mapping")
+        self._wait(self._opened().set_mapping(ids, mask, digest, self._mapping_digest), "the broker's acknowledgement of the vocab mapping")
         self._mapping, self._mapping_digest, self._compact = (ids, mask), digest, None
 
     _mapping: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -534,15 +438,15 @@ class RemoteEagle3Target(RemoteTarget[Eagle3Supervision, Eagle3TargetInfo]):
     def _before_submit(self) -> None:
         """If the service's workers send the compact form, fetch the lm_head's draft rows once."""
         super()._before_submit()
-        info = self.model_info()  # asked once; it also says which forms the workers send
-        if "hidden" not in self._forms or self._compact is not None:
+        served = self._served_target()  # asked once; it also says which forms the workers send
+        if "hidden" not in served.forms or self._compact is not None:
             return
         if self._mapping is None:
-            rows, mask = None, torch.ones(info.vocab_size, dtype=torch.bool)
+            rows, mask = None, torch.ones(served.info.vocab_size, dtype=torch.bool)
         else:
             rows, mask = self._mapping
         weight = self._fetch_weight("output_embeddings", rows)
-        self._compact = CompactEagle3(weight, mask.to(weight.device), self._logit_transform)
+        self._compact = CompactEagle3(weight, mask.to(weight.device), served.logit_transform)
 
     def _from_wire(self, received: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if "final_hidden_states" not in received:  # probs or probs-bf16
