@@ -31,7 +31,7 @@ class RankLinks:
     """Sends supervision straight to each rank (one hop, zero-copy).
 
     Sends never block here: messages queue only on a completed connection (ZMQ_IMMEDIATE), up to a
-    small high-water mark, and the worker decides how long to keep trying (see Worker._deliver). Ranks
+    small high-water mark, and the worker decides how long to keep trying (see AnswerDelivery._send). Ranks
     the broker reported gone are remembered, so a late answer for one opens no socket to a dead endpoint.
     """
 
