@@ -70,7 +70,7 @@ def test_a_forgotten_rank_is_told_so_then_resyncs_fully(state, clock, caplog):
     state.on_worker_heartbeat(b"w1", WorkerHeartbeat())
     with caplog.at_level(logging.INFO, logger="draftfeed.broker"):
         out = state.on_tick()
-    assert "broker: forgot rank r of service 'svc': silent for 3.5 s (liveness window 3.0 s)" in caplog.text
+    assert "broker: forgot rank r of service 'svc': silent for 3.5 s (liveness period 3.0 s)" in caplog.text
     # The worker forgets the rank first, then the mapping no one needs any more.
     assert [type(m) for m in backend(out, "w1") if not m.type == "heartbeat"] == [ForgetRank, ForgetMapping]
     (told,) = only(frontend(state.on_rank_heartbeat(b"r")), ErrorReply)
@@ -145,6 +145,6 @@ def test_a_forgotten_worker_is_told_so(state, clock, caplog):
     clock.now = 3.5
     with caplog.at_level(logging.INFO, logger="draftfeed.broker"):
         state.on_tick()
-    assert "broker: forgot worker w1 of service 'svc': silent for 3.5 s (liveness window 3.0 s)" in caplog.text
+    assert "broker: forgot worker w1 of service 'svc': silent for 3.5 s (liveness period 3.0 s)" in caplog.text
     (told,) = backend(state.on_worker_heartbeat(b"w1", WorkerHeartbeat()))
     assert isinstance(told, ErrorReply) and told.code == "forgotten" and "forgot this worker: silent for 3.5 s" in told.message

@@ -1,6 +1,7 @@
 """What the broker holds about each rank, worker, service, request and vocab mapping, and the messages it sends.
 
-Plain records: the policy that changes them is in state.py (handlers), mappings.py and scheduler.py.
+Plain records: the policy that changes them is in state.py (handlers), ranks.py, workers.py, delivery.py,
+mappings.py and scheduler.py.
 """
 
 from __future__ import annotations

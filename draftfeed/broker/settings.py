@@ -12,11 +12,11 @@ from draftfeed.schemas.protocol import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_REQU
 class BrokerSettings:
     # Seconds between heartbeats to and from every peer; peers adopt it at hello / registration.
     heartbeat_interval_s: float = 1.0
-    # Intervals a peer may stay silent before it counts as dead (the liveness window).
+    # Intervals a peer may stay silent before it counts as dead (the liveness period: liveness_s).
     liveness: int = 5
     # Requests one service may queue; past it ranks are told to send again later.
     max_queued_per_service: int = 4096
-    # Most requests one rank may have at the broker: a rank's hello asking for a larger window is refused.
+    # Most requests one rank may have at the broker: a rank's hello asking for a larger credit window is refused.
     max_queued_per_rank: int = 256
     # Workers a request may be tried on before its rank gets an error.
     max_attempts: int = 3
@@ -36,5 +36,6 @@ class BrokerSettings:
         return Liveness(heartbeat_interval_s=self.heartbeat_interval_s, liveness=self.liveness)
 
     @property
-    def window_s(self) -> float:
+    def liveness_s(self) -> float:
+        """The liveness period in seconds: a peer silent for longer counts as dead."""
         return self.heartbeat_interval_s * self.liveness

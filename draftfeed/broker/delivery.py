@@ -1,0 +1,141 @@
+"""Dispatch: a request's life at the broker, from its arrival until a worker reports it done.
+
+A request a rank sends within its credit window is queued under the rank's service and handed out by the
+scheduler (scheduler.py). One sent beyond the window (rightly: the rank counts a request done when its result
+arrives, the broker when the worker's ``done`` does) is parked until that rank's next ``done``. A request a
+worker hands back, or one held by a worker that is gone, goes back to the front of its rank's queue, its ticket
+void so that a late ``done`` of the earlier attempt matches nothing, unless it has failed on
+``--max-attempts`` workers: then its rank is told it failed. A request holds its vocab mapping from arrival to
+completion (mappings.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from draftfeed.broker.mappings import MappingTable
+from draftfeed.broker.records import Outgoing, Pending, RankRecord, ServiceRecord, WorkerRecord, to_rank
+from draftfeed.broker.scheduler import Scheduler
+from draftfeed.broker.settings import BrokerSettings
+from draftfeed.schemas.messages import Done, ErrorReply, Submit
+
+log = logging.getLogger("draftfeed.broker")
+
+
+class Delivery:
+    def __init__(
+        self,
+        settings: BrokerSettings,
+        mappings: MappingTable,
+        scheduler: Scheduler,
+        workers: dict[bytes, WorkerRecord],
+        counters: dict[str, int],
+        clock: Callable[[], float],
+    ) -> None:
+        self.settings = settings
+        self.mappings = mappings
+        self.scheduler = scheduler
+        self.workers = workers  # every worker, which mappings.py tells to forget a mapping no one needs
+        self.counters = counters  # the broker's: requeued, requests_failed, mappings_resent
+        self.clock = clock
+        # Why requests went back to the queue: worker_gone (its worker died or left while it waited there: no fault
+        # of its own), died_in_engine (its worker died computing it: charged), retry (the engine could not run it:
+        # charged), draining, missing_mapping, worker_registered_again.
+        self.requeues: Counter[str] = Counter()
+
+    def accept(self, rank: RankRecord, submit: Submit, frames: list[Any], header_json: bytes | None, service: ServiceRecord) -> list[Outgoing]:
+        """Take on an admitted request: queue it, or park it while its rank's credit window is full."""
+        at_window = rank.outstanding >= rank.hello.window
+        pending = Pending(rank, submit, frames, self.clock(), request_json=header_json)
+        self.mappings.hold(pending)
+        rank.requests[submit.request_id] = pending
+        rank.submitted += 1
+        if at_window:
+            # The rank counts a request done when its result arrives, the broker when the worker's done
+            # does: a rank may rightly send its next request in between. Park it until that done.
+            rank.parked.append(pending)
+            return []
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("broker: request %d of rank %s queued for service %r", submit.request_id, rank.hello.rank, service.name)
+        return self._enqueue(pending, service)
+
+    def _enqueue(self, pending: Pending, service: ServiceRecord) -> list[Outgoing]:
+        rank = pending.rank
+        rank.peak_outstanding = max(rank.peak_outstanding, rank.outstanding)
+        service.queue.append(pending)
+        return self.scheduler.dispatch(service)
+
+    def hand_back(self, worker: WorkerRecord, pending: Pending, done: Done, service: ServiceRecord) -> list[Outgoing]:
+        """The worker gives the request back uncomputed (``done.hands_back``): it goes back to the queue."""
+        worker.handed_back += 1
+        if done.outcome == "retry":  # the engine could not run it here: it counts against the request
+            pending.charge(worker.peer, f"worker {worker.name}: {done.message}")
+        return self.requeue([(pending, done.outcome)], service)
+
+    def missing_mapping(self, worker: WorkerRecord, pending: Pending, digest: str, service: ServiceRecord) -> list[Outgoing]:
+        """The worker lacks a mapping the broker believed it held: forget that belief and send the request again,
+        the mapping first. A second time from the same worker counts as a failure of it (it cannot keep one)."""
+        self.mappings.worker_lacks(worker, digest)
+        worker.handed_back += 1
+        self.counters["mappings_resent"] += 1
+        log.info(
+            "broker: worker %s lacks vocab mapping %s; it gets the mapping again before request %d", worker.name, digest, pending.request.request_id
+        )
+        if worker.peer in pending.mapping_refused_by:
+            pending.charge(worker.peer, f"worker {worker.name} lacked vocab mapping {digest} twice")
+        pending.mapping_refused_by.add(worker.peer)
+        return self.requeue([(pending, "missing_mapping")], service)
+
+    def finished(self, worker: WorkerRecord, pending: Pending, done: Done, service: ServiceRecord) -> list[Outgoing]:
+        """The worker is done with the request and its rank has the answer (or a failure, or nothing: undelivered)."""
+        if done.outcome == "served":
+            worker.served += 1
+            if pending.request.kind in ("eagle3", "dspark"):
+                worker.batches += 1
+            service.completions.append(self.clock())
+        elif done.outcome == "failed":
+            worker.failed += 1
+        if log.isEnabledFor(logging.DEBUG):  # describe() is not free, and this runs once per request
+            waited_ms = 1000 * (self.clock() - pending.enqueued_at)
+            log.debug("broker: %s %s by worker %s, %.1f ms after it arrived", pending.describe(), done.outcome, worker.name, waited_ms)
+        return self.complete(pending, service)
+
+    def complete(self, pending: Pending, service: ServiceRecord) -> list[Outgoing]:
+        """The request leaves the broker's care; its rank's next parked request, if any, takes its place in the queue."""
+        rank = pending.rank
+        if rank.requests.pop(pending.request.request_id, None) is None:
+            return []
+        out = self.mappings.release(pending, self.workers.values())
+        rank.completed += 1
+        if rank.parked and not rank.gone:
+            out.extend(self._enqueue(rank.parked.popleft(), service))
+        return out
+
+    def requeue(self, requeued: list[tuple[Pending, str]], service: ServiceRecord) -> list[Outgoing]:
+        """Put requests back at the front of their queue, in their order; fail those out of attempts. Each comes with
+        why it goes back (counted in ``requeues``)."""
+        out: list[Outgoing] = []
+        back: list[Pending] = []
+        for pending, cause in sorted(requeued, key=lambda item: item[0].enqueued_at):
+            pending.ticket = -1
+            if pending.rank.gone:
+                continue  # its rank was forgotten; if it came back, it sent the request again under a new record
+            if pending.failures >= self.settings.max_attempts:
+                self.counters["requests_failed"] += 1
+                tries = "; ".join(what for _worker, what in pending.attempts)
+                message = (
+                    f"{pending.describe()} failed on {pending.failures} workers of service {service.name!r} "
+                    f"(--max-attempts {self.settings.max_attempts}): {tries}"
+                )
+                log.warning("broker: %s", message)
+                out.append(to_rank(pending.rank.peer, ErrorReply(request_id=pending.request.request_id, message=message, code="failed")))
+                out.extend(self.complete(pending, service))
+                continue
+            self.counters["requeued"] += 1
+            self.requeues[cause] += 1
+            back.append(pending)
+        service.queue.push_front(back)
+        return out + self.scheduler.dispatch(service)
