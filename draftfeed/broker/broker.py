@@ -161,9 +161,9 @@ class Broker:
                 timeout_ms = max(0, int((next_tick - time.monotonic()) * 1000))
                 events = dict(poller.poll(min(timeout_ms, 100)))
                 if self._frontend in events:
-                    self._drain(self._frontend, self._on_frontend)
+                    self._read_waiting(self._frontend, self._on_frontend)
                 if self._backend in events:
-                    self._drain(self._backend, self._on_backend)
+                    self._read_waiting(self._backend, self._on_backend)
                 if time.monotonic() >= next_tick:
                     self._send(self.state.on_tick())
                     self.published_status = self.state.status()
@@ -174,8 +174,8 @@ class Broker:
             if self._authenticator is not None:
                 self._authenticator.stop()
 
-    def _drain(self, sock: zmq.Socket, handle: Any, budget: int = 256) -> None:
-        """Handle up to ``budget`` waiting messages, then send everything they call for in one pass."""
+    def _read_waiting(self, sock: zmq.Socket, handle: Any, budget: int = 256) -> None:
+        """Read and handle what waits on ``sock``, up to ``budget`` messages, then send everything they call for in one pass."""
         out: list[Outgoing] = []
         for _ in range(budget):
             try:
