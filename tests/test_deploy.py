@@ -20,6 +20,7 @@ one way at a time and expects each mistake named.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import io
 import json
@@ -33,10 +34,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from contextlib import redirect_stderr
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
+from unittest import mock
 
 import pytest
+import tomllib
 import torch
 import yaml
 from conftest import WORKER_ENV
@@ -44,11 +47,9 @@ from reference import difference, reference_eagle3
 from support.metrics import metric
 
 from draftfeed.launch import cli
-from draftfeed.launch.config import apply_sources
 from draftfeed.launch.demo import synthetic_batches
 from draftfeed.launch.ready import READY_PREFIX
 from draftfeed.net import free_port
-from draftfeed.schemas.errors import UsageError
 from draftfeed.schemas.protocol import DEFAULT_BROKER_HTTP_PORT, DEFAULT_WORKER_HTTP_PORT
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -437,23 +438,21 @@ def with_local_configs(
 
 
 def parse_launch(role: str, argv: list[str], environ: dict[str, str]):
-    """``draftfeed launch ROLE ARGV`` parsed as the CLI does (config file, environment, then argparse): the namespace,
-    or the one-line error the command would print."""
-    parser = cli.build_parser()
-    full = cli._join_negative_layer_ids(["launch", role, *argv])
-    found = cli._launch_role(parser, full)
-    if found is None:
-        return None, f"`draftfeed launch {role}` is not a command (launch broker or launch worker)"
-    try:
-        apply_sources(found[1], full, environ)
-    except UsageError as exc:
-        return None, str(exc)
-    errors = io.StringIO()
-    with redirect_stderr(errors):
+    """``draftfeed launch ROLE ARGV --print-config`` run as in the container (with its environment only): the settings
+    in force, as a namespace of the flags' names (``http_port``; None for one not set), or the one-line error the
+    command prints."""
+    out, errors = io.StringIO(), io.StringIO()
+    with mock.patch.dict(os.environ, environ, clear=True), redirect_stdout(out), redirect_stderr(errors):
         try:
-            return parser.parse_args(full), None
-        except SystemExit:
-            return None, errors.getvalue().strip().splitlines()[-1]
+            code = cli.main(["launch", role, *argv, "--print-config"])
+        except SystemExit as exc:  # argparse's errors
+            code = exc.code
+    if code != 0:
+        said = errors.getvalue().strip().splitlines()
+        return None, said[-1] if said else f"exit status {code}"
+    text = out.getvalue()
+    settings = {name: None for name in re.findall(r"^# (\S+) = \(not set\)$", text, re.MULTILINE)} | tomllib.loads(text)
+    return argparse.Namespace(**{name.replace("-", "_"): value for name, value in settings.items()}), None
 
 
 def port_of(endpoint: str) -> int | None:
