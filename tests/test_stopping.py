@@ -1,16 +1,12 @@
-"""Processes stop as schedulers expect (issue 15): SIGTERM of the demo stops its children and removes its folder; a
-worker with nothing in hand leaves at once, also when no broker answers; a second SIGTERM exits immediately; and a
-waiting rank says what it waits for and why."""
+"""Processes stop as schedulers expect (issue 15): a worker with nothing in hand leaves at once, also when no broker
+answers; a second SIGTERM exits immediately; and a waiting rank says what it waits for and why. The demo's children
+at every moment of its life: tests/test_stopping_moments.py."""
 
 from __future__ import annotations
 
 import logging
-import os
 import re
 import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from conftest import FAST_LIVENESS, WORKER_ENV, Cluster, make_batch, wait_until
@@ -20,44 +16,6 @@ from draftfeed.launch import processes
 
 pytestmark = pytest.mark.timeout(180)
 SLOW = ["--engine", "fake_engines:FakeSlowEngine", "--service", "svc"]
-
-
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
-def test_sigterm_of_the_demo_stops_its_broker_and_workers_and_removes_its_folder():
-    demo = subprocess.Popen(
-        [sys.executable, "-m", "draftfeed", "demo", "--steps", "100000", "--seq-len", "32"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, **WORKER_ENV},
-        start_new_session=True,
-    )
-    try:
-        pids, folder = [], None
-        assert demo.stdout is not None
-        for line in demo.stdout:
-            if match := re.search(r"saved to (\S+)", line):
-                folder = Path(match.group(1)).parent
-            if match := re.search(r"\(?pid (\d+)", line):
-                pids.append(int(match.group(1)))
-            if line.startswith("step"):
-                break
-        assert len(pids) == 3 and folder is not None and folder.exists(), (pids, folder)
-        demo.send_signal(signal.SIGTERM)
-        assert demo.wait(60) == 128 + signal.SIGTERM
-        wait_until(lambda: all(gone(pid) for pid in pids), timeout_s=30, what="the demo's broker and workers to stop")
-        assert not folder.exists(), f"{folder} was left behind"
-    finally:
-        if demo.poll() is None:
-            os.killpg(demo.pid, signal.SIGKILL)
-            demo.wait(10)
 
 
 def test_a_worker_that_no_broker_answers_leaves_at_once_on_sigterm(tiny_target):

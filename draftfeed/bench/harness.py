@@ -69,8 +69,9 @@ def cpu_seconds(pid: int) -> float:
 
 
 def probe(args: list[str], env: dict[str, str] | None = None, prefix: Sequence[str] = ()) -> subprocess.Popen:
-    """Start ``python -m draftfeed.bench.probes ARGS`` with its stdout piped (through ``prefix``: on another host)."""
-    return subprocess.Popen(
+    """Start ``python -m draftfeed.bench.probes ARGS`` with its stdout piped (through ``prefix``: on another host); it
+    dies with the bench (``processes.spawn``)."""
+    return processes.spawn(
         [*prefix, sys.executable, "-m", "draftfeed.bench.probes", *args],
         stdout=subprocess.PIPE,
         text=True,

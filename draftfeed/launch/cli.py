@@ -445,14 +445,32 @@ def _stop_on_signals(stop: Callable[[], None], what: str) -> None:
         signal.signal(sig, handle)
 
 
-def _exit_on_signals() -> None:
-    """SIGTERM and SIGHUP end the process as Ctrl-C does, so that the children it started are stopped on the way out."""
+def _stopping_children(what: str, run: Callable[[], int]) -> int:
+    """Run ``run`` (the demo, the bench) so that SIGTERM, SIGINT or SIGHUP at any moment, from before its first child
+    starts, stops the processes it started: the first one ends it (the ``finally`` blocks on the way out stop them and
+    remove its folder) with exit status 128 + the signal; one that comes while they are being stopped kills them at
+    once. Should it be SIGKILLed instead, they die with it all the same (``processes.spawn``)."""
+    from draftfeed.launch import processes
+
+    received: list[int] = []
 
     def handle(sig: int, _frame: object) -> None:
-        raise SystemExit(128 + sig)
+        first = not received and not processes.stopping()
+        received.append(sig)
+        name = signal.Signals(sig).name
+        if first:
+            print(f"draftfeed {what}: {name}: stopping the processes it started (another one kills them)", file=sys.stderr, flush=True)
+            raise SystemExit(128 + sig)
+        print(f"draftfeed {what}: {name} again: killing the processes it started", file=sys.stderr, flush=True)
+        processes.kill_all()
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, handle)
+    try:
+        code = run()
+    finally:
+        processes.stop_all()
+    return 128 + received[0] if received else code
 
 
 def run_broker(args: argparse.Namespace) -> int:
@@ -682,11 +700,14 @@ def _target_problem(target: str, exc: OSError) -> str:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    return _stopping_children("bench", lambda: _bench(args))
+
+
+def _bench(args: argparse.Namespace) -> int:
     import tempfile
 
     from draftfeed.bench.harness import Row, format_table, run, to_json
-
-    _exit_on_signals()
+    from draftfeed.launch import processes
 
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
@@ -695,7 +716,10 @@ def run_bench(args: argparse.Namespace) -> int:
     else:
         note = None
         with tempfile.TemporaryDirectory(prefix="draftfeed-bench-") as workdir:
-            rows = run(args.scenario or SCENARIO_NAMES, args.quick, Path(workdir))
+            try:
+                rows = run(args.scenario or SCENARIO_NAMES, args.quick, Path(workdir))
+            finally:
+                processes.stop_all()  # before its folder goes
     command = "draftfeed bench" + (" --quick" if args.quick else "")
     print(format_table(rows))
     if args.json_path:
@@ -763,12 +787,15 @@ def _watch_status(args: argparse.Namespace, keys: Any) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from draftfeed.launch.demo import run_demo as demo
-
     if args.workers < 1:
         raise UsageError(f"--workers {args.workers}: the demo needs at least one worker to serve its rank")
-    _exit_on_signals()
-    return demo(args)
+
+    def demo() -> int:
+        from draftfeed.launch.demo import run_demo
+
+        return run_demo(args)
+
+    return _stopping_children("demo", demo)
 
 
 _LAYER_ID_FLAGS = ("--target-layer-ids", "--aux-layer-ids")

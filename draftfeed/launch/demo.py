@@ -34,21 +34,20 @@ def run_demo(args: argparse.Namespace) -> int:
         workdir = Path(args.workdir or scratch)
         target_dir = build_tiny_target(workdir / "tiny-llama", num_hidden_layers=8, hidden_size=128, vocab_size=4096)
         print(f"target: tiny random Llama (8 layers, hidden 128, vocab 4096) saved to {target_dir}")
-        started = []
         try:
             broker = processes.start_broker()
-            started.append(broker)
             print(f"broker: pid {broker.pid}, ranks -> {broker.ready['frontend']}, workers -> {broker.ready['backend']}")
-            started.extend(_start_workers(broker, target_dir, args.workers))
+            _start_workers(broker, target_dir, args.workers)
             return _train(broker.ready["frontend"], args)
         finally:
-            for process in reversed(started):
-                process.stop()
+            processes.stop_all()  # every process it started, also a worker still starting; before the folder goes
 
 
 def _start_workers(broker: processes.Process, target_dir: Path, count: int) -> list[processes.Process]:
-    """``count`` workers, started side by side (each spends seconds importing torch); all or none."""
-    with ThreadPoolExecutor(max(count, 1)) as pool:
+    """``count`` workers, started side by side (each spends seconds importing torch); raises the first failure (the
+    caller stops what was started). A signal meanwhile does not wait for the workers to be ready."""
+    pool = ThreadPoolExecutor(max(count, 1))
+    try:
         futures = [
             pool.submit(
                 processes.start_worker,
@@ -63,12 +62,9 @@ def _start_workers(broker: processes.Process, target_dir: Path, count: int) -> l
             for index in range(count)
         ]
         wait(futures)
-    workers = [future.result() for future in futures if future.exception() is None]
-    failed = next((future.exception() for future in futures if future.exception() is not None), None)
-    if failed is not None:
-        for worker in workers:
-            worker.stop()
-        raise failed
+    finally:
+        pool.shutdown(wait=False)
+    workers = [future.result() for future in futures]
     for worker in workers:
         print(f"worker: {worker.ready['worker']} (pid {worker.pid}) serving {SERVICE!r}")
     return workers
