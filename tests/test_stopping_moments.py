@@ -177,9 +177,9 @@ def test_a_sigkilled_demo_leaves_no_process_behind():
 
 PARENT = """
 import sys, threading
-from draftfeed.launch import processes
+from draftfeed.launch import children
 started = []
-thread = threading.Thread(target=lambda: started.append(processes.spawn([sys.executable, "-c", "import time; time.sleep(600)"])))
+thread = threading.Thread(target=lambda: started.append(children.spawn([sys.executable, "-c", "import time; time.sleep(600)"])))
 thread.start()
 thread.join()
 print(f"thread ended; child {started[0].pid}", flush=True)
@@ -188,7 +188,7 @@ threading.Event().wait()
 
 
 def test_a_child_started_from_a_thread_that_ended_lives_until_its_parent_is_sigkilled():
-    """PR_SET_PDEATHSIG fires when the thread that started a child ends, so ``processes.spawn`` starts every child from
+    """PR_SET_PDEATHSIG fires when the thread that started a child ends, so ``children.spawn`` starts every child from
     one thread that lives as long as the process."""
     parent = Launched([sys.executable, "-c", PARENT])
     try:

@@ -17,7 +17,7 @@ import torch
 import zmq
 
 from draftfeed.bench.scenarios import load
-from draftfeed.launch import processes
+from draftfeed.launch import children, processes
 
 MB = 1e6
 
@@ -70,8 +70,8 @@ def cpu_seconds(pid: int) -> float:
 
 def probe(args: list[str], env: dict[str, str] | None = None, prefix: Sequence[str] = ()) -> subprocess.Popen:
     """Start ``python -m draftfeed.bench.probes ARGS`` with its stdout piped (through ``prefix``: on another host); it
-    dies with the bench (``processes.spawn``)."""
-    return processes.spawn(
+    dies with the bench (``children.spawn``)."""
+    return children.spawn(
         [*prefix, sys.executable, "-m", "draftfeed.bench.probes", *args],
         stdout=subprocess.PIPE,
         text=True,

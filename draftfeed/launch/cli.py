@@ -449,27 +449,27 @@ def _stopping_children(what: str, run: Callable[[], int]) -> int:
     """Run ``run`` (the demo, the bench) so that SIGTERM, SIGINT or SIGHUP at any moment, from before its first child
     starts, stops the processes it started: the first one ends it (the ``finally`` blocks on the way out stop them and
     remove its folder) with exit status 128 + the signal; one that comes while they are being stopped kills them at
-    once. Should it be SIGKILLed instead, they die with it all the same (``processes.spawn``)."""
-    from draftfeed.launch import processes
+    once. Should it be SIGKILLed instead, they die with it all the same (``children.spawn``)."""
+    from draftfeed.launch import children
 
     received: list[int] = []
 
     def handle(sig: int, _frame: object) -> None:
-        first = not received and not processes.stopping()
+        first = not received and not children.stopping()
         received.append(sig)
         name = signal.Signals(sig).name
         if first:
             print(f"draftfeed {what}: {name}: stopping the processes it started (another one kills them)", file=sys.stderr, flush=True)
             raise SystemExit(128 + sig)
         print(f"draftfeed {what}: {name} again: killing the processes it started", file=sys.stderr, flush=True)
-        processes.kill_all()
+        children.kill_all()
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, handle)
     try:
         code = run()
     finally:
-        processes.stop_all()
+        children.stop_all()
     return 128 + received[0] if received else code
 
 
@@ -707,7 +707,7 @@ def _bench(args: argparse.Namespace) -> int:
     import tempfile
 
     from draftfeed.bench.harness import Row, format_table, run, to_json
-    from draftfeed.launch import processes
+    from draftfeed.launch import children
 
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
@@ -719,7 +719,7 @@ def _bench(args: argparse.Namespace) -> int:
             try:
                 rows = run(args.scenario or SCENARIO_NAMES, args.quick, Path(workdir))
             finally:
-                processes.stop_all()  # before its folder goes
+                children.stop_all()  # before its folder goes
     command = "draftfeed bench" + (" --quick" if args.quick else "")
     print(format_table(rows))
     if args.json_path:

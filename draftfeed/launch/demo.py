@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from draftfeed.launch import processes
+from draftfeed.launch import children, processes
 from draftfeed.launch.progress import Progress
 from draftfeed.producers.remote_target import RemoteEagle3Target
 from draftfeed.tiny import build_tiny_target
@@ -40,7 +40,7 @@ def run_demo(args: argparse.Namespace) -> int:
             _start_workers(broker, target_dir, args.workers)
             return _train(broker.ready["frontend"], args)
         finally:
-            processes.stop_all()  # every process it started, also a worker still starting; before the folder goes
+            children.stop_all()  # every process it started, also a worker still starting; before the folder goes
 
 
 def _start_workers(broker: processes.Process, target_dir: Path, count: int) -> list[processes.Process]:

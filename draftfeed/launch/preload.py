@@ -12,7 +12,7 @@ stands for it where a ``subprocess.Popen`` would: pid, poll, wait, signals, retu
 Protocol, on a Unix socket: the client sends one JSON line ``{"module", "args", "env"}`` with the write end of its
 output pipe attached (SCM_RIGHTS); the preloader answers ``{"pid"}`` once forked and ``{"exit"}`` when the process
 has exited, then closes the connection. The preloader is single-threaded when it forks, and ends when the process
-that started it does, SIGKILLed or not (``processes.spawn``); what it forked dies with it (``processes.die_with_parent``).
+that started it does, SIGKILLed or not (``children.spawn``); what it forked dies with it (``children.die_with_parent``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-from draftfeed.launch import processes
+from draftfeed.launch import children
 
 # Read when a process starts (by the C libraries as they load, or by Python itself): a process forked from the
 # preloader has the preloader's, so only a start with the same values is preloaded.
@@ -110,7 +110,7 @@ class Preloader:
         self.env = dict(env)
         self._folder = tempfile.mkdtemp(prefix="draftfeed-preload-")
         self.path = str(Path(self._folder) / "socket")
-        self._server = processes.spawn(  # it dies with this process; what it forks dies with it
+        self._server = children.spawn(  # it dies with this process; what it forks dies with it
             [sys.executable, "-m", __name__, self.path], env=self.env, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True
         )
         assert self._server.stdout is not None
@@ -198,7 +198,7 @@ def _fork(connection: socket.socket, *inherited: object) -> int | None:
     preloader = os.getpid()
     pid = os.fork()
     if pid == 0:
-        processes.die_with_parent(preloader)
+        children.die_with_parent(preloader)
         _run_child(request, fds[0], connection, inherited)
     os.close(fds[0])
     connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")

@@ -13,7 +13,7 @@ import torch
 import zmq
 
 from draftfeed.bench.harness import Pipeline, Row, cpu_seconds, last_json, probe
-from draftfeed.launch import processes
+from draftfeed.launch import children, processes
 
 
 def run(quick: bool, workdir: Path) -> list[Row]:
@@ -116,7 +116,7 @@ while True:
 
 def _echo_baseline(count: int, singles: int) -> tuple[float, list[float], float]:
     """Rate and latencies of a direct echo, and the echo server's CPU seconds per message."""
-    server = processes.spawn([sys.executable, "-c", _ECHO_SERVER], stdout=subprocess.PIPE, text=True)
+    server = children.spawn([sys.executable, "-c", _ECHO_SERVER], stdout=subprocess.PIPE, text=True)
     assert server.stdout is not None
     port = int(server.stdout.readline())
     context = zmq.Context()
