@@ -28,8 +28,9 @@ from draftfeed.dataplane.tensor_codec import dtype_name, tensor_bytes
 from draftfeed.net import host_identity
 from draftfeed.observe.http import ObserveServer
 from draftfeed.observe.rank_metrics import RankMetrics
-from draftfeed.producers.connection import Connection, ConnectionStats
+from draftfeed.producers.connection import Connection
 from draftfeed.producers.prefetch import prefetch
+from draftfeed.producers.rank_session import ConnectionStats
 from draftfeed.producers.settings import RankSettings
 from draftfeed.producers.sources import BrokerSource, Served, Source, StoredSource
 from draftfeed.producers.stored import StoredSupervision
@@ -133,6 +134,7 @@ class RemoteTarget(Generic[Sup, Info]):
         self.device = torch.device(settings.device) if settings.device is not None else None
         self.wait_log_interval = settings.wait_log_interval
         self._source: Source | None = None
+        self._closed = False
         self._observer: ObserveServer | None = None
         self._served: Served | None = None
         self._embeddings: dict[str, nn.Embedding] = {}
@@ -356,29 +358,29 @@ class RemoteTarget(Generic[Sup, Info]):
 
     @property
     def peak_in_flight(self) -> int:
-        return self._opened().peak_in_flight
+        return self._made().peak_in_flight
 
     @property
     def data_endpoint(self) -> str:
         """Where this rank's data socket listens: workers send supervision there ('' in replay: there is none)."""
-        return self._opened().data_endpoint
+        return self._made().data_endpoint
 
     @property
     def rank_id(self) -> str:
         """This rank's name at the broker (as ``draftfeed status`` lists it); in replay a name of its own."""
-        return self._opened().rank_id
+        return self._made().rank_id
 
     def data_planes(self) -> dict[str, str]:
         """The open pair groups and nixl pairs of this rank: worker name -> "backend generation"."""
-        return self._opened().data_planes()
+        return self._made().data_planes()
 
     def nixl_pool(self) -> dict[str, int]:
         """The nixl plane's receive pool: open pairs, slots, bytes registered, slots your tensors still view, quarantined."""
-        return self._opened().nixl_pool()
+        return self._made().nixl_pool()
 
     def pair_group(self, worker: str) -> PairOpen | None:
         """How the pair group with ``worker`` was opened (backend, generation, its rendezvous store), or None."""
-        return self._opened().pair_group(worker)
+        return self._made().pair_group(worker)
 
     @property
     def connection_stats(self) -> ConnectionStats:
@@ -388,7 +390,10 @@ class RemoteTarget(Generic[Sup, Info]):
     def close(self) -> None:
         """Write what the store has still to record, then release the sockets and the IO thread; outstanding
         requests fail with TargetClosed. A failed last write into the store is raised, after all is released."""
-        source, self._source = getattr(self, "_source", None), None
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        source = self._source
         try:
             if source is not None:
                 source.close(self.settings.request_timeout)
@@ -398,13 +403,18 @@ class RemoteTarget(Generic[Sup, Info]):
                 self._observer = None
 
     def _opened(self) -> Source:
-        if self._source is None:
+        if self._closed:
             raise RemoteTargetError(f"{type(self).__name__} of service {self.service!r} is closed")
+        return self._made()
+
+    def _made(self) -> Source:
+        """The source, closed or not (what it counted stays readable)."""
+        assert self._source is not None  # set in __init__, or the constructor raised
         return self._source
 
     def _health(self) -> str | None:
         """None while a broker is heard and the service has a worker (for ``/health`` of metrics_port)."""
-        return self._source.health() if self._source is not None else "the rank is closed"
+        return self._source.health() if self._source is not None and not self._closed else "the rank is closed"
 
     def __enter__(self):
         return self

@@ -19,7 +19,8 @@ import torch
 
 from draftfeed.dataplane.tensor_codec import pack_tensors
 from draftfeed.producers.answers import Finish
-from draftfeed.producers.connection import Connection, ConnectionStats
+from draftfeed.producers.connection import Connection
+from draftfeed.producers.rank_session import ConnectionStats
 from draftfeed.producers.requests import RequestKind
 from draftfeed.producers.stored import StoredSupervision
 from draftfeed.schemas.errors import RemoteTargetError
@@ -71,15 +72,15 @@ class BrokerSource:
 
     def await_workers(self, wait_s: float) -> None:
         """A service no worker serves yet: say so, and wait up to ``wait_s`` (wait_for_workers) for its first one."""
-        connection, service = self.connection, self.service
-        if connection.has_workers.is_set():
+        connection, session, service = self.connection, self.connection.session, self.service
+        if session.has_workers.is_set():
             return
-        served = ", ".join(f"{name} ({count} workers)" for name, count in connection.services.items() if name != service and count)
+        served = ", ".join(f"{name} ({count} workers)" for name, count in session.services.items() if name != service and count)
         served = f"it serves {served}" if served else "it serves no service yet"
         if wait_s <= 0:
             raise RemoteTargetError(f"no worker serves service {service!r} at the broker at {connection.broker}: {served} (wait_for_workers=0)")
         log.warning("draftfeed: no worker serves service %r yet (%s); waiting up to %g s (wait_for_workers)", service, served, wait_s)
-        if not connection.has_workers.wait(wait_s):
+        if not session.has_workers.wait(wait_s):
             raise RemoteTargetError(
                 f"no worker of service {service!r} registered at the broker at {connection.broker} within {wait_s:g} s "
                 f"(wait_for_workers): {served}; start a worker with --service {service}, or raise wait_for_workers"
@@ -135,16 +136,16 @@ class BrokerSource:
 
     def why_no_answer(self) -> str:
         """What is known of why no answer comes: the broker gone or silent, the service without workers, or neither."""
-        broker = self.connection.describe_broker()
+        broker = self.connection.session.describe_broker()
         if not broker.startswith("the broker was heard"):
             return broker
-        if self.connection.service_workers == 0:
+        if self.connection.session.service_workers == 0:
             return f"no worker serves the service now ({broker})"
-        return f"its {self.connection.service_workers} workers have not answered ({broker})"
+        return f"its {self.connection.session.service_workers} workers have not answered ({broker})"
 
     def health(self) -> str | None:
         """None while a broker is heard and the service has a worker."""
-        return None if self.connection.has_workers.is_set() else f"service {self.service!r} has no worker yet"
+        return None if self.connection.session.has_workers.is_set() else f"service {self.service!r} has no worker yet"
 
     @property
     def in_flight(self) -> int:
@@ -160,7 +161,7 @@ class BrokerSource:
 
     @property
     def stats(self) -> ConnectionStats:
-        return self.connection.stats
+        return self.connection.session.stats
 
     def data_planes(self) -> dict[str, str]:
         return self.connection.pairs.planes() | self.connection.nixl.planes()
