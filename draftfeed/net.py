@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 import socket
 import threading
-from collections import deque
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -83,37 +82,6 @@ def recv_routed(sock: zmq.Socket) -> tuple[bytes, list[zmq.Frame]]:
     while frames[-1].more:
         frames.append(sock.recv(_NOBLOCK, copy=False))
     return peer, frames
-
-
-class SendBacklog:
-    """Sends to a broker that may be out of reach, never blocking: what cannot go now waits, in order, behind what
-    already waits (``flush`` retries it); a droppable message (a heartbeat, say) that cannot go now is dropped, since
-    the next one will do. Its length is bounded by what its owner sends, which a credit window bounds."""
-
-    def __init__(self) -> None:
-        self._waiting: deque[list[Any]] = deque()
-
-    def send(self, sock: zmq.Socket, frames: list[Any], *, droppable: bool = False) -> None:
-        if self._waiting:
-            if not droppable:
-                self._waiting.append(frames)
-            return
-        try:
-            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            if not droppable:
-                self._waiting.append(frames)
-
-    def flush(self, sock: zmq.Socket) -> None:
-        while self._waiting:
-            try:
-                sock.send_multipart(self._waiting[0], flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self._waiting.popleft()
-
-    def clear(self) -> None:
-        self._waiting.clear()
 
 
 def send_to_thread(pipe: zmq.Socket, frames: list[Any], thread: threading.Thread) -> bool:

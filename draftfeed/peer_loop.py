@@ -7,7 +7,7 @@ input up to the next heartbeat (or less, where the peer asks), settle the handsh
 has answered once (a refused handshake is why no broker answers: the session is told and the loop ends),
 hand what each socket holds to its reader, let the session do what each turn is for, send what its outbox
 holds, and on each beat let the session say what is due (a heartbeat; an introduction again after a
-silence). A reader that returns False ends the loop.
+silence). A reader that returns False ends the loop, after what the outbox holds has gone if it could.
 """
 
 from __future__ import annotations
@@ -114,6 +114,7 @@ def run_peer_loop(
                     watch = None
             for sock, read in readers:
                 if sock in events and not read():
+                    peer.outbox.flush(control)  # a last word (a worker's bye) goes if it can
                     return
             peer.turn()
             peer.outbox.flush(control)

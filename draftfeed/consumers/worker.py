@@ -1,8 +1,9 @@
 """The target worker: pulls requests from the broker, runs the frozen target, pushes supervision to the rank.
 
 Two threads: the broker link (broker_link.py: registration and heartbeats) and this compute loop, which
-owns the engine and the direct sockets to the ranks. The loop files everything the link has passed on
-before it computes, so that a rank's departure or a re-registration takes effect on queued work at once.
+owns the engine and the direct sockets to the ranks. The link hands the loop what the broker sent through
+an inbox (worker_session.py), parsed; the loop files all of it before it computes, so that a rank's departure
+or a re-registration takes effect on queued work at once, and sends its own messages for the broker on a pipe.
 
 Each answer goes to its rank through answer_delivery.py (on the plane chosen for that pair, or as frames), whose
 outcome becomes the request's ``done`` for the broker.
@@ -29,7 +30,7 @@ import torch
 import zmq
 
 from draftfeed.consumers.answer_delivery import AnswerDelivery, Outcome, Refused, Undelivered
-from draftfeed.consumers.broker_link import RESET, STOP, BrokerLink
+from draftfeed.consumers.broker_link import BrokerLink
 from draftfeed.consumers.config import WorkerConfig
 from draftfeed.consumers.engines.base import RETRYABLE_ERRORS, EngineLost
 from draftfeed.consumers.mappings import MissingMapping, WorkerMappings
@@ -37,13 +38,14 @@ from draftfeed.consumers.pair_planes import PairPlanes
 from draftfeed.consumers.rank_links import Delivery, RankLinks
 from draftfeed.consumers.tasks.base import Task
 from draftfeed.consumers.validation import validate_batch
+from draftfeed.consumers.worker_session import RESET, STOP, Inbox
 from draftfeed.dataplane.choice import local_offer
 from draftfeed.dataplane.tensor_codec import decode_tensors
 from draftfeed.net import close_quietly, host_identity, send_to_thread
 from draftfeed.observe.worker_metrics import WorkerMetrics
 from draftfeed.schemas.errors import BadRequest, CannotServe, MalformedMessage
-from draftfeed.schemas.frames import pack, unpack
-from draftfeed.schemas.messages import BACKEND_OUTBOUND, Dispatch, Done, Draining, ForgetMapping, ForgetRank, Register, VocabMapping, WorkerHeartbeat
+from draftfeed.schemas.frames import pack
+from draftfeed.schemas.messages import Dispatch, Done, Draining, ForgetMapping, ForgetRank, Register, VocabMapping, WorkerHeartbeat
 
 log = logging.getLogger("draftfeed.worker")
 
@@ -138,17 +140,19 @@ class Worker:
             send=lambda endpoint, frames: ranks.try_send(endpoint, frames) is Delivery.SENT,
             timeout_s=self.config.pair_timeout_s,
         )
+        inbox = Inbox()
         self._link = link = BrokerLink(
             context,
             self.config.broker,
             self.registration(),
             pipe_endpoint,
             self._stats,
+            inbox,
             keys=self.config.keys,
             max_frame_bytes=self.config.max_request_bytes,
         )
         stopping_since = lambda: self._stopping_since if self._stop.is_set() else None  # noqa: E731
-        self._delivery = delivery = AnswerDelivery(self.name, self.config, ranks, planes, link.forgets, stopping_since)
+        self._delivery = delivery = AnswerDelivery(self.name, self.config, ranks, planes, inbox.forgets, stopping_since)
         link.start()
         log.info("worker %s: registering with the broker at %s for service %r", self.name, self.config.broker, self.config.service)
         try:
@@ -157,7 +161,7 @@ class Worker:
             log.info("worker %s: serving %s on service %r", self.name, self.task.name, self.config.service)
             if on_ready is not None:
                 on_ready()
-            self._serve(pipe, link)
+            self._serve(pipe, link, inbox)
             if link.refused is not None:
                 raise CannotServe(f"worker {self.name}: the broker refused its registration: {link.refused}")
         finally:
@@ -191,17 +195,17 @@ class Worker:
             raise CannotServe(f"worker {self.name}: the broker refused its registration: {link.refused}")
         return True
 
-    def _serve(self, pipe: zmq.Socket, link: BrokerLink) -> None:
+    def _serve(self, pipe: zmq.Socket, link: BrokerLink, inbox: Inbox) -> None:
         """The compute loop. One turn: move finished nixl writes on, file everything the link passed on (waiting up
         to 100 ms when idle), take what ranks sent on the data links, then compute and deliver one queued request
         and tell the broker it is done. Ends when stopped (handing back the queue) or when the link ends."""
         assert self._delivery is not None
         while link.is_alive() and not self._stop.is_set():
             self._delivery.finish_writes(block=False)
-            wait_ms = 0 if self._queue else 1 if self._delivery.writing else 100
-            while pipe.poll(wait_ms):
-                self._take(pipe.recv_multipart(copy=False), pipe)
-                wait_ms = 0
+            wait_s = 0.0 if self._queue else 0.001 if self._delivery.writing else 0.1
+            while (item := inbox.get(wait_s)) is not None:
+                self._take(item, pipe)
+                wait_s = 0.0
             self._delivery.take_from_ranks()
             if self._queue and not self._stop.is_set():
                 queued = self._queue.popleft()
@@ -224,19 +228,15 @@ class Worker:
         log.info("worker %s: stopping after serving %d requests; %d queued went back to the broker", self.name, self.served, handed_back)
 
     # ------------------------------------------------------------ messages from the link
-    def _take(self, frames: list[Any], pipe: zmq.Socket) -> None:
-        """File one message from the link."""
+    def _take(self, item: tuple[Any, list[Any]] | str, pipe: zmq.Socket) -> None:
+        """File one message from the link (parsed there), or its word that it registered afresh."""
         assert self._delivery is not None
-        if len(frames) == 1 and frames[0].bytes == RESET:
+        if item == RESET:
             self._queue.clear()  # the broker has requeued all of it
             self._mappings.clear()
             self._delivery.reset()  # the broker told the ranks this worker is gone: they closed their sides
             return
-        try:
-            message, tensor_frames = unpack(frames, BACKEND_OUTBOUND)
-        except MalformedMessage as exc:
-            log.warning("worker %s: ignoring a malformed message from the broker: %s", self.name, exc)
-            return
+        message, tensor_frames = item
         if isinstance(message, Dispatch):
             self._delivery.remember(message.reply_to, message.reply_key)
             self._queue.append(_Queued(message, tensor_frames))
