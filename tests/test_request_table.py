@@ -136,3 +136,16 @@ def test_a_broker_session_introduces_itself_again_once_per_window():
     clock.now += 1.0
     assert session.may_introduce()  # unanswered for a window: another may go
     assert not session.welcomed("i1", Liveness(heartbeat_interval_s=0.5, liveness=4))  # the same instance again
+
+
+def test_every_rank_setting_is_a_remote_target_parameter_with_the_settings_default():
+    """RemoteTarget passes its parameters to RankSettings by name: a setting it lacks would silently keep its default."""
+    import inspect
+
+    from draftfeed.producers.remote_target import RemoteTarget
+    from draftfeed.producers.settings import RankSettings
+
+    parameters = inspect.signature(RemoteTarget.__init__).parameters
+    for name, field in RankSettings.model_fields.items():
+        assert name in parameters, f"RankSettings.{name} is not a parameter of RemoteTarget"
+        assert parameters[name].default == field.default, f"{name}: RemoteTarget says {parameters[name].default!r}, RankSettings {field.default!r}"

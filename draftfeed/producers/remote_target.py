@@ -7,12 +7,9 @@ against it calls these classes unchanged.
 from __future__ import annotations
 
 import logging
-import os
 import time
-import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -20,21 +17,18 @@ import torch
 from torch import nn
 
 from draftfeed.contract.compact import CompactEagle3
-from draftfeed.contract.packing import PACKING_KEYS, SENT_KEYS, check_packing
-from draftfeed.contract.supervision import BATCH_KEYS, DSparkSupervision, Eagle3Supervision, Supervision
+from draftfeed.contract.supervision import DSparkSupervision, Eagle3Supervision, Supervision
 from draftfeed.contract.vocab import mapping_digest, validate_vocab_mapping
-from draftfeed.dataplane.choice import local_offer
-from draftfeed.dataplane.tensor_codec import dtype_name, tensor_bytes
-from draftfeed.net import host_identity
+from draftfeed.dataplane.tensor_codec import tensor_bytes
 from draftfeed.observe.http import ObserveServer
 from draftfeed.observe.rank_metrics import RankMetrics
-from draftfeed.producers.connection import Connection
+from draftfeed.producers.outgoing import batch_arguments, outgoing_batch
 from draftfeed.producers.prefetch import prefetch
 from draftfeed.producers.rank_session import ConnectionStats
 from draftfeed.producers.settings import RankSettings
-from draftfeed.producers.sources import BrokerSource, Served, Source, StoredSource
-from draftfeed.producers.stored import StoredSupervision
-from draftfeed.schemas.errors import BadRequest, RemoteTargetError, RemoteTargetTimeout
+from draftfeed.producers.sources import Served, Source, open_source
+from draftfeed.producers.waits import wait_for
+from draftfeed.schemas.errors import BadRequest, RemoteTargetError
 from draftfeed.schemas.messages import (
     DSparkTargetInfo,
     Eagle3TargetInfo,
@@ -43,7 +37,6 @@ from draftfeed.schemas.messages import (
 from draftfeed.schemas.protocol import DEFAULT_HTTP_HOST
 from draftfeed.security.curve import PeerKeys
 from draftfeed.store.identity import StoreIdentity
-from draftfeed.store.store import SupervisionStore
 
 log = logging.getLogger("draftfeed.producer")
 _DEFAULTS = RankSettings()
@@ -107,25 +100,9 @@ class RemoteTarget(Generic[Sup, Info]):
         store_shard_bytes: int = _DEFAULTS.store_shard_bytes,
         store_queue_batches: int = _DEFAULTS.store_queue_batches,
     ) -> None:
-        settings = RankSettings.checked(
-            type(self).__name__,
-            prefetch_depth=prefetch_depth,
-            request_timeout=request_timeout,
-            connect_timeout=connect_timeout,
-            wait_for_workers=wait_for_workers,
-            wait_log_interval=wait_log_interval,
-            data_plane=data_plane,
-            max_result_bytes=max_result_bytes,
-            nixl_pool_bytes=nixl_pool_bytes,
-            device=device,
-            metrics_port=metrics_port,
-            store=store,
-            store_mode=store_mode,
-            store_shard_bytes=store_shard_bytes,
-            store_queue_batches=store_queue_batches,
-        )
-        replaying = settings.store_mode_in_force == "replay"
-        if broker is None and not replaying:
+        given = locals()  # the parameters above that are settings: RankSettings checks them, with its own words
+        settings = RankSettings.checked(type(self).__name__, **{name: given[name] for name in RankSettings.model_fields if name in given})
+        if broker is None and settings.store_mode_in_force != "replay":
             raise ValueError(f"{type(self).__name__}: broker=None works only with store_mode='replay'; give the broker's address")
         self.settings = settings
         self.service = service
@@ -138,37 +115,12 @@ class RemoteTarget(Generic[Sup, Info]):
         self._observer: ObserveServer | None = None
         self._served: Served | None = None
         self._embeddings: dict[str, nn.Embedding] = {}
-        stored = None
-        if settings.store is not None:  # first: a store that cannot be opened fails before anything connects
-            local_id = f"{host_identity()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # its shard folder (and name in replay)
-            opened = SupervisionStore(
-                settings.store, settings.store_mode_in_force, local_id, settings.store_shard_bytes, settings.store_queue_batches
-            )
-            stored = StoredSupervision(opened, max(settings.prefetch_depth, 1), settings.request_timeout)
-            self._source = StoredSource(stored, None, local_id)
+        self._source = open_source(settings, broker, service, self.TASK, keys, data_endpoint, self.device)
         try:
-            if not replaying:
-                rank_keys = PeerKeys.resolve(keys, "rank")
-                offer = local_offer(settings.data_plane, self.device, encrypted=rank_keys is not None)
-                connection = Connection(
-                    broker,
-                    service,
-                    max(settings.prefetch_depth, 1),
-                    task=self.TASK,
-                    data_endpoint=data_endpoint,
-                    connect_timeout_s=settings.connect_timeout,
-                    data_plane=offer,
-                    keys=rank_keys,
-                    max_result_bytes=settings.max_result_bytes,
-                    nixl_pool_bytes=settings.nixl_pool_bytes,
-                )
-                live = BrokerSource(connection, service, settings.request_timeout)
-                self._source = StoredSource(stored, live, local_id) if stored is not None else live
             self.metrics = RankMetrics(self.rank_id, service, lambda: self.in_flight, lambda: self.connection_stats)
             if settings.metrics_port is not None:
                 self._observer = ObserveServer(DEFAULT_HTTP_HOST, settings.metrics_port, self._health, lambda: self.metrics.registry, "metrics_port")
-            if not replaying:
-                live.await_workers(settings.wait_for_workers)
+            self._source.await_workers(settings.wait_for_workers)
         except BaseException:
             self.close()
             raise
@@ -231,20 +183,7 @@ class RemoteTarget(Generic[Sup, Info]):
         (docs/contract.md, "Packed rows"), and the supervision carries the three back as given. A packed batch that
         does not add up is refused here with what is wrong. The tensors are sent from their own memory: do not modify
         them until the future is done."""
-        sent = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
-        for name, tensor in sent.items():
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-            dtype_name(tensor.dtype)  # a dtype the codec cannot carry is refused before a prefetch slot is taken
-        try:
-            packed = check_packing(attention_mask, position_ids, seq_lens, doc_remaining) is not None
-        except BadRequest as exc:
-            raise ValueError(f"generate_batch: {exc}") from None
-        given = {"position_ids": position_ids, "seq_lens": seq_lens, "doc_remaining": doc_remaining}
-        kept = {name: tensor for name, tensor in given.items() if tensor is not None}
-        if packed:  # the worker needs the documents; doc_remaining is the rank's alone
-            sent.update({name: kept[name].long() for name in SENT_KEYS if name in kept})
-
+        sent, kept = outgoing_batch(input_ids, attention_mask, loss_mask, position_ids, seq_lens, doc_remaining)
         self._before_submit()
 
         def finish(_reply: Any, received: dict[str, torch.Tensor]) -> Sup:
@@ -307,14 +246,7 @@ class RemoteTarget(Generic[Sup, Info]):
         doc_remaining where it holds them (a packed batch); it is yielded as it came, other keys included.
         """
 
-        def submit(batch: Mapping[str, Any]) -> Future:
-            missing = [key for key in BATCH_KEYS if key not in batch]
-            if missing:
-                raise KeyError(f"batch has no {', '.join(missing)}; iterate() needs {', '.join(BATCH_KEYS)} in every batch")
-            packing = {key: batch[key] for key in PACKING_KEYS if batch.get(key) is not None}
-            return self.generate_batch_async(*(batch[key] for key in BATCH_KEYS), **packing)
-
-        return prefetch(dataloader, submit, self.wait, self.prefetch_depth)
+        return prefetch(dataloader, lambda batch: self.generate_batch_async(**batch_arguments(batch)), self.wait, self.prefetch_depth)
 
     # ------------------------------------------------------------ plumbing
     # The vocab mapping this rank's batches are computed with (its digest; None: the identity), named by every batch.
@@ -322,26 +254,7 @@ class RemoteTarget(Generic[Sup, Info]):
 
     def _wait(self, future: Future, what: str) -> Any:
         """The future's result; says every few seconds what it waits for and why; raises after request_timeout."""
-        started = time.monotonic()
-        deadline = started + self.request_timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
-                return future.result(timeout=max(0.0, min(remaining, self.wait_log_interval)))
-            except FutureTimeout:
-                if time.monotonic() >= deadline:
-                    raise RemoteTargetTimeout(
-                        f"no answer with {what} from service {self.service!r} within {self.request_timeout:.0f} s (request_timeout): "
-                        f"{self._why_no_answer()}; check `draftfeed status`"
-                    ) from None
-                log.warning(
-                    "draftfeed: waiting %.0f s for %s from service %r (%d batches in flight): %s",
-                    time.monotonic() - started,
-                    what,
-                    self.service,
-                    self.in_flight,
-                    self._why_no_answer(),
-                )
+        return wait_for(future, what, self.service, self.request_timeout, self.wait_log_interval, self._why_no_answer, lambda: self.in_flight)
 
     def _why_no_answer(self) -> str:
         return self._source.why_no_answer() if self._source is not None else "the rank is closed"

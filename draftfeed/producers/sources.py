@@ -10,18 +10,24 @@ never asks which; the sources return futures, which it waits for.
 from __future__ import annotations
 
 import logging
+import os
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from draftfeed.dataplane.choice import local_offer
 from draftfeed.dataplane.tensor_codec import pack_tensors
+from draftfeed.net import host_identity
 from draftfeed.producers.answers import Finish
 from draftfeed.producers.connection import Connection
 from draftfeed.producers.rank_session import ConnectionStats
 from draftfeed.producers.requests import RequestKind
+from draftfeed.producers.settings import RankSettings
 from draftfeed.producers.stored import StoredSupervision
 from draftfeed.schemas.errors import RemoteTargetError
 from draftfeed.schemas.frames import pack
@@ -35,7 +41,9 @@ from draftfeed.schemas.messages import (
     StatusQuery,
     Submit,
 )
+from draftfeed.security.curve import PeerKeys
 from draftfeed.store.identity import StoreIdentity
+from draftfeed.store.store import SupervisionStore
 
 log = logging.getLogger("draftfeed.producer")
 
@@ -251,6 +259,10 @@ class StoredSource:
         also = lambda: {"store": self.stored.describe()}  # noqa: E731
         return self.broker.status(also) if self.broker is not None else done(also())
 
+    def await_workers(self, wait_s: float) -> None:
+        if self.broker is not None:
+            self.broker.await_workers(wait_s)
+
     def why_no_answer(self) -> str:
         return self.broker.why_no_answer() if self.broker is not None else f"reading the store at {self.store.path} is this slow"
 
@@ -293,3 +305,45 @@ class StoredSource:
 
 
 Source = BrokerSource | StoredSource
+
+
+def open_source(
+    settings: RankSettings,
+    broker: str | None,
+    service: str,
+    task: str,
+    keys: PeerKeys | str | Path | None,
+    data_endpoint: str | None,
+    device: torch.device | None,
+) -> Source:
+    """The source ``settings`` ask for: the store first (one that cannot be opened fails before anything connects),
+    then the connection to the broker (none in replay). What was opened is closed again if the rest fails."""
+    replaying = settings.store_mode_in_force == "replay"
+    stored = None
+    if settings.store is not None:
+        local_id = f"{host_identity()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # its shard folder (and name in replay)
+        opened = SupervisionStore(settings.store, settings.store_mode_in_force, local_id, settings.store_shard_bytes, settings.store_queue_batches)
+        stored = StoredSupervision(opened, max(settings.prefetch_depth, 1), settings.request_timeout)
+        if replaying:
+            return StoredSource(stored, None, local_id)
+    assert broker is not None  # RemoteTarget refuses broker=None unless it replays
+    try:
+        rank_keys = PeerKeys.resolve(keys, "rank")
+        connection = Connection(
+            broker,
+            service,
+            max(settings.prefetch_depth, 1),
+            task=task,
+            data_endpoint=data_endpoint,
+            connect_timeout_s=settings.connect_timeout,
+            data_plane=local_offer(settings.data_plane, device, encrypted=rank_keys is not None),
+            keys=rank_keys,
+            max_result_bytes=settings.max_result_bytes,
+            nixl_pool_bytes=settings.nixl_pool_bytes,
+        )
+    except BaseException:
+        if stored is not None:
+            stored.close(settings.request_timeout)
+        raise
+    live = BrokerSource(connection, service, settings.request_timeout)
+    return StoredSource(stored, live, local_id) if stored is not None else live
