@@ -45,7 +45,7 @@ def test_dispatch_header_is_the_dispatch_model():
             request_id=3, kind="eagle3", token=9, mapping_digest=digest, tensors=[TensorSpec(name="input_ids", dtype="int64", shape=[1, 2])]
         )
         parsed = Dispatch.model_validate_json(dispatch_header(17, dispatch_rank_fields(hello, None), request.model_dump_json().encode()))
-        assert parsed == Dispatch(ticket=17, rank='c"x', reply_to="tcp://1.2.3.4:5", service="s\\1", request=request)
+        assert parsed == Dispatch(ticket=17, rank='c"x', data_endpoint="tcp://1.2.3.4:5", service="s\\1", request=request)
 
 
 def test_dispatch_header_carries_the_ranks_data_plane_offer_key_and_limit():

@@ -71,9 +71,11 @@ def harness(tiny_target):
                 worker.wait(10)
 
 
-def dispatch(backend, peer, reply_to, ticket, tensors, service="svc"):
+def dispatch(backend, peer, data_endpoint, ticket, tensors, service="svc"):
     specs, buffers = encode_tensors(tensors)
-    message = Dispatch(ticket=ticket, rank="c", reply_to=reply_to, service=service, request=Submit(request_id=ticket, kind="eagle3", tensors=specs))
+    message = Dispatch(
+        ticket=ticket, rank="c", data_endpoint=data_endpoint, service=service, request=Submit(request_id=ticket, kind="eagle3", tensors=specs)
+    )
     backend.send_multipart([peer, *pack(message, buffers)], copy=False)
 
 
@@ -97,16 +99,16 @@ def receive(rank, backend):
 
 
 def test_worker_refuses_a_dispatch_for_another_service_and_serves_on(harness, tiny_model):
-    backend, peer, rank, reply_to = harness
+    backend, peer, rank, data_endpoint = harness
     batch = make_batch(2, 10, 1000, seed=2)
-    dispatch(backend, peer, reply_to, 1, batch, service="someone-else")
+    dispatch(backend, peer, data_endpoint, 1, batch, service="someone-else")
     answer, _, done = receive(rank, backend)
     assert isinstance(answer, Failure) and "serves 'svc', not 'someone-else'" in answer.message and done.outcome == "failed"
 
     # Junk from the "broker" is ignored; the next real dispatch is served exactly.
-    backend.send_multipart([peer, b"draftfeed/3", b"{garbage"])
+    backend.send_multipart([peer, b"draftfeed/4", b"{garbage"])
     backend.send_multipart([peer, b"nonsense"])
-    dispatch(backend, peer, reply_to, 2, batch)
+    dispatch(backend, peer, data_endpoint, 2, batch)
     answer, tensor_frames, done = receive(rank, backend)
     assert isinstance(answer, Result) and done.outcome == "served"
     tensors = decode_tensors(answer.tensors, tensor_frames)
@@ -116,13 +118,17 @@ def test_worker_refuses_a_dispatch_for_another_service_and_serves_on(harness, ti
 
 
 def test_a_request_naming_a_mapping_the_worker_lacks_goes_back_never_computed_without_it(harness, tiny_model):
-    backend, peer, rank, reply_to = harness
+    backend, peer, rank, data_endpoint = harness
     batch = make_batch(1, 5, 1000, seed=3)
     ids, mask = draft_vocab(50)
     digest = mapping_digest(ids, mask)
     specs, buffers = encode_tensors(batch)
     message = Dispatch(
-        ticket=7, rank="c", reply_to=reply_to, service="svc", request=Submit(request_id=7, kind="eagle3", mapping_digest=digest, tensors=specs)
+        ticket=7,
+        rank="c",
+        data_endpoint=data_endpoint,
+        service="svc",
+        request=Submit(request_id=7, kind="eagle3", mapping_digest=digest, tensors=specs),
     )
     backend.send_multipart([peer, *pack(message, buffers)], copy=False)
     done = next_done(backend)
@@ -139,9 +145,9 @@ def test_a_request_naming_a_mapping_the_worker_lacks_goes_back_never_computed_wi
 
 
 def test_frames_that_do_not_match_the_header_are_refused(harness):
-    backend, peer, rank, reply_to = harness
+    backend, peer, rank, data_endpoint = harness
     specs, buffers = encode_tensors(make_batch(1, 5, 1000, seed=3))
-    message = Dispatch(ticket=3, rank="c", reply_to=reply_to, service="svc", request=Submit(request_id=3, kind="eagle3", tensors=specs))
+    message = Dispatch(ticket=3, rank="c", data_endpoint=data_endpoint, service="svc", request=Submit(request_id=3, kind="eagle3", tensors=specs))
     backend.send_multipart([peer, *pack(message, buffers[:2]), b"short"], copy=False)
     answer, _, _ = receive(rank, backend)
     assert isinstance(answer, Failure) and "needs 40 bytes but its frame holds 5" in answer.message

@@ -112,8 +112,8 @@ def test_what_is_for_the_compute_loop_goes_there_in_order_and_forgets_are_counte
     session.register()
     session.on_broker(registered(), [])
     session.on_broker(ForgetMapping(digest="d" * 16), [])
-    session.on_broker(ForgetRank(rank="r1", reply_to="tcp://rank:1"), [])
-    session.on_broker(ForgetRank(rank="r1", reply_to="tcp://rank:1"), [])
+    session.on_broker(ForgetRank(rank="r1", data_endpoint="tcp://rank:1"), [])
+    session.on_broker(ForgetRank(rank="r1", data_endpoint="tcp://rank:1"), [])
     assert session.inbox.forgets("tcp://rank:1") == 2 and session.inbox.forgets("tcp://rank:2") == 0
     assert inbox(session) == ["forget_mapping", "forget_rank", "forget_rank"]
 

@@ -189,7 +189,7 @@ def raw_nixl_send(path: str, address: int, nbytes: int, count: int) -> None:
     agent.close()
 
 
-_DISPATCH_REPLY_TO = re.compile(rb'"reply_to":"([^"]+)"')
+_DISPATCH_REPLY_TO = re.compile(rb'"data_endpoint":"([^"]+)"')
 _DISPATCH_TICKET = re.compile(rb'"ticket":(\d+)')
 _SUBMIT_IDS = re.compile(rb'"request_id":(\d+),.*?"token":(\d+)')
 
@@ -306,7 +306,7 @@ def raw_forwarder(count: int) -> None:
                 done += 1
         for peer, header in _waiting(frontend) if frontend in events else ():
             if header.startswith(b'{"type":"hello"'):
-                rank_fields = b'"reply_to":"%s"' % json.loads(header)["data_endpoint"].encode()
+                rank_fields = b'"data_endpoint":"%s"' % json.loads(header)["data_endpoint"].encode()
                 frontend.send_multipart([peer, SIGNATURE, b'{"type":"welcome"}'])
             elif header.startswith(b'{"type":"submit"'):
                 if worker:

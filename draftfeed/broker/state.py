@@ -185,7 +185,7 @@ class BrokerState:
         service.info_waiters = [(p, r) for p, r in service.info_waiters if p != peer]
         rank.parked.clear()
         out: list[Outgoing] = []
-        forget = ForgetRank(rank=rank.hello.rank, reply_to=rank.hello.data_endpoint)
+        forget = ForgetRank(rank=rank.hello.rank, data_endpoint=rank.hello.data_endpoint)
         for worker in self.workers.values():
             if peer in worker.ranks_served:
                 worker.ranks_served.discard(peer)

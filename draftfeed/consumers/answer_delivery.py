@@ -98,7 +98,7 @@ class AnswerDelivery:
         forgets: Callable[[str], int],
         stopping_since: Callable[[], float | None],
     ) -> None:
-        """``forgets``: the broker link's count of ``forget_rank`` per endpoint; ``stopping_since``: when the worker
+        """``forgets``: the broker link's count of ``forget_rank`` per data_endpoint; ``stopping_since``: when the worker
         was told to stop (time.monotonic), None while it serves."""
         self.worker = worker
         self.config = config
@@ -121,14 +121,14 @@ class AnswerDelivery:
     def pairs(self) -> list[PairStatus]:
         return self.planes.statuses()
 
-    def remember(self, endpoint: str, key: str | None) -> None:
+    def remember(self, data_endpoint: str, key: str | None) -> None:
         """The broker dispatched for this rank: see RankLinks.remember."""
-        self.ranks.remember(endpoint, key)
+        self.ranks.remember(data_endpoint, key)
 
-    def forget(self, endpoint: str) -> None:
+    def forget(self, data_endpoint: str) -> None:
         """The rank is gone (or never reachable): release its pair and close its link for good."""
-        self.planes.forget(endpoint)
-        self.ranks.forget(endpoint)
+        self.planes.forget(data_endpoint)
+        self.ranks.forget(data_endpoint)
 
     def reset(self) -> None:
         """The broker forgot this worker and told the ranks so: they closed their sides of every pair."""
@@ -144,14 +144,14 @@ class AnswerDelivery:
     # ------------------------------------------------------------ one answer
     def result(self, dispatch: Dispatch, tensors: dict[str, torch.Tensor]) -> Outcome:
         """Send a result on the pair's plane when it has a ready one, else (or when that fails) as frames."""
-        request, endpoint = dispatch.request, dispatch.reply_to
-        since = self._forgets(endpoint)  # a forget_rank from now on ends every wait of this delivery
+        request, data_endpoint = dispatch.request, dispatch.data_endpoint
+        since = self._forgets(data_endpoint)  # a forget_rank from now on ends every wait of this delivery
         too_big = _over_limit(tensors, dispatch.max_result_bytes)
         if too_big is not None:
             return Refused(too_big)
         fields = dict(request_id=request.request_id, token=request.token, kind=request.kind, worker=self.worker)
         try:
-            pair = self.planes.group_for(endpoint, dispatch.rank, dispatch.data_plane)
+            pair = self.planes.group_for(data_endpoint, dispatch.rank, dispatch.data_plane)
         except PlaneRefused as exc:
             return Refused(f"the data plane asked for cannot be had: {exc}; use data_plane='auto' (frames where a pair group cannot be had)")
         nbytes = tensor_bytes(tensors)
@@ -164,33 +164,33 @@ class AnswerDelivery:
             delivery = self._on_group(dispatch, tensors, group, generation, fields, since)
             if delivery is not None:
                 return _outcome(delivery, group.backend, nbytes)
-        return _outcome(self._send(endpoint, pack_tensors(Result, tensors, **fields), since), "frames", nbytes)
+        return _outcome(self._send(data_endpoint, pack_tensors(Result, tensors, **fields), since), "frames", nbytes)
 
     def failure(self, dispatch: Dispatch, message: str) -> Outcome:
         """Tell the rank why its request could not be served (as frames)."""
         request = dispatch.request
         failure = Failure(request_id=request.request_id, token=request.token, worker=self.worker, message=message)
-        return _outcome(self._send(dispatch.reply_to, pack(failure)), "frames", 0)
+        return _outcome(self._send(dispatch.data_endpoint, pack(failure)), "frames", 0)
 
     def _on_group(
         self, dispatch: Dispatch, tensors: dict[str, torch.Tensor], group: PairGroup, generation: int, fields: dict, since: int
     ) -> Delivery | None:
         """The header on the socket, then the tensors on the pair's group; None: the group failed and was torn down
         (the rank drops what it got), send it as frames."""
-        endpoint = dispatch.reply_to
-        delivery = self._send(endpoint, pack(Result(tensors=describe(tensors), plane="pair", generation=generation, **fields)), since)
+        data_endpoint = dispatch.data_endpoint
+        delivery = self._send(data_endpoint, pack(Result(tensors=describe(tensors), plane="pair", generation=generation, **fields)), since)
         if delivery is not Delivery.SENT:
             return delivery  # the rank is gone or unreachable: _send has released its pair
         try:
             group.send(tensors)
-            self.planes.sent(endpoint)
+            self.planes.sent(data_endpoint)
             return Delivery.SENT
         except DataPlaneError as exc:
-            self.planes.failed(endpoint, str(exc))  # the rank drops what it got; frames follow
+            self.planes.failed(data_endpoint, str(exc))  # the rank drops what it got; frames follow
         except Exception as exc:  # e.g. a device error copying the tensors: the group is out of step too
             log.exception("worker %s: sending on the pair group to %s failed", self.worker, dispatch.rank)
             group.close()
-            self.planes.failed(endpoint, f"{type(exc).__name__}: {exc}")
+            self.planes.failed(data_endpoint, f"{type(exc).__name__}: {exc}")
         return None
 
     def _on_nixl(
@@ -198,16 +198,16 @@ class AnswerDelivery:
     ) -> Delivery | None:
         """Ask the rank for a slot, write the answer into it, then send the header; None: send it as frames (no slot
         was granted, or the pair failed and was torn down)."""
-        endpoint = dispatch.reply_to
+        data_endpoint = dispatch.data_endpoint
         specs = describe(tensors)
         offsets, total = packed_layout(specs)
         if total < max(1, self.config.nixl_min_bytes):
             return None
         want = self.planes.next_want()
-        delivery = self._send(endpoint, pack(NixlWant(worker=self.worker, generation=generation, want=want, nbytes=total)), since)
+        delivery = self._send(data_endpoint, pack(NixlWant(worker=self.worker, generation=generation, want=want, nbytes=total)), since)
         if delivery is not Delivery.SENT:
             return delivery
-        grant = self._await_grant(endpoint, generation, want, since)
+        grant = self._await_grant(data_endpoint, generation, want, since)
         if grant is None:
             return None
         if grant.refused is not None:
@@ -215,24 +215,24 @@ class AnswerDelivery:
             return None
         while len(self._writing) >= ARENAS:  # at most ARENAS in flight; a staged answer's arena must be free again
             self.finish_writes(block=True)
-        if not self.planes.is_ready(endpoint, generation):
+        if not self.planes.is_ready(data_endpoint, generation):
             return None  # an earlier write failed and took this pair down
         forgets = self._forgets
         try:
             source = link.sender.prepare(tensors, offsets, total)
             slot = Region(grant.address, total, grant.device, "VRAM" if link.memory == "VRAM" else "DRAM")
             notification = nixl_notification(generation, grant.slot, want)
-            gone = lambda: forgets(endpoint) != since  # noqa: E731
-            self._writing.append((link.sender.post(source, slot, link.remote_agent, notification, self.config.pair_timeout_s, gone), endpoint))
+            gone = lambda: forgets(data_endpoint) != since  # noqa: E731
+            self._writing.append((link.sender.post(source, slot, link.remote_agent, notification, self.config.pair_timeout_s, gone), data_endpoint))
         except (NixlError, RuntimeError) as exc:
-            self.planes.failed(endpoint, str(exc))
+            self.planes.failed(data_endpoint, str(exc))
             while self._writing:  # the arenas' turn may be out of step with the writes now: let every write land first
                 self.finish_writes(block=True)
             return None
         # The header goes now; the rank uses the slot only once the write's notification is there too.
-        delivery = self._send(endpoint, pack(Result(tensors=specs, plane="nixl", generation=generation, slot=grant.slot, **fields)), since)
+        delivery = self._send(data_endpoint, pack(Result(tensors=specs, plane="nixl", generation=generation, slot=grant.slot, **fields)), since)
         if delivery is Delivery.SENT:
-            self.planes.sent(endpoint)
+            self.planes.sent(data_endpoint)
         return delivery
 
     # ------------------------------------------------------------ waits
@@ -241,14 +241,14 @@ class AnswerDelivery:
         oldest). One that failed takes its pair down (``pair_close``): the rank gives up on its answer and asks
         again, and the pair is rebuilt after the backoff."""
         while self._writing:
-            write, endpoint = self._writing[0]
+            write, data_endpoint = self._writing[0]
             try:
                 if block:
                     write.wait()
                 elif not write.done():
                     return
             except NixlError as exc:
-                self.planes.failed(endpoint, str(exc))
+                self.planes.failed(data_endpoint, str(exc))
             self._writing.popleft()
             if block:
                 return
@@ -256,67 +256,70 @@ class AnswerDelivery:
     def take_from_ranks(self) -> None:
         """What ranks sent back on the data links: a rank that tore its side of a pair down, a nixl pair's
         readiness, a nixl grant."""
-        for endpoint, frames in self.ranks.incoming():
+        for data_endpoint, frames in self.ranks.incoming():
             try:
                 message, extra = unpack(frames, DATA_OUTBOUND)
             except MalformedMessage as exc:
-                log.warning("worker %s: ignoring a malformed message from rank %s: %s", self.worker, endpoint, exc)
+                log.warning("worker %s: ignoring a malformed message from rank %s: %s", self.worker, data_endpoint, exc)
                 continue
             if isinstance(message, PairClose):
-                self.planes.rank_closed(endpoint, message)
+                self.planes.rank_closed(data_endpoint, message)
             elif isinstance(message, NixlReady):
-                self.planes.nixl_ready(endpoint, message, extra)
+                self.planes.nixl_ready(data_endpoint, message, extra)
             elif isinstance(message, NixlGrant):
-                self.planes.granted(endpoint, message, extra)
+                self.planes.granted(data_endpoint, message, extra)
 
-    def _await_grant(self, endpoint: str, generation: int, want: int, since: int) -> NixlGrant | None:
+    def _await_grant(self, data_endpoint: str, generation: int, want: int, since: int) -> NixlGrant | None:
         """The rank's grant for ``want``, or None when the pair closes, the rank is gone, or --pair-timeout passes
         (the pair is then torn down: a grant that comes later is never written to)."""
         deadline = time.monotonic() + self.config.pair_timeout_s
         while True:
             self.take_from_ranks()
-            grant = self.planes.take_grant(endpoint, generation, want)
+            grant = self.planes.take_grant(data_endpoint, generation, want)
             if grant is not None:
                 return grant
-            if not self.planes.is_ready(endpoint, generation) or self._forgets(endpoint) != since:
+            if not self.planes.is_ready(data_endpoint, generation) or self._forgets(data_endpoint) != since:
                 return None
             if time.monotonic() > deadline:
-                self.planes.failed(endpoint, f"no nixl_grant within {self.config.pair_timeout_s:.0f} s")
+                self.planes.failed(data_endpoint, f"no nixl_grant within {self.config.pair_timeout_s:.0f} s")
                 return None
             # Writes in flight are checked every millisecond meanwhile: checking moves them on (over TCP above all).
             self.finish_writes(block=False)
-            self.ranks.socket(endpoint).poll(1 if self._writing else 50, zmq.POLLIN)
+            self.ranks.socket(data_endpoint).poll(1 if self._writing else 50, zmq.POLLIN)
 
-    def _send(self, endpoint: str, frames: list[Any], since: int | None = None) -> Delivery:
+    def _send(self, data_endpoint: str, frames: list[Any], since: int | None = None) -> Delivery:
         """Send to a rank, trying until it takes the message, the broker reports it gone (the link counts its
         ``forget_rank``; ``since``: the count when this delivery began, default now), it was never reached within
         connect_timeout, or it took nothing for send_timeout (drain_timeout once stopping)."""
         started = time.monotonic()
-        forgets = self._forgets(endpoint) if since is None else since
+        forgets = self._forgets(data_endpoint) if since is None else since
         while True:
-            delivery = self.ranks.try_send(endpoint, frames)
+            delivery = self.ranks.try_send(data_endpoint, frames)
             if delivery is not Delivery.BLOCKED:
                 return delivery
-            if self._forgets(endpoint) != forgets:
+            if self._forgets(data_endpoint) != forgets:
                 return Delivery.FORGOTTEN  # the forget_rank itself is filed next, with the rest of the link's messages
             waited = time.monotonic() - started
-            if not self.ranks.ever_sent(endpoint) and waited > self.config.connect_timeout_s:
-                # Never reached: a wrong or firewalled data endpoint. Fail fast for it from now on.
-                log.error("worker %s: cannot reach rank data endpoint %s within %.0f s; not trying it again", self.worker, endpoint, waited)
-                self.forget(endpoint)
+            if not self.ranks.ever_sent(data_endpoint) and waited > self.config.connect_timeout_s:
+                # Never reached: a wrong or firewalled data data_endpoint. Fail fast for it from now on.
+                log.error("worker %s: cannot reach rank data data_endpoint %s within %.0f s; not trying it again", self.worker, data_endpoint, waited)
+                self.forget(data_endpoint)
                 return Delivery.UNREACHABLE
             stopping_since = self._stopping_since()
             if stopping_since is not None and time.monotonic() - stopping_since > self.config.drain_timeout_s:
                 log.error(
-                    "worker %s: stopping, and rank at %s took nothing for %.0f s (--drain-timeout): giving up on it", self.worker, endpoint, waited
+                    "worker %s: stopping, and rank at %s took nothing for %.0f s (--drain-timeout): giving up on it",
+                    self.worker,
+                    data_endpoint,
+                    waited,
                 )
                 return Delivery.STALLED
             if waited > self.config.send_timeout_s:
-                log.error("worker %s: rank at %s took nothing for %.0f s; dropping its link", self.worker, endpoint, waited)
-                self.planes.forget(endpoint)
-                self.ranks.drop(endpoint)
+                log.error("worker %s: rank at %s took nothing for %.0f s; dropping its link", self.worker, data_endpoint, waited)
+                self.planes.forget(data_endpoint)
+                self.ranks.drop(data_endpoint)
                 return Delivery.STALLED
-            self.ranks.socket(endpoint).poll(100, zmq.POLLOUT)
+            self.ranks.socket(data_endpoint).poll(100, zmq.POLLOUT)
 
 
 def _outcome(delivery: Delivery, plane: str, nbytes: int) -> Outcome:

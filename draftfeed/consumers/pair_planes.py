@@ -56,7 +56,7 @@ class NixlLink:
 
 @dataclass
 class _Pair:
-    endpoint: str
+    data_endpoint: str
     rank: str
     choice: PlaneChoice
     state: str = "frames"  # frames (for good) | down (open at reopen_at) | opening | ready
@@ -95,17 +95,17 @@ class PairPlanes:
         self.nixl = NixlSender(worker, torch.device(offer.device))
         self._next_want = 0
         self.timeout_s = timeout_s
-        self._send = send  # (rank endpoint, frames) -> whether it went out, without blocking
+        self._send = send  # (rank data endpoint, frames) -> whether it went out, without blocking
         self._pairs: dict[str, _Pair] = {}
         self._lock = threading.Lock()
         self._next_generation = 0
 
-    def group_for(self, endpoint: str, rank: str, rank_offer: DataPlaneOffer | None) -> tuple[PairGroup | NixlLink, int] | None:
+    def group_for(self, data_endpoint: str, rank: str, rank_offer: DataPlaneOffer | None) -> tuple[PairGroup | NixlLink, int] | None:
         """The ready group or nixl link to this rank and its generation, or None: send this answer as frames.
         Raises PlaneRefused when the plane this pair was made to use cannot be had (the reason says why)."""
-        pair = self._pairs.get(endpoint)
+        pair = self._pairs.get(data_endpoint)
         if pair is None:
-            pair = self._new_pair(endpoint, rank, rank_offer)
+            pair = self._new_pair(data_endpoint, rank, rank_offer)
         if pair.choice.refused:
             raise PlaneRefused(pair.choice.reason)
         if pair.state == "opening":
@@ -120,9 +120,9 @@ class PairPlanes:
         return None
 
     # ------------------------------------------------------------ nixl pairs
-    def nixl_ready(self, endpoint: str, message: NixlReady, frames: list[Any]) -> None:
+    def nixl_ready(self, data_endpoint: str, message: NixlReady, frames: list[Any]) -> None:
         """The rank's side of a nixl pair is up: load its agent metadata."""
-        pair = self._pairs.get(endpoint)
+        pair = self._pairs.get(data_endpoint)
         if pair is None or pair.generation != message.generation or pair.state != "opening" or pair.choice.plane != "nixl":
             return
         try:
@@ -139,9 +139,9 @@ class PairPlanes:
         pair.nixl, pair.state = NixlLink(self.nixl, name, message.memory), "ready"
         log.info("worker %s: nixl pair %d with rank %s is ready (its slots in %s)", self.worker, pair.generation, pair.rank, message.memory)
 
-    def granted(self, endpoint: str, message: NixlGrant, frames: list[Any]) -> None:
+    def granted(self, data_endpoint: str, message: NixlGrant, frames: list[Any]) -> None:
         """A grant; with one frame, the metadata of a slot the rank registered since this pair opened: loaded now."""
-        pair = self._pairs.get(endpoint)
+        pair = self._pairs.get(data_endpoint)
         if pair is None or pair.generation != message.generation or pair.state != "ready":
             return
         if frames:
@@ -152,28 +152,28 @@ class PairPlanes:
                 return
         pair.grants[message.want] = message
 
-    def take_grant(self, endpoint: str, generation: int, want: int) -> NixlGrant | None:
-        pair = self._pairs.get(endpoint)
+    def take_grant(self, data_endpoint: str, generation: int, want: int) -> NixlGrant | None:
+        pair = self._pairs.get(data_endpoint)
         if pair is None or pair.generation != generation:
             return None
         return pair.grants.pop(want, None)
 
-    def is_ready(self, endpoint: str, generation: int) -> bool:
-        pair = self._pairs.get(endpoint)
+    def is_ready(self, data_endpoint: str, generation: int) -> bool:
+        pair = self._pairs.get(data_endpoint)
         return pair is not None and pair.generation == generation and pair.state == "ready"
 
     def next_want(self) -> int:
         self._next_want += 1
         return self._next_want
 
-    def sent(self, endpoint: str) -> None:
-        pair = self._pairs[endpoint]
+    def sent(self, data_endpoint: str) -> None:
+        pair = self._pairs[data_endpoint]
         pair.sent_over_pair += 1
         pair.failures = 0  # the group works: a later failure starts the backoff afresh
 
-    def failed(self, endpoint: str, reason: str) -> None:
+    def failed(self, data_endpoint: str, reason: str) -> None:
         """The group to this rank failed: tear it down, tell the rank, reopen after the backoff."""
-        pair = self._pairs.get(endpoint)
+        pair = self._pairs.get(data_endpoint)
         if pair is None:
             return
         pair.fallbacks += 1
@@ -187,17 +187,17 @@ class PairPlanes:
         )
         self._tear_down(pair, reason, tell_rank=True)
 
-    def rank_closed(self, endpoint: str, message: PairClose) -> None:
+    def rank_closed(self, data_endpoint: str, message: PairClose) -> None:
         """The rank tore the group of ``message.generation`` down on its side."""
-        pair = self._pairs.get(endpoint)
+        pair = self._pairs.get(data_endpoint)
         if pair is not None and pair.generation == message.generation and pair.state in ("opening", "ready"):
             log.warning("worker %s: rank %s closed pair group %d: %s", self.worker, pair.rank, message.generation, message.reason)
             self._tear_down(pair, message.reason, tell_rank=False)
 
-    def forget(self, endpoint: str) -> None:
+    def forget(self, data_endpoint: str) -> None:
         """The rank is gone: release its group now."""
         with self._lock:
-            pair = self._pairs.pop(endpoint, None)
+            pair = self._pairs.pop(data_endpoint, None)
         if pair is not None:
             self._release(pair)
 
@@ -206,8 +206,8 @@ class PairPlanes:
             return [pair.status() for pair in self._pairs.values()]
 
     def close(self) -> None:
-        for endpoint in list(self._pairs):
-            self.forget(endpoint)
+        for data_endpoint in list(self._pairs):
+            self.forget(data_endpoint)
 
     def shut_down(self) -> None:
         """Close every pair and the NIXL agent (the worker is exiting)."""
@@ -215,15 +215,15 @@ class PairPlanes:
         self.nixl.close()
 
     # ------------------------------------------------------------ internals
-    def _new_pair(self, endpoint: str, rank: str, rank_offer: DataPlaneOffer | None) -> _Pair:
+    def _new_pair(self, data_endpoint: str, rank: str, rank_offer: DataPlaneOffer | None) -> _Pair:
         choice = choose_plane(self.offer, rank_offer)
         if choice.refused:
             log.error("worker %s: data plane to rank %s refused: %s; its requests fail", self.worker, rank, choice.reason)
         else:
             log.info("worker %s: data plane to rank %s: %s (%s)", self.worker, rank, choice.plane, choice.reason)
-        pair = _Pair(endpoint, rank, choice, state="frames" if choice.plane == "frames" else "down")
+        pair = _Pair(data_endpoint, rank, choice, state="frames" if choice.plane == "frames" else "down")
         with self._lock:
-            self._pairs[endpoint] = pair
+            self._pairs[data_endpoint] = pair
         return pair
 
     def _open(self, pair: _Pair) -> None:
@@ -231,7 +231,7 @@ class PairPlanes:
             self._open_nixl(pair)
             return
         generation = self._next_generation
-        host = local_address_towards(pair.endpoint)
+        host = local_address_towards(pair.data_endpoint)
         try:
             store = host_store(host, timeout_s=self.timeout_s)
         except (RuntimeError, OSError) as exc:
@@ -249,7 +249,7 @@ class PairPlanes:
             timeout_s=self.timeout_s,
             reason=pair.choice.reason[:512],
         )
-        if not self._send(pair.endpoint, pack(message)):
+        if not self._send(pair.data_endpoint, pack(message)):
             return  # the rank's link is busy or not up yet: try again with the next answer
         self._next_generation += 1
         pair.generation, pair.store, pair.state, pair.opened = generation, store, "opening", []
@@ -270,7 +270,7 @@ class PairPlanes:
             return
         generation = self._next_generation
         message = NixlOpen(worker=self.worker, generation=generation, agent=agent, timeout_s=self.timeout_s, reason=pair.choice.reason[:512])
-        if not self._send(pair.endpoint, pack(message)):
+        if not self._send(pair.data_endpoint, pack(message)):
             return  # the rank's link is busy or not up yet: try again with the next answer
         self._next_generation += 1
         pair.generation, pair.state, pair.opening_until = generation, "opening", time.monotonic() + self.timeout_s
@@ -297,7 +297,7 @@ class PairPlanes:
 
     def _tear_down(self, pair: _Pair, reason: str, tell_rank: bool) -> None:
         if tell_rank and pair.generation is not None:
-            self._send(pair.endpoint, pack(PairClose(worker=self.worker, generation=pair.generation, reason=reason[:512])))
+            self._send(pair.data_endpoint, pack(PairClose(worker=self.worker, generation=pair.generation, reason=reason[:512])))
         self._release(pair)
         self._backoff(pair, reason)
 

@@ -1,4 +1,4 @@
-"""The worker's direct sockets to training ranks: one DEALER per rank data endpoint, opened on first use."""
+"""The worker's direct sockets to training ranks: one DEALER per rank data data_endpoint, opened on first use."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class RankLinks:
 
     Sends never block here: messages queue only on a completed connection (ZMQ_IMMEDIATE), up to a
     small high-water mark, and the worker decides how long to keep trying (see AnswerDelivery._send). Ranks
-    the broker reported gone are remembered, so a late answer for one opens no socket to a dead endpoint.
+    the broker reported gone are remembered, so a late answer for one opens no socket to a dead data_endpoint.
     """
 
     def __init__(self, context: zmq.Context, hwm: int = 4, keys: PeerKeys | None = None, max_frame_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
@@ -42,7 +42,7 @@ class RankLinks:
         self._hwm = hwm
         self._max_frame_bytes = max_frame_bytes
         self._keys = keys
-        self._server_keys: dict[str, str | None] = {}  # endpoint -> the rank's public key (secure brokers send it)
+        self._server_keys: dict[str, str | None] = {}  # data_endpoint -> the rank's public key (secure brokers send it)
         self._sockets: dict[str, zmq.Socket] = {}
         self._reached: set[str] = set()
         self._forgotten: OrderedDict[str, None] = OrderedDict()
@@ -50,8 +50,8 @@ class RankLinks:
     def __len__(self) -> int:
         return len(self._sockets)
 
-    def socket(self, endpoint: str) -> zmq.Socket:
-        sock = self._sockets.get(endpoint)
+    def socket(self, data_endpoint: str) -> zmq.Socket:
+        sock = self._sockets.get(data_endpoint)
         if sock is None:
             sock = self._context.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
@@ -59,27 +59,27 @@ class RankLinks:
             sock.setsockopt(zmq.SNDHWM, self._hwm)
             sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame_bytes)
             if self._keys is not None:
-                server = self._server_keys.get(endpoint)
+                server = self._server_keys.get(data_endpoint)
                 if server is None:
                     # Never plaintext from a secure worker: no key, no link (the send stays blocked and times out).
-                    raise ValueError(f"no public key for rank endpoint {endpoint}: is the broker running with --secure?")
+                    raise ValueError(f"no public key for rank data endpoint {data_endpoint}: is the broker running with --secure?")
                 make_client(sock, self._keys.own, server.encode())
-            sock.connect(endpoint)
-            self._sockets[endpoint] = sock
+            sock.connect(data_endpoint)
+            self._sockets[data_endpoint] = sock
         return sock
 
-    def try_send(self, endpoint: str, frames: list[Any]) -> Delivery:
+    def try_send(self, data_endpoint: str, frames: list[Any]) -> Delivery:
         """One non-blocking attempt: SENT, BLOCKED (its pipe is full, or not connected yet) or FORGOTTEN."""
-        if endpoint in self._forgotten:
+        if data_endpoint in self._forgotten:
             return Delivery.FORGOTTEN
         try:
-            sock = self.socket(endpoint)
+            sock = self.socket(data_endpoint)
         except ValueError as exc:
             log.error("%s; not sending to it", exc)
             return Delivery.FORGOTTEN
         try:
             sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-            self._reached.add(endpoint)
+            self._reached.add(data_endpoint)
             return Delivery.SENT
         except zmq.Again:
             return Delivery.BLOCKED
@@ -87,37 +87,37 @@ class RankLinks:
     def incoming(self) -> list[tuple[str, list[Any]]]:
         """Messages ranks sent back on these links (data-plane control), without blocking."""
         received = []
-        for endpoint, sock in list(self._sockets.items()):
+        for data_endpoint, sock in list(self._sockets.items()):
             while True:
                 try:
-                    received.append((endpoint, sock.recv_multipart(zmq.NOBLOCK, copy=False)))
+                    received.append((data_endpoint, sock.recv_multipart(zmq.NOBLOCK, copy=False)))
                 except zmq.Again:
                     break
         return received
 
-    def ever_sent(self, endpoint: str) -> bool:
-        """Whether a message ever went out on the current link to this endpoint."""
-        return endpoint in self._reached
+    def ever_sent(self, data_endpoint: str) -> bool:
+        """Whether a message ever went out on the current link to this data_endpoint."""
+        return data_endpoint in self._reached
 
-    def remember(self, endpoint: str, key: str | None = None) -> None:
+    def remember(self, data_endpoint: str, key: str | None = None) -> None:
         """The broker dispatches for this rank (again, if it came back after being declared gone); ``key`` is
         the rank's public key, which its data socket must prove."""
-        self._forgotten.pop(endpoint, None)
-        if self._server_keys.get(endpoint) != key:
-            self._server_keys[endpoint] = key
-            self.drop(endpoint)  # a new rank on a reused endpoint: reconnect with its key
+        self._forgotten.pop(data_endpoint, None)
+        if self._server_keys.get(data_endpoint) != key:
+            self._server_keys[data_endpoint] = key
+            self.drop(data_endpoint)  # a new rank on a reused data_endpoint: reconnect with its key
 
-    def forget(self, endpoint: str) -> None:
+    def forget(self, data_endpoint: str) -> None:
         """The rank is gone: close its link and send it nothing more."""
-        self.drop(endpoint)
-        self._forgotten[endpoint] = None
+        self.drop(data_endpoint)
+        self._forgotten[data_endpoint] = None
         while len(self._forgotten) > _FORGOTTEN_KEPT:
             self._forgotten.popitem(last=False)
 
-    def drop(self, endpoint: str) -> None:
-        self._reached.discard(endpoint)
-        close_quietly(self._sockets.pop(endpoint, None))
+    def drop(self, data_endpoint: str) -> None:
+        self._reached.discard(data_endpoint)
+        close_quietly(self._sockets.pop(data_endpoint, None))
 
     def close(self) -> None:
-        for endpoint in list(self._sockets):
-            self.drop(endpoint)
+        for data_endpoint in list(self._sockets):
+            self.drop(data_endpoint)

@@ -137,7 +137,7 @@ class Worker:
         planes = PairPlanes(
             self.name,
             local_offer(self.config.data_plane, self.task.engine.device, encrypted=self.config.keys is not None),
-            send=lambda endpoint, frames: ranks.try_send(endpoint, frames) is Delivery.SENT,
+            send=lambda data_endpoint, frames: ranks.try_send(data_endpoint, frames) is Delivery.SENT,
             timeout_s=self.config.pair_timeout_s,
         )
         inbox = Inbox()
@@ -238,7 +238,7 @@ class Worker:
             return
         message, tensor_frames = item
         if isinstance(message, Dispatch):
-            self._delivery.remember(message.reply_to, message.reply_key)
+            self._delivery.remember(message.data_endpoint, message.reply_key)
             self._queue.append(_Queued(message, tensor_frames))
         elif isinstance(message, VocabMapping):
             self._mappings.load(message, tensor_frames)
@@ -249,7 +249,7 @@ class Worker:
 
     def _forget(self, message: ForgetRank, pipe: zmq.Socket) -> None:
         assert self._delivery is not None
-        self._delivery.forget(message.reply_to)
+        self._delivery.forget(message.data_endpoint)
         dropped = [q for q in self._queue if q.dispatch.rank == message.rank]
         self._queue = deque(q for q in self._queue if q.dispatch.rank != message.rank)
         for queued in dropped:

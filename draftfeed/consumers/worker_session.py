@@ -40,7 +40,7 @@ RESET = "reset"  # link -> compute loop, through the inbox: registered afresh; d
 class Inbox:
     """What the link hands the compute loop: each message with its tensor frames (or ``RESET``), in the order it came.
 
-    It also counts the ``forget_rank`` messages that went through it, per rank endpoint (any thread): a delivery
+    It also counts the ``forget_rank`` messages that went through it, per rank data endpoint (any thread): a delivery
     stuck on a rank that is gone learns it from the count at once, while the compute loop is busy delivering."""
 
     def __init__(self) -> None:
@@ -51,7 +51,7 @@ class Inbox:
     def put(self, message: Any, frames: list[Any]) -> None:
         if isinstance(message, ForgetRank):
             with self._lock:
-                self._forgets[message.reply_to] += 1
+                self._forgets[message.data_endpoint] += 1
         self._queue.put((message, frames))
 
     def reset(self) -> None:
@@ -64,10 +64,10 @@ class Inbox:
         except queue.Empty:
             return None
 
-    def forgets(self, endpoint: str) -> int:
-        """How many ``forget_rank`` messages for the rank at ``endpoint`` came so far."""
+    def forgets(self, data_endpoint: str) -> int:
+        """How many ``forget_rank`` messages for the rank at ``data_endpoint`` came so far."""
         with self._lock:
-            return self._forgets[endpoint]
+            return self._forgets[data_endpoint]
 
 
 class WorkerSession:

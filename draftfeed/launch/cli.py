@@ -30,7 +30,7 @@ from draftfeed.launch.store_commands import run_store
 from draftfeed.logs import LOG_FORMATS
 from draftfeed.logs import configure as configure_logging
 from draftfeed.schemas.errors import CannotServe, DraftfeedError, UsageError
-from draftfeed.schemas.messages import DataPlaneMode, SupervisionForm, Task
+from draftfeed.schemas.messages import DataPlaneMode, SupervisionForm, TaskName
 from draftfeed.schemas.protocol import DEFAULT_BACKEND, DEFAULT_BROKER_HTTP_PORT, DEFAULT_FRONTEND, DEFAULT_HTTP_HOST, DEFAULT_WORKER_HTTP_PORT
 
 if TYPE_CHECKING:  # imported where used: the CLI starts without loading pyzmq's auth or torch
@@ -295,7 +295,7 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
         metavar="KEY=VALUE",
         help="an engine setting, repeatable; for vllm any vllm.LLM argument (gpu_memory_utilization=0.8, max_model_len=8192), for sglang any ServerArgs field",
     )
-    worker.add_argument("--task", default="eagle3", choices=get_args(Task), help="which supervision to compute")
+    worker.add_argument("--task", default="eagle3", choices=get_args(TaskName), help="which supervision to compute")
     worker.add_argument("--service", default=None, help="the service name ranks ask for (default: <target folder>-<task>)")
     worker.add_argument("--device", default="cpu", help="torch device for the target, e.g. cuda:0")
     worker.add_argument(

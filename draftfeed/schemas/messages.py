@@ -15,7 +15,7 @@ from typing_extensions import Self
 
 Name = Annotated[str, Field(min_length=1, max_length=256)]
 RequestId = Annotated[int, Field(ge=0, lt=2**63)]
-RequestKind = Literal["eagle3", "dspark", "input_embeddings", "output_embeddings"]
+SubmitKind = Literal["eagle3", "dspark", "input_embeddings", "output_embeddings"]
 Token = Annotated[int, Field(ge=0, lt=2**63)]
 Seconds = Annotated[float, Field(gt=0, le=3600)]
 ErrorCode = Literal[
@@ -97,7 +97,7 @@ class DSparkTargetInfo(_TargetInfo):
 
 
 TargetInfo = Annotated[Eagle3TargetInfo | DSparkTargetInfo, Field(discriminator="task")]
-Task = Literal["eagle3", "dspark"]
+TaskName = Literal["eagle3", "dspark"]
 # How an EAGLE-3 worker sends target_probs: as float32 probabilities (the contract's form), as bfloat16
 # probabilities (lossy, half the bytes), or as the post-norm final hidden state plus the full-vocab argmax,
 # from which the rank rebuilds probabilities and position mask with the lm_head's draft rows (compact).
@@ -145,7 +145,7 @@ class Hello(Strict):
     window: Annotated[int, Field(ge=1, le=1024)]
     host: Name
     pid: Annotated[int, Field(ge=0)]
-    task: Task = "eagle3"
+    task: TaskName = "eagle3"
     # The target this rank checked (model_info / check_target_info): the broker pins the service to it and
     # refuses workers that differ, also after a broker restart.
     expect: TargetInfo | None = None
@@ -159,7 +159,7 @@ class Submit(Strict):
 
     type: Literal["submit"] = "submit"
     request_id: RequestId
-    kind: RequestKind
+    kind: SubmitKind
     # A random number the rank checks on the answer: a result that does not echo it is not for this request.
     token: Token = 0
     # The vocab mapping this batch is computed with (an EAGLE-3 rank that set one); None: the identity. A broker
@@ -298,7 +298,7 @@ class Register(Strict):
     type: Literal["register"] = "register"
     worker: Name
     service: Name
-    task: Task
+    task: TaskName
     engine: Name
     info: TargetInfo
     supervision: SupervisionForm = "probs"
@@ -379,7 +379,7 @@ class ForgetRank(Strict):
 
     type: Literal["forget_rank"] = "forget_rank"
     rank: Name
-    reply_to: Name
+    data_endpoint: Name
 
 
 class Dispatch(Strict):
@@ -388,7 +388,7 @@ class Dispatch(Strict):
     type: Literal["dispatch"] = "dispatch"
     ticket: Annotated[int, Field(ge=0)]
     rank: Name
-    reply_to: Name
+    data_endpoint: Name
     service: Name
     data_plane: DataPlaneOffer | None = None  # the rank's, from its hello
     reply_key: PublicKey | None = None  # on a secure broker: the rank's public key, which its data socket proves
@@ -399,7 +399,7 @@ class Dispatch(Strict):
 def dispatch_rank_fields(hello: Hello, reply_key: str | None) -> bytes:
     """The part of every ``dispatch`` header that comes from its rank (encoded once per rank): the broker's hot
     path writes dispatch headers directly, without building a Dispatch (tests hold it to the model)."""
-    fields: dict = {"rank": hello.rank, "reply_to": hello.data_endpoint, "service": hello.service}
+    fields: dict = {"rank": hello.rank, "data_endpoint": hello.data_endpoint, "service": hello.service}
     if hello.data_plane is not None:
         fields["data_plane"] = hello.data_plane.model_dump(mode="json")
     if reply_key is not None:
@@ -441,7 +441,7 @@ class Result(Strict):
     type: Literal["result"] = "result"
     request_id: RequestId
     token: Token = 0
-    kind: RequestKind
+    kind: SubmitKind
     worker: Name
     tensors: list[TensorSpec] = Field(max_length=16)
     plane: Literal["frames", "pair", "nixl"] = "frames"

@@ -15,7 +15,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from draftfeed.dataplane.tensor_codec import dtype_name
-from draftfeed.schemas.messages import LogitTransform, MappingDigest, SupervisionForm, TargetInfo, Task
+from draftfeed.schemas.messages import LogitTransform, MappingDigest, SupervisionForm, TargetInfo, TaskName
 
 STORE_FORMAT = 1  # the on-disk layout's version; a store of another version is refused at open
 
@@ -26,7 +26,7 @@ class StoreIdentity(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     format: int = STORE_FORMAT
-    task: Task
+    task: TaskName
     target: TargetInfo = Field(discriminator="task")
     forms: list[SupervisionForm]  # the forms the service's workers sent (empty for DSpark, which has one)
     logit_transform: LogitTransform | None = None  # how the rank rebuilds probabilities from the compact form

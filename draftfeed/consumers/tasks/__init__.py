@@ -9,7 +9,7 @@ from draftfeed.consumers.engines.base import Engine
 from draftfeed.consumers.tasks.base import Task
 from draftfeed.consumers.tasks.dspark import DSparkTask
 from draftfeed.consumers.tasks.eagle3 import Eagle3Task
-from draftfeed.schemas.messages import Task as TaskName
+from draftfeed.schemas.messages import TaskName
 
 TASKS = get_args(TaskName)
 

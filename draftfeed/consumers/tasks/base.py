@@ -9,8 +9,7 @@ import torch
 from draftfeed.consumers.engines.base import Engine, TargetShape
 from draftfeed.contract.packing import Documents
 from draftfeed.contract.vocab import VocabMap
-from draftfeed.schemas.messages import DSparkTargetInfo, Eagle3TargetInfo, LogitTransform, SupervisionForm
-from draftfeed.schemas.messages import Task as TaskName
+from draftfeed.schemas.messages import DSparkTargetInfo, Eagle3TargetInfo, LogitTransform, SupervisionForm, TaskName
 
 
 class Task(Protocol):
