@@ -1,15 +1,14 @@
 """A rank's settings, checked when the remote target is made: a wrong one is a ValueError naming it, at once,
-never a failure on the IO thread later. Each default is stated here once."""
+never a failure on the IO thread later. Each default and description is stated here once (RemoteTarget's parameters
+and ``draftfeed demo --prefetch-depth`` read them from here). Importing it loads no torch: the CLI reads it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from draftfeed.dataplane.choice import nixl_installed
 from draftfeed.schemas.messages import DataPlaneMode
 from draftfeed.schemas.protocol import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -19,26 +18,33 @@ Seconds = Annotated[float, Field(gt=0)]
 class RankSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    prefetch_depth: Annotated[StrictInt, Field(ge=0, le=1024)] = 2  # batches in flight; the broker caps it (--max-queued-per-rank)
-    request_timeout: Seconds = 600.0  # the longest wait for one answer
-    connect_timeout: Seconds = 30.0  # the longest wait for the broker's welcome
-    wait_for_workers: Annotated[float, Field(ge=0)] = 120.0  # how long to wait for a first worker of the service (0: fail at once)
-    wait_log_interval: Seconds = 5.0  # how often a wait says what it waits for
-    data_plane: DataPlaneMode = "auto"
-    max_result_bytes: Annotated[StrictInt, Field(gt=0)] = DEFAULT_MAX_MESSAGE_BYTES
-    device: str | None = None  # where supervision lands; None: the CPU, as received
-    nixl_pool_bytes: Annotated[StrictInt, Field(gt=0)] = 4 << 30  # the most receive memory the nixl plane registers (allocated as used)
-    # Serve GET /health and GET /metrics (Prometheus) on this port, on every interface; None: not served.
-    metrics_port: Annotated[StrictInt, Field(gt=0, lt=65536)] | None = None
-    # The supervision store (docs/store.md): a folder; None: no store. Its mode: "record", "replay" or "cache" (None: cache).
-    store: str | None = None
-    store_mode: Literal["record", "replay", "cache"] | None = None
-    store_shard_bytes: Annotated[StrictInt, Field(ge=1 << 10)] = 256 << 20  # the size of one shard file (gathered in memory)
-    store_queue_batches: Annotated[StrictInt, Field(ge=1)] = 8  # recorded batches waiting for the disk before the loop waits
+    prefetch_depth: Annotated[
+        StrictInt, Field(ge=0, le=1024, description="batches in flight per rank; the broker caps it (--max-queued-per-rank)")
+    ] = 2
+    request_timeout: Annotated[Seconds, Field(description="the longest wait for one answer, in seconds")] = 600.0
+    connect_timeout: Annotated[Seconds, Field(description="the longest wait for the broker's welcome, in seconds")] = 30.0
+    wait_for_workers: Annotated[float, Field(ge=0, description="seconds to wait for a first worker of the service (0: fail at once)")] = 120.0
+    wait_log_interval: Annotated[Seconds, Field(description="how often a wait says what it waits for, in seconds")] = 5.0
+    data_plane: Annotated[DataPlaneMode, Field(description="how supervision reaches this rank (docs/data-planes.md)")] = "auto"
+    max_result_bytes: Annotated[StrictInt, Field(gt=0, description="the largest answer this rank takes")] = DEFAULT_MAX_MESSAGE_BYTES
+    device: Annotated[str | None, Field(description="where supervision lands; None: the CPU, as received")] = None
+    nixl_pool_bytes: Annotated[StrictInt, Field(gt=0, description="the most receive memory the nixl plane registers (allocated as used)")] = 4 << 30
+    metrics_port: Annotated[
+        Annotated[StrictInt, Field(gt=0, lt=65536)] | None,
+        Field(description="serve GET /health and GET /metrics (Prometheus) on this port, on every interface; None: not served"),
+    ] = None
+    store: Annotated[str | None, Field(description="the supervision store's folder (docs/store.md); None: no store")] = None
+    store_mode: Annotated[
+        Literal["record", "replay", "cache"] | None, Field(description="the store's mode: record, replay or cache (None: cache)")
+    ] = None
+    store_shard_bytes: Annotated[StrictInt, Field(ge=1 << 10, description="the size of one shard file (gathered in memory)")] = 256 << 20
+    store_queue_batches: Annotated[StrictInt, Field(ge=1, description="recorded batches waiting for the disk before the loop waits")] = 8
 
     @classmethod
     def checked(cls, owner: str, **values: object) -> RankSettings:
         """The settings, or a ValueError that names each wrong one and what it takes."""
+        import torch
+
         if isinstance(values.get("device"), torch.device):
             values["device"] = str(values["device"])
         if isinstance(values.get("store"), Path):
@@ -59,6 +65,10 @@ class RankSettings(BaseModel):
         return None if self.store is None else self.store_mode or "cache"
 
     def check_device(self, owner: str) -> None:
+        import torch
+
+        from draftfeed.dataplane.choice import nixl_installed
+
         device = torch.device(self.device) if self.device is not None else torch.device("cpu")
         if device.type == "cuda" and not torch.cuda.is_available():
             why = "torch here is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
