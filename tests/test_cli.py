@@ -100,3 +100,50 @@ def test_help_shows_every_default_with_its_source():
     assert f"(default: {BrokerSettings.max_queued_per_rank})" in broker and f"(default: {BrokerSettings.heartbeat_interval_s})" in broker
     status = " ".join(run("-m", "draftfeed", "status", "--help").stdout.split())
     assert "(default: tcp://127.0.0.1:5555)" in status and "(default: 10.0)" in status
+
+
+def launch_parser(role: str):
+    from draftfeed.launch.cli import _subparsers
+
+    return _subparsers(_subparsers(build_parser())["launch"])[role]
+
+
+@pytest.mark.parametrize("role", ["broker", "worker"])
+def test_every_setting_is_a_flag_described_by_its_field(role):
+    """Each field of BrokerSettings / WorkerConfig is a flag of its launch command whose help is the field's
+    description and whose default is the field's: a new field cannot be forgotten, nor its help written twice."""
+    import dataclasses
+
+    from draftfeed.broker.settings import BrokerSettings
+    from draftfeed.consumers.config import WorkerConfig
+    from draftfeed.launch.flags import flags_of
+
+    settings = BrokerSettings if role == "broker" else WorkerConfig
+    actions = {option: action for action in launch_parser(role)._actions for option in action.option_strings}
+    flags = {flag.field: flag for flag in flags_of(settings)}
+    assert set(flags) == {f.name for f in dataclasses.fields(settings) if f.metadata.get("flag", "") is not None}
+    helped = "".join(run("-m", "draftfeed.launch", role, "--help").stdout.split())  # argparse wraps lines at hyphens too
+    for item in dataclasses.fields(settings):
+        if item.name not in flags:
+            continue
+        action = actions[flags[item.name].option]
+        assert action.help == item.metadata["help"], item.name
+        assert action.option_strings[0] in helped and "".join(item.metadata["help"].split()) in helped, item.name
+        if item.default is not dataclasses.MISSING and item.default != ():
+            assert action.default == item.default, item.name
+
+
+def test_settings_are_made_from_the_parsed_flags_by_their_fields():
+    from draftfeed.broker.settings import BrokerSettings
+    from draftfeed.consumers.config import WorkerConfig
+    from draftfeed.launch.flags import from_args
+
+    parser = build_parser()
+    args = parser.parse_args(["launch", "broker"])
+    assert from_args(BrokerSettings, args) == BrokerSettings()
+    argv = ["--max-queued", "7", "--heartbeat-interval", "0.5", "--drain-timeout", "2", "--service-max-request-bytes", "a=10"]
+    made = from_args(BrokerSettings, parser.parse_args(["launch", "broker", *argv]))
+    assert made == BrokerSettings(max_queued_per_service=7, heartbeat_interval_s=0.5, drain_timeout_s=2.0, service_max_request_bytes={"a": 10})
+    args = parser.parse_args(["launch", "worker", "--broker", "tcp://h:1", "--target", "/m", "--send-timeout", "3", "--capacity", "4"])
+    config = from_args(WorkerConfig, args, service="s", devices=["cpu"])
+    assert config == WorkerConfig(broker="tcp://h:1", service="s", send_timeout_s=3.0, capacity=4, devices=("cpu",))

@@ -1,4 +1,6 @@
-"""The broker's settings: each default is stated here once (the CLI's flags read them from here)."""
+"""The broker's settings: each default and description is stated here once. ``draftfeed launch broker`` makes a flag
+of every field (draftfeed/launch/flags.py): its name from the field's (or ``metadata["flag"]``), its ``--help`` from
+``metadata["help"]``, its default from the field."""
 
 from __future__ import annotations
 
@@ -10,23 +12,35 @@ from draftfeed.schemas.protocol import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_REQU
 
 @dataclass(frozen=True)
 class BrokerSettings:
-    # Seconds between heartbeats to and from every peer; peers adopt it at hello / registration.
-    heartbeat_interval_s: float = 1.0
-    # Intervals a peer may stay silent before it counts as dead (the liveness period: liveness_s).
-    liveness: int = 5
-    # Requests one service may queue; past it ranks are told to send again later.
-    max_queued_per_service: int = 4096
-    # Most requests one rank may have at the broker: a rank's hello asking for a larger credit window is refused.
-    max_queued_per_rank: int = 256
-    # Workers a request may be tried on before its rank gets an error.
-    max_attempts: int = 3
-    # Largest frame either broker socket takes: libzmq drops a peer that sends a bigger one before allocating it.
-    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
-    # Tensor bytes one request may declare, per service (others: max_request_bytes); checked before queueing.
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    service_max_request_bytes: dict[str, int] = field(default_factory=dict)
-    # On SIGTERM, how long the broker waits for requests at workers to finish before it exits.
-    drain_timeout_s: float = 30.0
+    heartbeat_interval_s: float = field(
+        default=1.0, metadata={"help": "seconds between heartbeats to and from every peer; peers adopt it at hello and registration"}
+    )
+    liveness: int = field(
+        default=5,
+        metadata={"help": "heartbeat intervals a peer may stay silent before it counts as dead (the liveness period)"},
+    )
+    max_queued_per_service: int = field(
+        default=4096,
+        metadata={"flag": "--max-queued", "help": "requests one service may queue; past it ranks are told to send again later"},
+    )
+    max_queued_per_rank: int = field(
+        default=256,
+        metadata={"help": "most requests one rank may have queued or at workers; a rank asking for a larger prefetch (credit) window is refused"},
+    )
+    max_attempts: int = field(default=3, metadata={"help": "workers a request may be tried on before the rank gets an error"})
+    max_frame_bytes: int = field(
+        default=DEFAULT_MAX_FRAME_BYTES,
+        metadata={"help": "largest frame the broker takes from any peer; a peer sending more is disconnected before the frame is allocated"},
+    )
+    max_request_bytes: int = field(
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        metadata={"help": "tensor bytes one request may declare, for every service without its own limit; checked before queueing"},
+    )
+    service_max_request_bytes: dict[str, int] = field(
+        default_factory=dict,
+        metadata={"help": "the request limit of one service (repeatable)", "parse": "service_limit", "metavar": "SERVICE=BYTES"},
+    )
+    drain_timeout_s: float = field(default=30.0, metadata={"help": "on SIGTERM, seconds to wait for requests at workers to finish before exiting"})
 
     def request_limit(self, service: str) -> int:
         return self.service_max_request_bytes.get(service, self.max_request_bytes)

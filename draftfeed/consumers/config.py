@@ -1,9 +1,13 @@
-"""A worker's settings and the choices its flags take, without torch (the CLI reads its defaults from here)."""
+"""A worker's settings and the choices its flags take, without torch. Each default and description is stated here
+once: ``draftfeed launch worker`` makes a flag of every field (draftfeed/launch/flags.py), its ``--help`` from
+``metadata["help"]``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import get_args
 
+from draftfeed.schemas.messages import DataPlaneMode
 from draftfeed.schemas.protocol import DEFAULT_MAX_REQUEST_BYTES
 from draftfeed.security.curve import PeerKeys
 
@@ -16,23 +20,65 @@ DEFAULT_DRAFT_LAYERS = 5  # DSpark: layers of the draft, for the default target 
 class WorkerConfig:
     """A worker's settings; each default is stated here once."""
 
-    broker: str
-    service: str
-    capacity: int = 2  # requests the broker may hand this worker at once
-    name: str | None = None  # default HOST-PID-random
-    send_timeout_s: float = 60.0  # how long a rank may take to accept supervision before the worker gives up on it
-    connect_timeout_s: float = 5.0  # how long to reach a rank's data socket the first time
-    register_timeout_s: float = 60.0  # how long to wait for the broker at start
-    drain_timeout_s: float = 10.0  # on SIGTERM, how long delivering the answer in hand may still take before it is given up
-    data_plane: str = "auto"  # auto | frames | nccl | gloo | nixl (docs/data-planes.md)
-    pair_timeout_s: float = 30.0  # a pair group's rendezvous and each transfer on it (nixl: the open, each grant and each write)
-    nixl_min_bytes: int = 1 << 20  # a smaller answer goes as frames on a nixl pair too: its grant's round trip costs more than the copy
-    keys: PeerKeys | None = None  # CURVE to the broker and to ranks (docs/security.md)
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # the largest frame and request this worker takes from the broker
-    max_seq_len: int | None = None  # the longest row it takes; None: the target's max_position_embeddings
-    # EAGLE-3: a batch of more positions computes its vocab-sized step this many positions at a time (0: never). The
-    # default keeps that step's float32 logits near 4 GB for a 128k vocab, beside an 8B target on one H200.
-    chunk_tokens: int = 8192
-    # The devices its target runs on, one process each (--tensor-parallel, --devices); said to the broker and in /health.
-    tensor_parallel: int = 1
-    devices: tuple[str, ...] = ()
+    broker: str = field(metadata={"help": "the broker's worker (backend) endpoint, e.g. tcp://HOST:5556", "parse": "endpoint"})
+    service: str = field(metadata={"help": "the service name ranks ask for (default: <target folder>-<task>)", "required": False})
+    capacity: int = field(default=2, metadata={"help": "requests the broker may hand this worker at once"})
+    name: str | None = field(default=None, metadata={"help": "the worker's name in logs and status (default HOST-PID-random)"})
+    send_timeout_s: float = field(default=60.0, metadata={"help": "seconds a rank may take to accept supervision before the worker gives up on it"})
+    connect_timeout_s: float = field(
+        default=5.0, metadata={"help": "seconds to reach a rank's data socket the first time before giving up on that rank"}
+    )
+    register_timeout_s: float = field(default=60.0, metadata={"help": "seconds to wait for the broker at start"})
+    drain_timeout_s: float = field(
+        default=10.0, metadata={"help": "on SIGTERM, seconds delivering the answer in hand may still take before it is given up"}
+    )
+    data_plane: str = field(
+        default="auto",
+        metadata={
+            "help": "how supervision reaches ranks: auto (NCCL to CUDA ranks on this machine, else NIXL where both sides have it, "
+            "else frames), frames, nccl, gloo or nixl (docs/data-planes.md)",
+            "choices": get_args(DataPlaneMode),
+        },
+    )
+    pair_timeout_s: float = field(
+        default=30.0,
+        metadata={"help": "seconds a pair group or nixl pair may take to open, and each transfer on it, before it is torn down and frames are used"},
+    )
+    nixl_min_bytes: int = field(
+        default=1 << 20,
+        metadata={"help": "answers smaller than this go as frames on a nixl pair too (a slot's round trip costs more than copying them)"},
+    )
+    # CURVE to the broker and to ranks (docs/security.md); the CLI reads them from --keys, --key and --broker-key.
+    keys: PeerKeys | None = field(default=None, metadata={"flag": None})
+    max_request_bytes: int = field(
+        default=DEFAULT_MAX_REQUEST_BYTES, metadata={"help": "largest request (and frame) this worker takes from the broker"}
+    )
+    max_seq_len: int | None = field(
+        default=None,
+        metadata={"help": "the longest row this worker takes; longer ones are refused (default: the target's max_position_embeddings)"},
+    )
+    # The default keeps the vocab-sized step's float32 logits near 4 GB for a 128k vocab, beside an 8B target on one H200.
+    chunk_tokens: int = field(
+        default=8192,
+        metadata={
+            "help": "EAGLE-3: batches of more positions compute logits, probabilities and argmax this many positions at a time, "
+            "bounding that step's memory (0: never chunk)"
+        },
+    )
+    # The devices its target runs on, one process each; said to the broker and in /health.
+    tensor_parallel: int = field(
+        default=1,
+        metadata={
+            "help": "spread the target over N devices, one process each, as one worker (hf and sglang: transformers' or sglang's "
+            "tensor-parallel plan over processes this worker starts; vllm: its tensor_parallel_size); docs/engines.md",
+            "metavar": "N",
+        },
+    )
+    devices: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "with --tensor-parallel N or --device-map auto: the devices, e.g. cuda:4,cuda:5 (default: N devices from --device on)",
+            "parse": "devices",
+            "metavar": "LIST",
+        },
+    )

@@ -1,7 +1,9 @@
 """The ``draftfeed`` command line: launch a broker or a worker, run the demo or the bench, read the broker's status.
 
-Defaults and choices are read from where they are kept (BrokerSettings, WorkerConfig, the protocol's constants,
-the message models' literals), never restated here; ``--help`` shows each. A usage error is one line on stderr
+The flags of ``launch broker`` and ``launch worker`` that are settings are made from the settings' fields
+(BrokerSettings, WorkerConfig; draftfeed/launch/flags.py), and the settings from the parsed flags: each setting's
+name, default and help is written once, on its field. Other defaults and choices are read from where they are kept
+(RankSettings, the protocol's constants, the message models' literals); ``--help`` shows each. A usage error is one line on stderr
 and exit code 2 (``UsageError``), never a traceback. The CLI loads neither torch nor pyzmq's auth until a
 command needs them: ``draftfeed launch broker --help`` stays light.
 """
@@ -16,7 +18,6 @@ import re
 import signal
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
@@ -24,42 +25,26 @@ from draftfeed.bench import SCENARIO_NAMES
 from draftfeed.broker.settings import BrokerSettings
 from draftfeed.consumers.config import DEFAULT_DRAFT_LAYERS, DTYPES, ENGINES, WorkerConfig
 from draftfeed.consumers.devices import placement_problem, tensor_parallel_devices
+from draftfeed.launch import flags
 from draftfeed.launch.config import apply_sources, effective
 from draftfeed.launch.ready import announce_ready
 from draftfeed.launch.store_commands import run_store
 from draftfeed.logs import LOG_FORMATS
 from draftfeed.logs import configure as configure_logging
+from draftfeed.producers.settings import RankSettings
 from draftfeed.schemas.errors import CannotServe, DraftfeedError, UsageError
-from draftfeed.schemas.messages import DataPlaneMode, SupervisionForm, TaskName
+from draftfeed.schemas.messages import SupervisionForm, TaskName
 from draftfeed.schemas.protocol import DEFAULT_BACKEND, DEFAULT_BROKER_HTTP_PORT, DEFAULT_FRONTEND, DEFAULT_HTTP_HOST, DEFAULT_WORKER_HTTP_PORT
 
 if TYPE_CHECKING:  # imported where used: the CLI starts without loading pyzmq's auth or torch
     from draftfeed.security.curve import BrokerKeys, PeerKeys
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+DEFAULT_LOG_LEVEL = "INFO"
 DEFAULT_STATUS_BROKER = "tcp://127.0.0.1:5555"
 
 
-def _default(settings: type, name: str) -> Any:
-    """The default a settings dataclass states for ``name``."""
-    for item in fields(settings):
-        if item.name == name:
-            return item.default
-    raise KeyError(name)
-
-
-BROKER = BrokerSettings()
-
-
-_ENDPOINT = re.compile(r"^(tcp://(\*|[A-Za-z0-9_.-]+|\[[0-9a-fA-F:]+\]):(\*|\d{1,5})|ipc://.+|inproc://.+)$")
-
-
-def _endpoint(text: str) -> str:
-    """A ZeroMQ endpoint: tcp://HOST:PORT (HOST * or an address; PORT * for a free one), ipc://PATH or inproc://NAME."""
-    if not _ENDPOINT.match(text):
-        hint = f"tcp://*:{text}" if text.isdigit() else "tcp://HOST:PORT"
-        raise argparse.ArgumentTypeError(f"{text!r} is not a ZeroMQ endpoint: write {hint} (or ipc://PATH)")
-    return text
+_endpoint = flags.endpoint
 
 
 def _layer_ids(text: str) -> list[int]:
@@ -67,13 +52,6 @@ def _layer_ids(text: str) -> list[int]:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated layer ids like 1,15,28; got {text!r}") from None
-
-
-def _device_list(text: str) -> list[str]:
-    devices = [part.strip() for part in text.split(",") if part.strip()]
-    if not devices:
-        raise argparse.ArgumentTypeError(f"expected comma-separated devices like cuda:0,cuda:1; got {text!r}")
-    return devices
 
 
 def _engine_option(text: str) -> tuple[str, object]:
@@ -85,14 +63,6 @@ def _engine_option(text: str) -> tuple[str, object]:
         return key.strip(), json.loads(value)
     except json.JSONDecodeError:
         return key.strip(), value
-
-
-def _service_limit(text: str) -> tuple[str, int]:
-    """SERVICE=BYTES, BYTES a positive integer."""
-    name, sep, value = text.rpartition("=")
-    if not sep or not name or not value.isdigit() or int(value) <= 0:
-        raise argparse.ArgumentTypeError(f"expected SERVICE=BYTES like llama-8b-eagle3=67108864; got {text!r}")
-    return name, int(value)
 
 
 def default_service_name(target: str, task: str) -> str:
@@ -120,9 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="draftfeed", description="Serve frozen-target supervision to draft-model training over ZeroMQ.", formatter_class=_Help
     )
-    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="logging level")
+    parser.add_argument("--log-level", default=DEFAULT_LOG_LEVEL, type=str.upper, choices=LOG_LEVELS, help="logging level")
     parser.add_argument(
-        "--log-format", default="text", choices=LOG_FORMATS, help="log lines as text, or one JSON object per line (for log collectors)"
+        "--log-format", default=LOG_FORMATS[0], choices=LOG_FORMATS, help="log lines as text, or one JSON object per line (for log collectors)"
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -134,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workers", type=int, default=2, help="worker processes to start")
     demo.add_argument("--batch-size", type=int, default=4, help="rows per batch")
     demo.add_argument("--seq-len", type=int, default=256, help="tokens per row")
-    demo.add_argument("--prefetch-depth", type=int, default=2, help="batches in flight per rank")
+    depth = RankSettings.model_fields["prefetch_depth"]
+    demo.add_argument("--prefetch-depth", type=int, default=depth.default, help=depth.description)
     demo.add_argument("--workdir", default=None, help="folder for the tiny target (default: a temporary folder)")
 
     bench = _parser(commands, "bench", help="measure every part of the pipeline against baselines from the same run")
@@ -183,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_peer_key_flags(parser: argparse.ArgumentParser, role: str) -> None:
+def _add_peer_key_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, role: str) -> None:
     parser.add_argument(
         "--keys",
         default=None,
@@ -212,82 +183,50 @@ def _peer_keys(args: argparse.Namespace, role: str, required: bool) -> PeerKeys 
 
 
 def add_launch_commands(roles: argparse._SubParsersAction) -> None:
+    """``launch broker`` and ``launch worker``. The flags of their settings (BrokerSettings, WorkerConfig) are made
+    from the settings' fields (draftfeed/launch/flags.py); the others are what a command does beside them."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--log-level", default=argparse.SUPPRESS, type=str.upper, choices=LOG_LEVELS, help="logging level (default INFO)")
     common.add_argument(
-        "--log-format", default=argparse.SUPPRESS, choices=LOG_FORMATS, help="log lines as text (default), or one JSON object per line"
+        "--log-level", default=argparse.SUPPRESS, type=str.upper, choices=LOG_LEVELS, help=f"logging level (default {DEFAULT_LOG_LEVEL})"
+    )
+    common.add_argument(
+        "--log-format",
+        default=argparse.SUPPRESS,
+        choices=LOG_FORMATS,
+        help=f"log lines as text, or one JSON object per line (default {LOG_FORMATS[0]})",
     )
     broker = _parser(roles, "broker", parents=[common], help="route requests from training ranks to target workers")
-    broker.add_argument("--frontend", type=_endpoint, default=DEFAULT_FRONTEND, help="where training ranks connect (tcp://HOST:* picks a free port)")
-    broker.add_argument("--backend", type=_endpoint, default=DEFAULT_BACKEND, help="where workers connect")
-    broker.add_argument("--name", default=None, help="the broker's name in logs and status (default HOST-PID)")
-    _add_http_flags(broker, DEFAULT_BROKER_HTTP_PORT)
-    broker.add_argument(
-        "--heartbeat-interval",
-        type=float,
-        default=BROKER.heartbeat_interval_s,
-        help="seconds between heartbeats to and from every peer; peers adopt it",
-    )
-    broker.add_argument("--liveness", type=int, default=BROKER.liveness, help="heartbeat intervals a peer may stay silent before it counts as dead")
-    broker.add_argument(
-        "--max-queued",
-        type=int,
-        default=BROKER.max_queued_per_service,
-        help="requests one service may queue; past it ranks are told to send again later",
-    )
-    broker.add_argument(
-        "--max-queued-per-rank",
-        type=int,
-        default=BROKER.max_queued_per_rank,
-        help="most requests one rank may have queued or at workers; a rank asking for a larger prefetch window is refused",
-    )
-    broker.add_argument(
-        "--max-frame-bytes",
-        type=int,
-        default=BROKER.max_frame_bytes,
-        help="largest frame the broker takes from any peer; a peer sending more is disconnected before the frame is allocated",
-    )
-    broker.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=BROKER.max_request_bytes,
-        help="tensor bytes one request may declare, for every service without its own limit",
-    )
-    broker.add_argument(
-        "--service-max-request-bytes",
-        type=_service_limit,
-        action="append",
-        default=[],
-        metavar="SERVICE=BYTES",
-        help="the request limit of one service (repeatable)",
-    )
-    broker.add_argument(
-        "--max-attempts", type=int, default=BROKER.max_attempts, help="workers a request may be tried on before the rank gets an error"
-    )
-    broker.add_argument(
-        "--drain-timeout", type=float, default=BROKER.drain_timeout_s, help="on SIGTERM, seconds to wait for requests at workers before exiting"
-    )
-    broker.add_argument(
+    listen = broker.add_argument_group("where it listens")
+    listen.add_argument("--frontend", type=_endpoint, default=DEFAULT_FRONTEND, help="where training ranks connect (tcp://HOST:* picks a free port)")
+    listen.add_argument("--backend", type=_endpoint, default=DEFAULT_BACKEND, help="where workers connect")
+    listen.add_argument("--name", default=None, help="the broker's name in logs and status (default HOST-PID)")
+    flags.add_flags(broker.add_argument_group("settings (BrokerSettings)"), BrokerSettings)
+    security = broker.add_argument_group("security (docs/security.md)")
+    security.add_argument(
         "--secure",
         action="store_true",
         help="CURVE on both sockets: only rank keys at the frontend, only worker keys at the backend (docs/security.md)",
     )
-    broker.add_argument("--keys", default=None, help="with --secure: a folder from `draftfeed keys generate` (broker.key_secret, ranks/, workers/)")
-    broker.add_argument("--key", default=None, help="with --secure: the broker's .key_secret file (overrides --keys)")
-    broker.add_argument("--rank-keys", default=None, help="with --secure: the folder of rank public keys allowed at the frontend (overrides --keys)")
-    broker.add_argument(
+    security.add_argument("--keys", default=None, help="with --secure: a folder from `draftfeed keys generate` (broker.key_secret, ranks/, workers/)")
+    security.add_argument("--key", default=None, help="with --secure: the broker's .key_secret file (overrides --keys)")
+    security.add_argument(
+        "--rank-keys", default=None, help="with --secure: the folder of rank public keys allowed at the frontend (overrides --keys)"
+    )
+    security.add_argument(
         "--worker-keys", default=None, help="with --secure: the folder of worker public keys allowed at the backend (overrides --keys)"
     )
+    _add_http_flags(broker.add_argument_group("health and metrics"), DEFAULT_BROKER_HTTP_PORT)
 
     worker = _parser(roles, "worker", parents=[common], help="run a frozen target and serve its supervision")
-    worker.add_argument("--broker", type=_endpoint, required=True, help="the broker's worker (backend) endpoint, e.g. tcp://HOST:5556")
-    worker.add_argument("--target", required=True, help="the target model: a local folder or hub id that AutoModelForCausalLM loads")
-    worker.add_argument(
+    placed = flags.add_flags(worker.add_argument_group("where it serves"), WorkerConfig, ["broker", "service", "name"])
+    target = worker.add_argument_group("the target")
+    target.add_argument("--target", required=True, help="the target model: a local folder or hub id that AutoModelForCausalLM loads")
+    target.add_argument(
         "--engine",
         default=ENGINES[0],
         help=f"what runs the target: {', '.join(ENGINES)}, or package.module:Class for an engine of your own (docs/engines.md)",
     )
-    worker.add_argument(
+    target.add_argument(
         "--engine-option",
         type=_engine_option,
         action="append",
@@ -295,130 +234,61 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
         metavar="KEY=VALUE",
         help="an engine setting, repeatable; for vllm any vllm.LLM argument (gpu_memory_utilization=0.8, max_model_len=8192), for sglang any ServerArgs field",
     )
-    worker.add_argument("--task", default="eagle3", choices=get_args(TaskName), help="which supervision to compute")
-    worker.add_argument("--service", default=None, help="the service name ranks ask for (default: <target folder>-<task>)")
-    worker.add_argument("--device", default="cpu", help="torch device for the target, e.g. cuda:0")
-    worker.add_argument(
-        "--tensor-parallel",
-        type=int,
-        default=_default(WorkerConfig, "tensor_parallel"),
-        metavar="N",
-        help="spread the target over N devices, one process each, as one worker (hf and sglang: transformers' or sglang's "
-        "tensor-parallel plan over processes this worker starts; vllm: its tensor_parallel_size); docs/engines.md",
-    )
-    worker.add_argument(
-        "--devices",
-        type=_device_list,
-        default=None,
-        metavar="LIST",
-        help="with --tensor-parallel N or --device-map auto: the devices, e.g. cuda:4,cuda:5 (default: N devices from --device on)",
-    )
-    worker.add_argument(
+    target.add_argument("--task", default="eagle3", choices=get_args(TaskName), help="which supervision to compute")
+    target.add_argument("--device", default="cpu", help="torch device for the target, e.g. cuda:0")
+    placed += flags.add_flags(target, WorkerConfig, ["tensor_parallel", "devices"])
+    target.add_argument(
         "--device-map",
         default=None,
         choices=["auto"],
         help="hf: spread the target's layers over --devices in this one process (for a model transformers has no tensor-parallel plan for)",
     )
-    worker.add_argument("--dtype", default=DTYPES[0], choices=DTYPES, help="the target's dtype: auto is float32 on CPU, bfloat16 on GPU")
-    worker.add_argument(
+    target.add_argument("--dtype", default=DTYPES[0], choices=DTYPES, help="the target's dtype: auto is float32 on CPU, bfloat16 on GPU")
+    target.add_argument(
         "--aux-layer-ids", type=_layer_ids, default=None, help="EAGLE-3: 3 distinct decoder layers, e.g. 1,15,28 (default [1, L//2-1, L-4])"
     )
-    worker.add_argument(
+    target.add_argument(
         "--target-layer-ids",
         type=_layer_ids,
         default=None,
         help="DSpark: strictly increasing ids, -1 for the embeddings and L-1 for the final norm, e.g. -1,7,14,21,27 (default: --draft-layers ids spread over [1, L-1])",
     )
-    worker.add_argument(
+    target.add_argument(
         "--supervision",
         default="probs",
         choices=get_args(SupervisionForm),
         help="EAGLE-3: send target_probs as float32 probs (the contract's form), bfloat16 probs (lossy, half the bytes), or the final hidden state and argmax from which ranks rebuild them (hidden, compact)",
     )
-    worker.add_argument(
+    target.add_argument(
         "--draft-layers", type=int, default=DEFAULT_DRAFT_LAYERS, help="DSpark: layers of the draft, for the default target layer ids"
     )
-    worker.add_argument("--capacity", type=int, default=_default(WorkerConfig, "capacity"), help="requests the broker may hand this worker at once")
-    worker.add_argument("--name", default=None, help="the worker's name in logs and status (default HOST-PID-random)")
-    worker.add_argument(
-        "--send-timeout",
-        type=float,
-        default=_default(WorkerConfig, "send_timeout_s"),
-        help="seconds a rank may take to accept supervision before the worker gives up on it",
-    )
-    worker.add_argument(
-        "--connect-timeout",
-        type=float,
-        default=_default(WorkerConfig, "connect_timeout_s"),
-        help="seconds to reach a rank's data socket the first time before giving up on that rank",
-    )
-    worker.add_argument(
-        "--register-timeout", type=float, default=_default(WorkerConfig, "register_timeout_s"), help="seconds to wait for the broker at start"
-    )
-    worker.add_argument(
-        "--data-plane",
-        default=_default(WorkerConfig, "data_plane"),
-        choices=get_args(DataPlaneMode),
-        help="how supervision reaches ranks: auto (NCCL to CUDA ranks on this machine, else NIXL where both sides have it, else frames), frames, nccl, gloo or nixl (docs/data-planes.md)",
-    )
-    worker.add_argument(
-        "--pair-timeout",
-        type=float,
-        default=_default(WorkerConfig, "pair_timeout_s"),
-        help="seconds a pair group or nixl pair may take to open, and each transfer on it, before it is torn down and frames are used",
-    )
-    worker.add_argument(
-        "--nixl-min-bytes",
-        type=int,
-        default=_default(WorkerConfig, "nixl_min_bytes"),
-        help="answers smaller than this go as frames on a nixl pair too (a slot's round trip costs more than copying them)",
-    )
-    worker.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=_default(WorkerConfig, "drain_timeout_s"),
-        help="on SIGTERM, seconds delivering the answer in hand may still take before it is given up",
-    )
-    worker.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=_default(WorkerConfig, "max_request_bytes"),
-        help="largest request (and frame) this worker takes from the broker",
-    )
-    worker.add_argument(
-        "--max-seq-len",
-        type=int,
-        default=_default(WorkerConfig, "max_seq_len"),
-        help="the longest row this worker takes; longer ones are refused (default: the target's max_position_embeddings)",
-    )
-    worker.add_argument(
-        "--chunk-tokens",
-        type=int,
-        default=_default(WorkerConfig, "chunk_tokens"),
-        help="EAGLE-3: batches of more positions compute logits, probabilities and argmax this many positions at a time, "
-        "bounding that step's memory (0: never chunk)",
-    )
-    worker.add_argument("--secure", action="store_true", help="CURVE to the broker and to ranks, with this worker's key (docs/security.md)")
-    _add_peer_key_flags(worker, "worker")
-    _add_http_flags(worker, DEFAULT_WORKER_HTTP_PORT)
+    placed += flags.add_flags(target, WorkerConfig, ["max_seq_len", "chunk_tokens"])
+    # Every other field of WorkerConfig, a new one included, gets its flag here.
+    rest = [flag.field for flag in flags.flags_of(WorkerConfig) if flag not in placed]
+    flags.add_flags(worker.add_argument_group("serving (WorkerConfig)"), WorkerConfig, rest)
+    security = worker.add_argument_group("security (docs/security.md)")
+    security.add_argument("--secure", action="store_true", help="CURVE to the broker and to ranks, with this worker's key (docs/security.md)")
+    _add_peer_key_flags(security, "worker")
+    _add_http_flags(worker.add_argument_group("health and metrics"), DEFAULT_WORKER_HTTP_PORT)
     for role in (broker, worker):
         _add_config_flags(role)
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    group = parser.add_argument_group("configuration")
+    group.add_argument(
         "--config",
         default=None,
         help="a TOML file of settings (flag-name = value); a flag given here wins over DRAFTFEED_<FLAG> variables, "
         "which win over the file (docs/operations.md, Configuration)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--print-config", action="store_true", help="print the settings in force (flags, environment, file, defaults) as TOML and exit"
     )
     parser.set_defaults(settings_parser=parser)
 
 
-def _add_http_flags(parser: argparse.ArgumentParser, port: int) -> None:
+def _add_http_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, port: int) -> None:
     parser.add_argument(
         "--http-port",
         type=int,
@@ -479,17 +349,7 @@ def run_broker(args: argparse.Namespace) -> int:
     from draftfeed.broker.broker import Broker
     from draftfeed.observe.broker_metrics import BrokerCollector
 
-    settings = BrokerSettings(
-        heartbeat_interval_s=args.heartbeat_interval,
-        liveness=args.liveness,
-        max_queued_per_service=args.max_queued,
-        max_queued_per_rank=args.max_queued_per_rank,
-        max_attempts=args.max_attempts,
-        max_frame_bytes=args.max_frame_bytes,
-        max_request_bytes=args.max_request_bytes,
-        service_max_request_bytes=dict(args.service_max_request_bytes),
-        drain_timeout_s=args.drain_timeout,
-    )
+    settings = flags.from_args(BrokerSettings, args)
     broker = Broker(args.frontend, args.backend, name=args.name, settings=settings, keys=_broker_keys(args))
     frontend, backend = broker.bind()
     registry = CollectorRegistry()
@@ -642,25 +502,7 @@ def _serve_worker(args: argparse.Namespace, keys: Any, serving: list[Any], http_
     service = args.service or default_service_name(args.target, args.task)
     worker = Worker(
         task,
-        WorkerConfig(
-            broker=args.broker,
-            service=service,
-            capacity=args.capacity,
-            name=args.name,
-            send_timeout_s=args.send_timeout,
-            connect_timeout_s=args.connect_timeout,
-            register_timeout_s=args.register_timeout,
-            drain_timeout_s=args.drain_timeout,
-            data_plane=args.data_plane,
-            pair_timeout_s=args.pair_timeout,
-            nixl_min_bytes=args.nixl_min_bytes,
-            keys=keys,
-            max_request_bytes=args.max_request_bytes,
-            max_seq_len=args.max_seq_len,
-            chunk_tokens=args.chunk_tokens,
-            tensor_parallel=args.tensor_parallel,
-            devices=tuple(args.devices),
-        ),
+        flags.from_args(WorkerConfig, args, service=service, keys=keys, devices=args.devices),
     )
     serving.append(worker)
     _stop_on_signals(worker.stop, "worker")
