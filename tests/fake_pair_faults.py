@@ -42,7 +42,7 @@ class FakeFailedTransfer:
 def install_nixl() -> None:
     """The fault goes in at the NIXL agent's write, so that the worker's own handling of a write that cannot start
     or fails in flight (its memory let go, or kept while the transfer may read it) runs as with a real fault."""
-    from draftfeed.dataplane.nixl_transport import NixlAgent, NixlError
+    from draftfeed.dataplane.nixl.transport import NixlAgent, NixlError
 
     kind, _, nth = os.environ["FAKE_NIXL_FAULT"].partition(":")
     if kind not in ("exit", "fail", "late"):

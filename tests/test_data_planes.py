@@ -18,7 +18,7 @@ from support.planes import VOCAB, add_faulty_worker, check_batches, pairs_of
 
 from draftfeed import RemoteEagle3Target
 from draftfeed.dataplane.choice import choose_plane, host_id, local_offer
-from draftfeed.dataplane.nixl_transport import unavailable
+from draftfeed.dataplane.nixl.transport import unavailable
 from draftfeed.schemas.messages import DataPlaneOffer
 
 pytestmark = pytest.mark.timeout(240)

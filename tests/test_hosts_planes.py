@@ -14,7 +14,7 @@ import pytest
 from conftest import WORKER_ENV
 
 from draftfeed.bench.hosts import Hosts
-from draftfeed.dataplane.nixl_transport import unavailable
+from draftfeed.dataplane.nixl.transport import unavailable
 from draftfeed.launch import processes
 
 pytestmark = pytest.mark.timeout(300)

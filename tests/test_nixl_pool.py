@@ -9,7 +9,7 @@ import pytest
 import torch
 from support.clock import Clock
 
-from draftfeed.dataplane.nixl_transport import HOST_ALIGNMENT, host_memory
+from draftfeed.dataplane.nixl.memory import HOST_ALIGNMENT, host_memory
 from draftfeed.producers.nixl_pool import PoolFull, ReceivePool
 from draftfeed.schemas.messages import TensorSpec
 

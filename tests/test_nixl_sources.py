@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from draftfeed.consumers.nixl_senders import HOST_COPY_BYTES_PER_S, MEASURED_REGISTRATION_BYTES, NixlSender, choose_source
-from draftfeed.dataplane.nixl_transport import NixlAgent, NixlError, Region, unavailable
+from draftfeed.dataplane.nixl.layout import packed_layout
+from draftfeed.dataplane.nixl.memory import Region
+from draftfeed.dataplane.nixl.transport import NixlAgent, NixlError, unavailable
 from draftfeed.dataplane.pair_group import describe
-from draftfeed.schemas.tensor_specs import packed_layout
 
 needs_nixl = pytest.mark.skipif(unavailable() is not None, reason=f"NIXL: {unavailable()}")
 

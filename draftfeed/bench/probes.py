@@ -144,7 +144,8 @@ def raw_gloo_send(port: int, nbytes: int, count: int) -> None:
 
 
 def raw_nixl_recv(path: str, nbytes: int, count: int) -> None:
-    from draftfeed.dataplane.nixl_transport import NixlAgent, Region, host_memory
+    from draftfeed.dataplane.nixl.memory import Region, host_memory
+    from draftfeed.dataplane.nixl.transport import NixlAgent
 
     agent = NixlAgent("raw-nixl-recv")
     buffer = host_memory(nbytes)  # aligned as the rank's receive slots are
@@ -165,7 +166,8 @@ def raw_nixl_recv(path: str, nbytes: int, count: int) -> None:
 def raw_nixl_send(path: str, address: int, nbytes: int, count: int) -> None:
     import numpy as np
 
-    from draftfeed.dataplane.nixl_transport import NixlAgent, Region, host_memory
+    from draftfeed.dataplane.nixl.memory import Region, host_memory
+    from draftfeed.dataplane.nixl.transport import NixlAgent
 
     agent = NixlAgent("raw-nixl-send")
     with open(path, "rb") as source:

@@ -31,7 +31,10 @@ from draftfeed.consumers.config import WorkerConfig
 from draftfeed.consumers.nixl_senders import ARENAS, Write
 from draftfeed.consumers.pair_planes import NixlLink, PairPlanes, PlaneRefused
 from draftfeed.consumers.rank_links import Delivery, RankLinks
-from draftfeed.dataplane.nixl_transport import NixlError, Region
+from draftfeed.dataplane.nixl.layout import notification as nixl_notification
+from draftfeed.dataplane.nixl.layout import packed_layout
+from draftfeed.dataplane.nixl.memory import Region
+from draftfeed.dataplane.nixl.transport import NixlError
 from draftfeed.dataplane.pair_group import DataPlaneError, PairGroup, describe
 from draftfeed.dataplane.tensor_codec import pack_tensors, tensor_bytes
 from draftfeed.schemas.errors import MalformedMessage
@@ -47,8 +50,6 @@ from draftfeed.schemas.messages import (
     PairStatus,
     Result,
 )
-from draftfeed.schemas.protocol import nixl_notification
-from draftfeed.schemas.tensor_specs import packed_layout
 
 log = logging.getLogger("draftfeed.worker")
 

@@ -30,7 +30,8 @@ from typing import Literal
 import numpy as np
 import torch
 
-from draftfeed.dataplane.nixl_transport import NixlAgent, NixlError, Region, Transfer, host_memory
+from draftfeed.dataplane.nixl.memory import Region, host_memory
+from draftfeed.dataplane.nixl.transport import NixlAgent, NixlError, Transfer
 
 log = logging.getLogger("draftfeed.worker")
 

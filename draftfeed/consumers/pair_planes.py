@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from draftfeed.consumers.nixl_senders import NixlSender
 from draftfeed.dataplane.choice import PlaneChoice, choose_plane
-from draftfeed.dataplane.nixl_transport import NixlError
+from draftfeed.dataplane.nixl.transport import NixlError
 from draftfeed.dataplane.pair_group import SENDER, DataPlaneError, PairGroup, host_store, join_store
 from draftfeed.net import local_address_towards
 from draftfeed.schemas.frames import frame_bytes, pack

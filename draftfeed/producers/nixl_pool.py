@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from draftfeed.dataplane.nixl_transport import Region, host_memory
+from draftfeed.dataplane.nixl.layout import packed_layout
+from draftfeed.dataplane.nixl.memory import Region, host_memory
 from draftfeed.dataplane.tensor_codec import DTYPES
 from draftfeed.schemas.messages import TensorSpec
-from draftfeed.schemas.tensor_specs import packed_layout
 
 log = logging.getLogger("draftfeed.producer")
 

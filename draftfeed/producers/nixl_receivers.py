@@ -26,14 +26,14 @@ from typing import Any
 
 import torch
 
-from draftfeed.dataplane.nixl_transport import NixlAgent, NixlError
+from draftfeed.dataplane.nixl.layout import packed_layout, parse_notification
+from draftfeed.dataplane.nixl.transport import NixlAgent, NixlError
 from draftfeed.logs import RateLimitedLog
 from draftfeed.producers.nixl_pool import PoolFull, ReceivePool
 from draftfeed.schemas.errors import MalformedMessage
 from draftfeed.schemas.frames import pack
 from draftfeed.schemas.messages import NixlGrant, NixlOpen, NixlReady, NixlWant, PairClose, Result
-from draftfeed.schemas.protocol import parse_nixl_notification
-from draftfeed.schemas.tensor_specs import declared_bytes, packed_layout
+from draftfeed.schemas.tensor_specs import declared_bytes
 
 log = logging.getLogger("draftfeed.producer")
 
@@ -190,7 +190,7 @@ class NixlReceivers:
             worker = self._by_agent.get(agent_name)
             pair = self._pairs.get(worker) if worker is not None else None
             for raw in messages:
-                filled = parse_nixl_notification(raw)
+                filled = parse_notification(raw)
                 if pair is None or filled is None or filled[0] != pair.opened.generation or self._pool is None:
                     log.debug("draftfeed rank %s: ignoring NIXL notification %r from %s", self.rank, raw[:64], agent_name)
                     continue

@@ -206,7 +206,8 @@ class Liveness(Strict):
     liveness: Annotated[int, Field(ge=1, le=100)]
 
     @property
-    def window_s(self) -> float:
+    def period_s(self) -> float:
+        """Silent this long is dead."""
         return self.heartbeat_interval_s * self.liveness
 
 
@@ -436,7 +437,7 @@ class Result(Strict):
     """Supervision. On plane ``frames`` the tensors follow as frames; on ``pair`` this header carries no
     frames and the tensors follow on the pair group of ``generation``, in the order of ``tensors``; on
     ``nixl`` the tensors were written into the rank's receive slot ``slot`` (granted to ``generation``), laid
-    out as schemas/tensor_specs.py packed_layout says."""
+    out as dataplane/nixl/layout.py packed_layout says."""
 
     type: Literal["result"] = "result"
     request_id: RequestId

@@ -43,21 +43,3 @@ DEFAULT_WORKER_HTTP_PORT = 8556
 # Tensors smaller than this are copied out of the received frame into fresh, aligned torch memory
 # (libzmq keeps very small messages inline and unaligned); larger ones are viewed in place.
 INLINE_COPY_BYTES = 1 << 16
-
-# On the nixl plane an answer's tensors lie end to end in one region, each starting at a multiple of this
-# (schemas/tensor_specs.py packed_layout), so that every dtype can be viewed in place.
-PACKED_ALIGNMENT = 64
-
-
-def nixl_notification(generation: int, slot: int, want: int) -> bytes:
-    """What a worker's NIXL write carries to the rank when it lands: which grant it fills."""
-    return f"{generation}:{slot}:{want}".encode()
-
-
-def parse_nixl_notification(raw: bytes) -> tuple[int, int, int] | None:
-    """(generation, slot, want) of a notification, or None for one that is not ours."""
-    try:
-        generation, slot, want = (int(part) for part in raw.decode().split(":"))
-    except (UnicodeDecodeError, ValueError):
-        return None
-    return generation, slot, want

@@ -11,7 +11,7 @@ from typing import Any
 
 from draftfeed.schemas.errors import MalformedMessage
 from draftfeed.schemas.messages import TensorSpec
-from draftfeed.schemas.protocol import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_TENSOR_BYTES, MAX_TENSORS_PER_MESSAGE, PACKED_ALIGNMENT
+from draftfeed.schemas.protocol import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_TENSOR_BYTES, MAX_TENSORS_PER_MESSAGE
 
 # The dtypes the wire carries and their sizes in bytes (bool as one byte per element).
 ITEMSIZES: dict[str, int] = {
@@ -49,22 +49,6 @@ def declared_bytes(specs: Sequence[TensorSpec]) -> int | None:
             return None
         total += size
     return total
-
-
-def packed_layout(specs: Sequence[TensorSpec]) -> tuple[list[int], int]:
-    """Where each tensor starts when an answer's tensors lie end to end in one region (the nixl plane), each at a
-    multiple of PACKED_ALIGNMENT, and the region's length. Both sides compute it from the header's specs alone.
-    Raises MalformedMessage for a dtype the wire does not carry."""
-    offsets: list[int] = []
-    end = 0
-    for spec in specs:
-        nbytes = spec_bytes(spec)
-        if nbytes is None:
-            raise MalformedMessage(f"tensor {spec.name!r} has unknown dtype {spec.dtype!r}; known: {', '.join(ITEMSIZES)}")
-        start = -(-end // PACKED_ALIGNMENT) * PACKED_ALIGNMENT
-        offsets.append(start)
-        end = start + nbytes
-    return offsets, end
 
 
 def check_frames(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from draftfeed.bench.harness import MB, Pipeline, Row, last_json, probe
 from draftfeed.bench.synthetic import BYTES_PER_TOKEN, tokens_for
-from draftfeed.dataplane.nixl_transport import unavailable
+from draftfeed.dataplane.nixl.transport import unavailable
 
 UCX_TCP = {"UCX_TLS": "tcp"}
 
