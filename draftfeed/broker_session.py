@@ -3,7 +3,7 @@
 Both peers of the broker keep one: the broker instance that welcomed them, the liveness they adopted from it,
 when they last heard from it, and whether an introduction is on its way. Policy, the same on both sides:
 
-- introduce again when the broker has been silent for its liveness window, when a heartbeat names another
+- introduce again when the broker has been silent for its liveness period, when a heartbeat names another
   instance (it restarted), when it says it does not know or has forgotten this peer, or after its goodbye;
 - but never while an introduction sent less than one window ago is unanswered: each one makes the broker
   requeue or resync, so one at a time;
@@ -32,8 +32,8 @@ class BrokerSession:
         self.instances: list[str] = []  # every instance that welcomed this peer, in order
 
     @property
-    def window_s(self) -> float:
-        return self.liveness.window_s
+    def liveness_s(self) -> float:
+        return self.liveness.period_s
 
     def heard(self) -> None:
         self.last_heard = self.clock()
@@ -43,7 +43,7 @@ class BrokerSession:
 
     def may_introduce(self) -> bool:
         """Whether an introduction may go out now (none is on its way, or the last one went unanswered a window long)."""
-        return self.introduced_at is None or self.clock() - self.introduced_at >= self.window_s
+        return self.introduced_at is None or self.clock() - self.introduced_at >= self.liveness_s
 
     def introducing(self) -> None:
         self.introduced_at = self.clock()
@@ -65,7 +65,7 @@ class BrokerSession:
     def silence(self) -> str | None:
         """Why to introduce again for silence (how long), or None while the broker is heard within its window."""
         silent = self.silent_s()
-        return f"silent for {silent:.1f} s (liveness window {self.window_s:.1f} s)" if silent > self.window_s else None
+        return f"silent for {silent:.1f} s (liveness period {self.liveness_s:.1f} s)" if silent > self.liveness_s else None
 
     @property
     def interval_s(self) -> float:

@@ -28,7 +28,7 @@ torch.set_num_threads(THREADS)
 # Workers and rank processes are forked from a process that has imported torch and transformers once
 # (draftfeed/launch/preload.py): about 3.8 s of CPU less per start, which is most of what the suite spends.
 processes.use_preloaded_starts()
-# Fault tests run with a short liveness window: 0.2 s heartbeats, dead after 8 missed (1.6 s). 5 (1 s) was seen to
+# Fault tests run with a short liveness period: 0.2 s heartbeats, dead after 8 missed (1.6 s). 5 (1 s) was seen to
 # expire a live rank and worker on CI, whose 2 cores also run the vllm tests beside the main suite.
 FAST_LIVENESS = ["--heartbeat-interval", "0.2", "--liveness", "8"]
 
@@ -162,7 +162,7 @@ def cluster() -> Iterator[Cluster]:
 
 @pytest.fixture
 def fast_cluster() -> Iterator[Cluster]:
-    """A cluster of its own for a fault test, with the short liveness window (FAST_LIVENESS)."""
+    """A cluster of its own for a fault test, with the short liveness period (FAST_LIVENESS)."""
     cluster = Cluster(*FAST_LIVENESS)
     try:
         yield cluster

@@ -1,7 +1,7 @@
 """A rank's IO thread only moves frames: the caller's ``finish`` runs on the thread that takes the result.
 
 The unit tests drive the request table without sockets; the last one runs a real broker and worker, with a
-``finish`` slower than the liveness window, and checks that it costs the rank nothing."""
+``finish`` slower than the liveness period, and checks that it costs the rank nothing."""
 
 from __future__ import annotations
 
@@ -61,11 +61,11 @@ def test_an_error_from_the_pipeline_is_raised_as_it_came_and_finish_never_runs()
         waiter.future.result(0)
 
 
-SLOW_FINISH_S = 2.5  # longer than the liveness window of FAST_LIVENESS: 0.2 s heartbeats x 8 = 1.6 s
+SLOW_FINISH_S = 2.5  # longer than the liveness period of FAST_LIVENESS: 0.2 s heartbeats x 8 = 1.6 s
 
 
 class SlowFinishEagle3Target(RemoteEagle3Target):
-    """A rank whose turning a reply into supervision takes longer than the liveness window (as the compact form's
+    """A rank whose turning a reply into supervision takes longer than the liveness period (as the compact form's
     lm_head matmul on a large vocabulary can), and which notes the thread that did it."""
 
     finished_on: list[int]

@@ -118,7 +118,7 @@ def test_a_full_service_queue_pushes_back_on_ranks(tiny_target, tiny_model):
 
 
 def test_an_unreachable_rank_is_told_so_and_others_are_served(tiny_target, tiny_model):
-    # A liveness window (20 s) longer than the rest of the test: the hand-spoken rank heartbeats only while it waits.
+    # A liveness period (20 s) longer than the rest of the test: the hand-spoken rank heartbeats only while it waits.
     cluster = Cluster("--heartbeat-interval", "0.2", "--liveness", "100")
     try:
         cluster.add_worker(tiny_target, "--service", SERVICE, "--connect-timeout", "1")

@@ -1,5 +1,5 @@
 """No run dies of a fault that is not its batch's (issue 15): workers killed and replaced in runs, frozen past the
-liveness window and thawed, the broker killed and restarted, while three training ranks (processes of their own)
+liveness period and thawed, the broker killed and restarted, while three training ranks (processes of their own)
 iterate; and a poison batch, which takes down every worker it meets, still fails after --max-attempts with what
 each worker said, while the other ranks' batches arrive unharmed."""
 
@@ -26,7 +26,7 @@ WINDOW_S = 1.0  # FAST_LIVENESS: 0.2 s heartbeats, 5 missed
 
 
 class Chaos(threading.Thread):
-    """Kills workers and starts replacements, freezes them past the liveness window and thaws them, and kills and
+    """Kills workers and starts replacements, freezes them past the liveness period and thaws them, and kills and
     restarts the broker once, at random moments 1 to 2.5 s apart (seeded), until told to stop."""
 
     def __init__(self, cluster: Cluster, target, seed: int) -> None:

@@ -1,4 +1,4 @@
-"""A rank's host cut off from the network mid-run, longer than the liveness window, then back (issue 13).
+"""A rank's host cut off from the network mid-run, longer than the liveness period, then back (issue 13).
 
 Broker, two workers and the rank each on a host of their own (network namespaces, draftfeed/bench/hosts.py). The broker
 forgets the silent rank and tells the workers to; the rank, which kept running, notices the silence itself and

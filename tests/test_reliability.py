@@ -95,7 +95,7 @@ def test_engine_out_of_memory_is_retried_elsewhere_and_a_crash_is_reported(fast_
         oom = make_batch(1, 6, 1000, seed=1)
         oom["input_ids"][0, 0] = OOM_MARKER
         future = target.generate_batch_async(**oom)
-        # Counted broker-wide: a worker the loaded machine kept silent past the liveness window registers again with
+        # Counted broker-wide: a worker the loaded machine kept silent past the liveness period registers again with
         # fresh counts of its own (seen on CI), while the broker's requeues keep counting.
         wait_until(lambda: fast_cluster.status()["requeues"].get("retry") == 1, what="the flaky worker to hand the batch back")
         assert not future.done()  # waiting for a worker that has not failed it

@@ -124,12 +124,12 @@ def test_a_broker_session_introduces_itself_again_once_per_window():
     session.introducing()
     assert not session.may_introduce()  # a hello is on its way
     assert session.welcomed("i1", Liveness(heartbeat_interval_s=0.5, liveness=4))  # a new instance
-    assert session.window_s == 2.0 and session.may_introduce() and session.instances == ["i1"]
+    assert session.liveness_s == 2.0 and session.may_introduce() and session.instances == ["i1"]
     assert not session.restarted("i1") and session.restarted("i2")
     clock.now += 1.9
     assert session.silence() is None
     clock.now += 0.2
-    assert session.silence() == "silent for 2.1 s (liveness window 2.0 s)"
+    assert session.silence() == "silent for 2.1 s (liveness period 2.0 s)"
     session.introducing()
     clock.now += 1.0
     assert not session.may_introduce()  # unanswered for less than a window

@@ -62,7 +62,7 @@ def harness(tiny_target):
             peer, *frames = backend.recv_multipart()
             register, _ = unpack(frames, BACKEND_INBOUND)
             assert isinstance(register, Register) and register.service == "svc" and register.info.aux_layer_ids == [1, 3, 4]
-            # A long liveness window: this harness sends no heartbeats.
+            # A long liveness period: this harness sends no heartbeats.
             backend.send_multipart([peer, *pack(Registered(broker="test", instance="test", liveness=Liveness(heartbeat_interval_s=1, liveness=100)))])
             yield backend, peer, rank, rank_endpoint
         finally:

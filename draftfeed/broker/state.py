@@ -333,7 +333,7 @@ class BrokerState:
             "instance": self.instance,
             "uptime_s": round(now - self.started_at, 3),
             "draining": self.draining,
-            "liveness_window_s": self.settings.liveness_s,  # the key stays: `draftfeed status` and its readers use it
+            "liveness_s": self.settings.liveness_s,
             "counters": {**self.counters, "rejected_messages": sum(self.rejections.values())},
             "requeues": dict(self.requeues),
             "rejections": dict(self.rejections),

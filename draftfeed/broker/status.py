@@ -15,7 +15,7 @@ def status_document(
     services: dict[str, ServiceRecord],
     ranks: dict[bytes, RankRecord],
 ) -> dict[str, Any]:
-    """``broker``: the broker's own fields (name, instance, uptime_s, draining, liveness_window_s, counters)."""
+    """``broker``: the broker's own fields (name, instance, uptime_s, draining, liveness_s, counters)."""
     return {
         **broker,
         "services": {

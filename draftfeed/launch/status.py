@@ -62,7 +62,7 @@ def format_status(status: dict[str, Any]) -> str:
     state = " (draining)" if status.get("draining") else ""
     lines = [
         f"broker {status['broker']} instance {status['instance']}{state}, up {status['uptime_s']:.0f} s, "
-        f"liveness window {status['liveness_window_s']:.1f} s; " + ", ".join(f"{k} {v}" for k, v in status["counters"].items())
+        f"liveness period {status['liveness_s']:.1f} s; " + ", ".join(f"{k} {v}" for k, v in status["counters"].items())
     ]
     if status.get("requeues"):
         lines.append("requests back in the queue, by cause: " + ", ".join(f"{k} {v}" for k, v in sorted(status["requeues"].items())))

@@ -244,7 +244,7 @@ class Connection:
                 control.send_multipart(pack(Bye()), flags=zmq.NOBLOCK)
                 control.close(linger=500)  # let the bye go out; the broker frees this rank's state at once
             except zmq.Again:
-                pass  # the broker is unreachable: it forgets this rank after its liveness window
+                pass  # the broker is unreachable: it forgets this rank after its liveness period
         except BaseException as exc:
             log.exception("draftfeed rank %s: IO thread failed", self.rank_id)
             self._failure = exc

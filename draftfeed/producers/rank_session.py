@@ -5,7 +5,7 @@ caller's threads read what it knows (the service's workers, the broker's state i
 the clock it is given, so its fault handling is tested under a hand-turned clock (tests/test_rank_session.py).
 
 - It says hello when the loop starts, and again when the broker restarts (a heartbeat from another instance),
-  says it does not know or has forgotten this rank, says goodbye, or falls silent for its liveness window
+  says it does not know or has forgotten this rank, says goodbye, or falls silent for its liveness period
   (broker_session.py decides when; one hello on its way at a time).
 - A welcome that says the broker holds nothing of this rank (``resumed`` false) makes it send its vocab
   mappings, then every unanswered request, in order. A request refused because the broker lacks its mapping
@@ -288,6 +288,6 @@ class RankSession:
             return (
                 f"the broker at {self.broker_endpoint} shut down {self.broker.clock() - self.goodbye_at:.0f} s ago and no broker has answered since"
             )
-        if silent > self.broker.window_s:
-            return f"the broker at {self.broker_endpoint} has not answered for {silent:.0f} s (its liveness window is {self.broker.window_s:.0f} s)"
+        if silent > self.broker.liveness_s:
+            return f"the broker at {self.broker_endpoint} has not answered for {silent:.0f} s (its liveness period is {self.broker.liveness_s:.0f} s)"
         return f"the broker was heard {silent:.1f} s ago"
