@@ -147,3 +147,23 @@ def test_settings_are_made_from_the_parsed_flags_by_their_fields():
     args = parser.parse_args(["launch", "worker", "--broker", "tcp://h:1", "--target", "/m", "--send-timeout", "3", "--capacity", "4"])
     config = from_args(WorkerConfig, args, service="s", devices=["cpu"])
     assert config == WorkerConfig(broker="tcp://h:1", service="s", send_timeout_s=3.0, capacity=4, devices=("cpu",))
+
+
+def test_the_defaults_docs_operations_shows_are_the_flags_defaults():
+    """docs/operations.md's synopsis of `launch broker` / `launch worker` shows defaults (`[--capacity 2]`): each is
+    the one the flag takes from its settings field."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "docs" / "operations.md").read_text()
+    synopsis = text[text.index("draftfeed launch broker") : text.index("(both also take")]
+    broker_part, worker_part = synopsis.split("draftfeed launch worker")
+    checked = 0
+    for role, part in (("broker", broker_part), ("worker", worker_part)):
+        actions = {option: action for action in launch_parser(role)._actions for option in action.option_strings}
+        for flag, value in re.findall(r"\[(--[a-z-]+) (\d+(?:\.\d+)?)\]", part):
+            default = actions[flag].default
+            if default is not None:
+                assert float(value) == default, f"docs/operations.md shows {flag} {value}; its default is {default}"
+                checked += 1
+    assert checked >= 15
