@@ -49,7 +49,7 @@ def test_in_flight_never_exceeds_the_depth_with_a_slow_training_loop(services, d
 def test_window_is_exact_when_nothing_is_served(services):
     """No worker serves this service, so nothing completes: the rank's window fills exactly and then blocks."""
     batch = make_batch(1, 4, 1000, seed=0)
-    connection = Connection(services.frontend, "nobody-serves-this", window=3)
+    connection = Connection(services.frontend, "nobody-serves-this", window=3, task="eagle3")
     try:
 
         def submit(timeout_s: float):

@@ -33,7 +33,7 @@ from draftfeed.logs import LOG_FORMATS
 from draftfeed.logs import configure as configure_logging
 from draftfeed.producers.settings import RankSettings
 from draftfeed.schemas.errors import CannotServe, DraftfeedError, UsageError
-from draftfeed.schemas.messages import SupervisionForm, TaskName
+from draftfeed.schemas.messages import DEFAULT_SUPERVISION, SupervisionForm, TaskName
 from draftfeed.schemas.protocol import DEFAULT_BACKEND, DEFAULT_BROKER_HTTP_PORT, DEFAULT_FRONTEND, DEFAULT_HTTP_HOST, DEFAULT_WORKER_HTTP_PORT
 
 if TYPE_CHECKING:  # imported where used: the CLI starts without loading pyzmq's auth or torch
@@ -255,7 +255,7 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
     )
     target.add_argument(
         "--supervision",
-        default="probs",
+        default=DEFAULT_SUPERVISION,
         choices=get_args(SupervisionForm),
         help="EAGLE-3: send target_probs as float32 probs (the contract's form), bfloat16 probs (lossy, half the bytes), or the final hidden state and argmax from which ranks rebuild them (hidden, compact)",
     )

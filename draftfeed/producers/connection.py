@@ -78,7 +78,7 @@ class Connection:
         service: str,
         window: int,
         *,
-        task: str = "eagle3",
+        task: str,
         data_endpoint: str | None = None,
         connect_timeout_s: float = RANK_DEFAULTS.connect_timeout,
         data_plane: DataPlaneOffer | None = None,

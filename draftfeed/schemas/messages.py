@@ -102,6 +102,7 @@ TaskName = Literal["eagle3", "dspark"]
 # probabilities (lossy, half the bytes), or as the post-norm final hidden state plus the full-vocab argmax,
 # from which the rank rebuilds probabilities and position mask with the lm_head's draft rows (compact).
 SupervisionForm = Literal["probs", "probs-bf16", "hidden"]
+DEFAULT_SUPERVISION: SupervisionForm = "probs"  # what EAGLE-3 workers send unless told otherwise (--supervision)
 
 
 class LogitTransform(Strict):
@@ -302,7 +303,7 @@ class Register(Strict):
     task: TaskName
     engine: Name
     info: TargetInfo
-    supervision: SupervisionForm = "probs"
+    supervision: SupervisionForm = DEFAULT_SUPERVISION
     logit_transform: LogitTransform = Field(default_factory=LogitTransform)
     capacity: Annotated[int, Field(ge=1, le=64)]
     host: Name

@@ -9,7 +9,7 @@ from draftfeed.consumers.engines.base import Engine
 from draftfeed.consumers.tasks.base import Task
 from draftfeed.consumers.tasks.dspark import DSparkTask
 from draftfeed.consumers.tasks.eagle3 import Eagle3Task
-from draftfeed.schemas.messages import TaskName
+from draftfeed.schemas.messages import DEFAULT_SUPERVISION, TaskName
 
 TASKS = get_args(TaskName)
 
@@ -19,7 +19,7 @@ def load_task(
     engine: Engine,
     layer_ids: list[int] | None = None,
     draft_layers: int = DEFAULT_DRAFT_LAYERS,
-    supervision: str = "probs",
+    supervision: str = DEFAULT_SUPERVISION,
     chunk_tokens: int = 0,
 ) -> Task:
     """``eagle3`` (layer_ids: the 3 aux layers; supervision: its form; chunk_tokens: see Eagle3Task) or ``dspark``

@@ -11,7 +11,7 @@ from draftfeed.consumers.tasks.chunked_head import argmax_in_chunks, probs_in_ch
 from draftfeed.contract.ops import lm_head_logits, shift_left
 from draftfeed.contract.packing import Documents
 from draftfeed.contract.vocab import VocabMap
-from draftfeed.schemas.messages import Eagle3TargetInfo, LogitTransform, SupervisionForm
+from draftfeed.schemas.messages import DEFAULT_SUPERVISION, Eagle3TargetInfo, LogitTransform, SupervisionForm
 
 log = logging.getLogger("draftfeed.worker")
 
@@ -94,7 +94,9 @@ class Eagle3Task:
 
     name = "eagle3"
 
-    def __init__(self, engine: Engine, aux_layer_ids: list[int] | None = None, supervision: SupervisionForm = "probs", chunk_tokens: int = 0) -> None:
+    def __init__(
+        self, engine: Engine, aux_layer_ids: list[int] | None = None, supervision: SupervisionForm = DEFAULT_SUPERVISION, chunk_tokens: int = 0
+    ) -> None:
         self.engine = engine
         self.supervision = supervision
         layers = engine.shape.num_hidden_layers
