@@ -1,15 +1,16 @@
 """Delivering one answer (a result or a failure) to one rank; the outcome says what became of it.
 
 A result goes on the plane chosen for that pair (pair_planes.py): frames on the rank's direct socket
-(rank_links.py), or a header on the socket and the tensors on the pair's own torch.distributed group, or (nixl)
-a header on the socket after the tensors were written into a slot the rank granted (nixl_senders.py). A pair
-that fails is torn down and the answer goes again as frames. A failure always goes as frames.
+(rank_links.py), or the pair's ready plane carries it (pair_plane.py: a header on the socket and the tensors on
+the pair's own torch.distributed group, pair_group_plane.py, or written into a slot the rank granted,
+nixl_plane.py). A pair that fails is torn down and the answer goes again as frames. A failure always goes as frames.
 
 Every wait is bounded. A send is tried until the rank takes it, the broker reports the rank gone (the broker
 link counts each ``forget_rank``: one that arrives mid-delivery ends the wait at once, before the compute loop
 files it), the rank was never reached within --connect-timeout (it is not tried again), it took nothing for
 --send-timeout, or, once the worker is stopping, --drain-timeout has passed. A nixl grant is awaited at most
---pair-timeout, and at most ``ARENAS`` nixl writes are in flight (a staged answer's arena must be free again).
+--pair-timeout, and at most ``ARENAS`` nixl writes are in flight (a staged answer's arena must be free again:
+nixl_plane.py, nixl_senders.py).
 
 Called from the worker's compute loop only, except ``links``/``pairs`` (the heartbeat thread). The worker opens
 the sockets and planes and hands them over; it turns each outcome into its ``done`` for the broker.
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,28 +28,13 @@ import torch
 import zmq
 
 from draftfeed.consumers.config import WorkerConfig
-from draftfeed.consumers.nixl_senders import ARENAS, Write
-from draftfeed.consumers.pair_planes import NixlLink, PairPlanes, PlaneRefused
+from draftfeed.consumers.pair_plane import Answer
+from draftfeed.consumers.pair_planes import PairPlanes, PlaneRefused
 from draftfeed.consumers.rank_links import Delivery, RankLinks
-from draftfeed.dataplane.nixl.layout import notification as nixl_notification
-from draftfeed.dataplane.nixl.layout import packed_layout
-from draftfeed.dataplane.nixl.memory import Region
-from draftfeed.dataplane.nixl.transport import NixlError
-from draftfeed.dataplane.pair_group import DataPlaneError, PairGroup, describe
 from draftfeed.dataplane.tensor_codec import pack_tensors, tensor_bytes
 from draftfeed.schemas.errors import MalformedMessage
 from draftfeed.schemas.frames import pack, unpack
-from draftfeed.schemas.messages import (
-    DATA_OUTBOUND,
-    Dispatch,
-    Failure,
-    NixlGrant,
-    NixlReady,
-    NixlWant,
-    PairClose,
-    PairStatus,
-    Result,
-)
+from draftfeed.schemas.messages import DATA_OUTBOUND, Dispatch, Failure, PairClose, PairStatus, Result
 
 log = logging.getLogger("draftfeed.worker")
 
@@ -88,7 +73,7 @@ Outcome = Delivered | Undelivered | Refused
 
 
 class AnswerDelivery:
-    """Delivers answers to ranks for one worker: owns the rank links, the pair planes and the nixl writes in flight."""
+    """Delivers answers to ranks for one worker: owns the rank links and the pair planes."""
 
     def __init__(
         self,
@@ -107,14 +92,12 @@ class AnswerDelivery:
         self.planes = planes
         self._forgets = forgets
         self._stopping_since = stopping_since
-        # The nixl writes in flight, oldest first, with their ranks' endpoints: at most one per staging arena.
-        self._writing: deque[tuple[Write, str]] = deque()
 
     # ------------------------------------------------------------ the worker's view
     @property
     def writing(self) -> int:
         """How many nixl writes are in flight (the compute loop checks on them every millisecond meanwhile)."""
-        return len(self._writing)
+        return self.planes.in_flight
 
     def links(self) -> int:
         return len(self.ranks)
@@ -137,8 +120,6 @@ class AnswerDelivery:
 
     def close(self) -> None:
         """Let every nixl write land (each is bounded by --pair-timeout), then shut the planes and links down."""
-        while self._writing:
-            self.finish_writes(block=True)
         self.planes.shut_down()
         self.ranks.close()
 
@@ -152,19 +133,25 @@ class AnswerDelivery:
             return Refused(too_big)
         fields = dict(request_id=request.request_id, token=request.token, kind=request.kind, worker=self.worker)
         try:
-            pair = self.planes.group_for(data_endpoint, dispatch.rank, dispatch.data_plane)
+            plane = self.planes.plane_for(data_endpoint, dispatch.rank, dispatch.data_plane)
         except PlaneRefused as exc:
             return Refused(f"the data plane asked for cannot be had: {exc}; use data_plane='auto' (frames where a pair group cannot be had)")
         nbytes = tensor_bytes(tensors)
-        if pair is not None and isinstance(pair[0], NixlLink):
-            delivery = self._on_nixl(dispatch, tensors, pair[0], pair[1], fields, since)
+        if plane is not None:
+            answer = Answer(
+                tensors,
+                fields,
+                dispatch.rank,
+                send=lambda frames: self._send(data_endpoint, frames, since),
+                gone=lambda: self._forgets(data_endpoint) != since,
+                take_from_ranks=self.take_from_ranks,
+                await_rank=lambda ms: self.ranks.socket(data_endpoint).poll(ms, zmq.POLLIN),
+            )
+            delivery = plane.deliver(answer)
+            if delivery is Delivery.SENT:
+                self.planes.sent(data_endpoint)
             if delivery is not None:
-                return _outcome(delivery, "nixl", nbytes)
-        elif pair is not None and isinstance(pair[0], PairGroup):
-            group, generation = pair
-            delivery = self._on_group(dispatch, tensors, group, generation, fields, since)
-            if delivery is not None:
-                return _outcome(delivery, group.backend, nbytes)
+                return _outcome(delivery, plane.name, nbytes)
         return _outcome(self._send(data_endpoint, pack_tensors(Result, tensors, **fields), since), "frames", nbytes)
 
     def failure(self, dispatch: Dispatch, message: str) -> Outcome:
@@ -173,86 +160,12 @@ class AnswerDelivery:
         failure = Failure(request_id=request.request_id, token=request.token, worker=self.worker, message=message)
         return _outcome(self._send(dispatch.data_endpoint, pack(failure)), "frames", 0)
 
-    def _on_group(
-        self, dispatch: Dispatch, tensors: dict[str, torch.Tensor], group: PairGroup, generation: int, fields: dict, since: int
-    ) -> Delivery | None:
-        """The header on the socket, then the tensors on the pair's group; None: the group failed and was torn down
-        (the rank drops what it got), send it as frames."""
-        data_endpoint = dispatch.data_endpoint
-        delivery = self._send(data_endpoint, pack(Result(tensors=describe(tensors), plane="pair", generation=generation, **fields)), since)
-        if delivery is not Delivery.SENT:
-            return delivery  # the rank is gone or unreachable: _send has released its pair
-        try:
-            group.send(tensors)
-            self.planes.sent(data_endpoint)
-            return Delivery.SENT
-        except DataPlaneError as exc:
-            self.planes.failed(data_endpoint, str(exc))  # the rank drops what it got; frames follow
-        except Exception as exc:  # e.g. a device error copying the tensors: the group is out of step too
-            log.exception("worker %s: sending on the pair group to %s failed", self.worker, dispatch.rank)
-            group.close()
-            self.planes.failed(data_endpoint, f"{type(exc).__name__}: {exc}")
-        return None
-
-    def _on_nixl(
-        self, dispatch: Dispatch, tensors: dict[str, torch.Tensor], link: NixlLink, generation: int, fields: dict, since: int
-    ) -> Delivery | None:
-        """Ask the rank for a slot, write the answer into it, then send the header; None: send it as frames (no slot
-        was granted, or the pair failed and was torn down)."""
-        data_endpoint = dispatch.data_endpoint
-        specs = describe(tensors)
-        offsets, total = packed_layout(specs)
-        if total < max(1, self.config.nixl_min_bytes):
-            return None
-        want = self.planes.next_want()
-        delivery = self._send(data_endpoint, pack(NixlWant(worker=self.worker, generation=generation, want=want, nbytes=total)), since)
-        if delivery is not Delivery.SENT:
-            return delivery
-        grant = self._await_grant(data_endpoint, generation, want, since)
-        if grant is None:
-            return None
-        if grant.refused is not None:
-            log.debug("worker %s: rank %s granted no slot (%s); this answer goes as frames", self.worker, dispatch.rank, grant.refused)
-            return None
-        while len(self._writing) >= ARENAS:  # at most ARENAS in flight; a staged answer's arena must be free again
-            self.finish_writes(block=True)
-        if not self.planes.is_ready(data_endpoint, generation):
-            return None  # an earlier write failed and took this pair down
-        forgets = self._forgets
-        try:
-            source = link.sender.prepare(tensors, offsets, total)
-            slot = Region(grant.address, total, grant.device, "VRAM" if link.memory == "VRAM" else "DRAM")
-            notification = nixl_notification(generation, grant.slot, want)
-            gone = lambda: forgets(data_endpoint) != since  # noqa: E731
-            self._writing.append((link.sender.post(source, slot, link.remote_agent, notification, self.config.pair_timeout_s, gone), data_endpoint))
-        except (NixlError, RuntimeError) as exc:
-            self.planes.failed(data_endpoint, str(exc))
-            while self._writing:  # the arenas' turn may be out of step with the writes now: let every write land first
-                self.finish_writes(block=True)
-            return None
-        # The header goes now; the rank uses the slot only once the write's notification is there too.
-        delivery = self._send(data_endpoint, pack(Result(tensors=specs, plane="nixl", generation=generation, slot=grant.slot, **fields)), since)
-        if delivery is Delivery.SENT:
-            self.planes.sent(data_endpoint)
-        return delivery
-
     # ------------------------------------------------------------ waits
     def finish_writes(self, block: bool) -> None:
         """Check on the nixl writes in flight, oldest first, dropping those that have landed (``block``: wait for the
         oldest). One that failed takes its pair down (``pair_close``): the rank gives up on its answer and asks
         again, and the pair is rebuilt after the backoff."""
-        while self._writing:
-            write, data_endpoint = self._writing[0]
-            try:
-                if block:
-                    write.wait()
-                elif not write.done():
-                    return
-            except NixlError as exc:
-                self.planes.failed(data_endpoint, str(exc))
-            self._writing.popleft()
-            if block:
-                return
+        self.planes.finish(block)
 
     def take_from_ranks(self) -> None:
         """What ranks sent back on the data links: a rank that tore its side of a pair down, a nixl pair's
@@ -265,28 +178,8 @@ class AnswerDelivery:
                 continue
             if isinstance(message, PairClose):
                 self.planes.rank_closed(data_endpoint, message)
-            elif isinstance(message, NixlReady):
-                self.planes.nixl_ready(data_endpoint, message, extra)
-            elif isinstance(message, NixlGrant):
-                self.planes.granted(data_endpoint, message, extra)
-
-    def _await_grant(self, data_endpoint: str, generation: int, want: int, since: int) -> NixlGrant | None:
-        """The rank's grant for ``want``, or None when the pair closes, the rank is gone, or --pair-timeout passes
-        (the pair is then torn down: a grant that comes later is never written to)."""
-        deadline = time.monotonic() + self.config.pair_timeout_s
-        while True:
-            self.take_from_ranks()
-            grant = self.planes.take_grant(data_endpoint, generation, want)
-            if grant is not None:
-                return grant
-            if not self.planes.is_ready(data_endpoint, generation) or self._forgets(data_endpoint) != since:
-                return None
-            if time.monotonic() > deadline:
-                self.planes.failed(data_endpoint, f"no nixl_grant within {self.config.pair_timeout_s:.0f} s")
-                return None
-            # Writes in flight are checked every millisecond meanwhile: checking moves them on (over TCP above all).
-            self.finish_writes(block=False)
-            self.ranks.socket(data_endpoint).poll(1 if self._writing else 50, zmq.POLLIN)
+            else:
+                self.planes.receive(data_endpoint, message, extra)
 
     def _send(self, data_endpoint: str, frames: list[Any], since: int | None = None) -> Delivery:
         """Send to a rank, trying until it takes the message, the broker reports it gone (the link counts its

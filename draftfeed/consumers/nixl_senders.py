@@ -1,20 +1,21 @@
-"""The worker's NIXL agent and where each answer is written from, shared by all its nixl pairs (pair_planes.py
-keeps their life).
+"""The worker's NIXL agent, where each answer is written from, and the writes in flight, shared by all its nixl
+pairs (nixl_plane.py is one pair's protocol). One write's state is a ``Write``: what it reads (its ``Source``: the
+answer's tensors or a staging arena), the rank's slot it fills, its notification, NIXL's handle and its deadline.
 
 An answer is written from one of two sources (``choose_source`` decides, and says why):
 
 - ``direct``: from the answer's own tensors, each registered with NIXL for the write (a registration is counted,
   so memory several answers share is registered once) and deregistered once the write has landed. No copy: for
   host memory, where UCX's shared-memory and TCP transports register in microseconds.
-- ``staged``: copied end to end into an arena (schemas/tensor_specs.py packed_layout) registered once, and
+- ``staged``: copied end to end into an arena (dataplane/nixl/layout.py packed_layout) registered once, and
   written from there. For a GPU engine's answer (a copy at HBM speed costs less than registering CUDA memory for
   every answer, and the arena is on the engine's GPU, so the write goes from GPU memory), and for host memory whose
   registration turned out slower than copying it (RDMA transports pin the pages they register).
   There are ``ARENAS`` arenas, taken in turn, each grown (a new one registered, the old one dropped) only when an
   answer needs more; an arena is staged into again only once the write from it has landed.
 
-Either way the compute loop posts a write, sends its header and goes on; the worker keeps the writes in flight in
-order, at most ``ARENAS``, and an answer's tensors are not written after the task returns them (as for frames,
+Either way the compute loop posts a write, sends its header and goes on; the sender keeps the writes in flight in
+order, at most ``ARENAS`` (``start``, ``finish_writes``), and an answer's tensors are not written after the task returns them (as for frames,
 which libzmq sends from them). A CUDA rank's slot is on its GPU (GPUDirect where UCX has it).
 Bound: ``ARENAS`` answers in flight; staged, ``ARENAS`` x the largest answer of arena memory on the engine's device.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -83,18 +85,25 @@ class Source:
 
 
 class Write:
-    """One posted write of an answer, until NIXL says its bytes have landed."""
+    """One posted write of an answer, until NIXL says its bytes have landed: all of its state in one place."""
 
     def __init__(
         self,
         transfer: Transfer,
         source: Source,
+        slot: Region,
         remote_agent: str,
+        notification: bytes,
         deadline: float,
         gone: Callable[[], bool],
         ended: Callable[[Source, bool], None],
     ) -> None:
-        self.transfer, self.source, self.remote_agent, self.deadline, self.gone = transfer, source, remote_agent, deadline, gone
+        self.transfer = transfer  # NIXL's handle of the posted write
+        self.source = source  # what it reads: the answer's own tensors (direct) or a staging arena (staged)
+        self.slot = slot  # where it goes: the slot the rank granted
+        self.remote_agent = remote_agent
+        self.notification = notification  # generation:slot:want, which the rank gets once every byte has landed
+        self.deadline, self.gone = deadline, gone
         self.nbytes, self._ended = source.nbytes, ended
 
     def done(self) -> bool:
@@ -138,10 +147,18 @@ class NixlSender:
         self._abandoned: list[Source] = []  # direct sources of failed writes, held until the agent closes
         self._registration: tuple[float, int] | None = None  # the last direct answer's registration: seconds, bytes
         self._source_kind: SourceKind | None = None
+        self._next_want = 0  # the last want asked for, on any pair
+        # The writes in flight, oldest first, each with its pair's report of a failure: at most one per staging arena.
+        self._writing: deque[tuple[Write, Callable[[str], None]]] = deque()
 
     @property
     def name(self) -> str:
         return self.ensure().name
+
+    @property
+    def writing(self) -> int:
+        """How many writes are in flight (the compute loop checks on them every millisecond meanwhile)."""
+        return len(self._writing)
 
     @property
     def direct_bytes(self) -> int:
@@ -174,6 +191,11 @@ class NixlSender:
             self._source_kind = kind
         return self._direct(tensors, offsets, total) if kind == "direct" else self._stage(tensors, offsets, total)
 
+    def next_want(self) -> int:
+        """A new want's number: unique among this worker's wants, whichever pair asks."""
+        self._next_want += 1
+        return self._next_want
+
     def post(self, source: Source, slot: Region, remote_agent: str, notification: bytes, timeout_s: float, gone: Callable[[], bool]) -> Write:
         """Start writing ``source`` into the rank's ``slot``; UCX's progress thread moves it. A staged source's arena
         must not be staged into again until the write is done (``Write.wait``)."""
@@ -182,12 +204,56 @@ class NixlSender:
         except NixlError:
             self._release(source)  # nothing was posted: nothing reads it
             raise
-        return Write(transfer, source, remote_agent, time.monotonic() + timeout_s, gone, self._ended)
+        return Write(transfer, source, slot, remote_agent, notification, time.monotonic() + timeout_s, gone, self._ended)
+
+    def start(
+        self,
+        source: Source,
+        slot: Region,
+        remote_agent: str,
+        notification: bytes,
+        timeout_s: float,
+        gone: Callable[[], bool],
+        failed: Callable[[str], None],
+    ) -> Write:
+        """``post``, and keep the write in flight until ``finish_writes`` sees it land; ``failed``: its pair's report
+        of a write that failed in flight."""
+        write = self.post(source, slot, remote_agent, notification, timeout_s, gone)
+        self._writing.append((write, failed))
+        return write
+
+    def make_room(self) -> None:
+        """Until fewer than ``ARENAS`` writes are in flight: a staged answer's arena must be free again."""
+        while len(self._writing) >= ARENAS:
+            self.finish_writes(block=True)
+
+    def drain(self) -> None:
+        """Until every write in flight has ended (landed, or failed and reported)."""
+        while self._writing:
+            self.finish_writes(block=True)
+
+    def finish_writes(self, block: bool) -> None:
+        """Check on the writes in flight, oldest first, dropping those that have landed (``block``: wait for the
+        oldest). One that failed is reported to its pair, which goes down (``pair_close``): the rank gives up on its
+        answer and asks again, and the pair is rebuilt after the backoff."""
+        while self._writing:
+            write, failed = self._writing[0]
+            try:
+                if block:
+                    write.wait()
+                elif not write.done():
+                    return
+            except NixlError as exc:
+                failed(str(exc))
+            self._writing.popleft()
+            if block:
+                return
 
     def close(self) -> None:
         if self.agent is not None:
             self.agent.close()  # deregisters every region, direct ones included
         self.agent, self._arenas = None, [None] * ARENAS
+        self._writing.clear()
         self._pinned.clear()
         self._abandoned.clear()
 

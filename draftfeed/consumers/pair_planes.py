@@ -1,12 +1,10 @@
 """The worker's side of the data planes: per rank, frames, a pair group or a nixl pair, and its life.
 
 For each rank it serves, the worker chooses a plane once (dataplane/choice.py, logged with the reason).
-A pair plane is opened without stopping work; answers go as frames until it is ready:
-
-- a pair group (gloo, nccl): the worker hosts a one-off TCPStore, tells the rank to join it (``pair_open``
-  on the rank's data socket) and builds its side of the group on a thread;
-- a nixl pair: the worker starts its NIXL agent (nixl_senders.py) and sends ``nixl_open``; the rank's
-  ``nixl_ready`` brings its agent metadata, which the worker loads.
+A pair plane is opened without stopping work; answers go as frames until it is ready. What opens it and carries
+answers on it is the plane object (pair_plane.py: one interface): ``PairGroupPlane`` (pair_group_plane.py: gloo,
+nccl) or ``NixlPlane`` (nixl_plane.py); this module keeps the bookkeeping every plane shares: which plane a rank's
+pair uses, its generations, its state, its failures and their backoff, its counts for ``draftfeed status``.
 
 A pair that fails is torn down (``pair_close`` to the rank), the answer in hand goes again as frames, and a
 new pair, under a new generation, is opened after a backoff that doubles with each failure. A pair is never
@@ -15,24 +13,23 @@ used again after a failure: a send that failed part way leaves the two sides out
 
 from __future__ import annotations
 
+import functools
 import logging
-import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from draftfeed.consumers.nixl_plane import NixlPlane
 from draftfeed.consumers.nixl_senders import NixlSender
+from draftfeed.consumers.pair_group_plane import PairGroupPlane
+from draftfeed.consumers.pair_plane import FromRank, PairPlane, PlaneFailed
 from draftfeed.dataplane.choice import PlaneChoice, choose_plane
-from draftfeed.dataplane.nixl.transport import NixlError
-from draftfeed.dataplane.pair_group import SENDER, DataPlaneError, PairGroup, host_store, join_store
-from draftfeed.net import local_address_towards
-from draftfeed.schemas.frames import frame_bytes, pack
-from draftfeed.schemas.messages import DataPlaneOffer, NixlGrant, NixlOpen, NixlReady, PairClose, PairOpen, PairStatus
+from draftfeed.schemas.frames import pack
+from draftfeed.schemas.messages import DataPlaneOffer, PairClose, PairStatus
 
 log = logging.getLogger("draftfeed.worker")
 
@@ -45,33 +42,25 @@ class PlaneRefused(Exception):
 REOPEN_BACKOFF_S = (1.0, 60.0)
 
 
-@dataclass(frozen=True)
-class NixlLink:
-    """A ready nixl pair: where to write for this rank."""
-
-    sender: NixlSender
-    remote_agent: str
-    memory: str  # the rank's slots: DRAM or VRAM
-
-
 @dataclass
 class _Pair:
     data_endpoint: str
     rank: str
     choice: PlaneChoice
-    state: str = "frames"  # frames (for good) | down (open at reopen_at) | opening | ready
-    generation: int | None = None
-    group: PairGroup | None = None
-    store: dist.Store | None = None
-    opening: threading.Thread | None = None
-    opened: list[Any] = field(default_factory=list)  # the opening thread's PairGroup or exception
+    generation: int | None = None  # the last one opened
+    plane: PairPlane | None = None  # the plane of that generation while it opens or is ready
     reopen_at: float = 0.0
-    opening_until: float = 0.0  # a nixl pair: the rank's nixl_ready must come before this
-    nixl: NixlLink | None = None
-    grants: dict[int, NixlGrant] = field(default_factory=dict)  # want -> the rank's grant, until taken
     failures: int = 0
     sent_over_pair: int = 0
     fallbacks: int = 0
+
+    @property
+    def state(self) -> str:
+        """frames (for good) | down (opened again at reopen_at) | opening | ready."""
+        plane = self.plane
+        if self.choice.plane == "frames":
+            return "frames"
+        return "down" if plane is None else plane.state
 
     def status(self) -> PairStatus:
         return PairStatus(
@@ -89,82 +78,54 @@ class PairPlanes:
     """Every rank's plane, for one worker. Called from the worker's compute thread only, except
     ``statuses`` (the heartbeat thread)."""
 
-    def __init__(self, worker: str, offer: DataPlaneOffer, send: Callable[[str, list[Any]], bool], timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        worker: str,
+        offer: DataPlaneOffer,
+        send: Callable[[str, list[Any]], bool],
+        timeout_s: float = 30.0,
+        nixl_min_bytes: int = 1 << 20,
+    ) -> None:
         self.worker = worker
         self.offer = offer
-        self.nixl = NixlSender(worker, torch.device(offer.device))
-        self._next_want = 0
+        self.nixl = NixlSender(worker, torch.device(offer.device))  # the worker's agent and writes, for every nixl pair
         self.timeout_s = timeout_s
+        self.nixl_min_bytes = nixl_min_bytes  # smaller answers go as frames on a nixl pair too
         self._send = send  # (rank data endpoint, frames) -> whether it went out, without blocking
         self._pairs: dict[str, _Pair] = {}
         self._lock = threading.Lock()
         self._next_generation = 0
+        # How each plane is made for a pair's generation, by the plane the pair chose.
+        self._makers: dict[str, Callable[[_Pair, int], PairPlane]] = {"gloo": self._group, "nccl": self._group, "nixl": self._nixl}
 
-    def group_for(self, data_endpoint: str, rank: str, rank_offer: DataPlaneOffer | None) -> tuple[PairGroup | NixlLink, int] | None:
-        """The ready group or nixl link to this rank and its generation, or None: send this answer as frames.
-        Raises PlaneRefused when the plane this pair was made to use cannot be had (the reason says why)."""
+    def plane_for(self, data_endpoint: str, rank: str, rank_offer: DataPlaneOffer | None) -> PairPlane | None:
+        """The ready plane to this rank, or None: send this answer as frames. Raises PlaneRefused when the plane
+        this pair was made to use cannot be had (the reason says why)."""
         pair = self._pairs.get(data_endpoint)
         if pair is None:
             pair = self._new_pair(data_endpoint, rank, rank_offer)
         if pair.choice.refused:
             raise PlaneRefused(pair.choice.reason)
-        if pair.state == "opening":
-            self._check_opening(pair)
+        if pair.plane is not None and pair.plane.state == "opening":
+            try:
+                pair.plane.check()
+            except PlaneFailed as exc:
+                self._tear_down(pair, str(exc), tell_rank=True)
         if pair.state == "down" and time.monotonic() >= pair.reopen_at:
             self._open(pair)
-        if pair.state == "ready" and pair.generation is not None:
-            if pair.group is not None:
-                return pair.group, pair.generation
-            if pair.nixl is not None:
-                return pair.nixl, pair.generation
-        return None
+        plane = pair.plane
+        return plane if plane is not None and plane.state == "ready" else None
 
-    # ------------------------------------------------------------ nixl pairs
-    def nixl_ready(self, data_endpoint: str, message: NixlReady, frames: list[Any]) -> None:
-        """The rank's side of a nixl pair is up: load its agent metadata."""
+    def receive(self, data_endpoint: str, message: FromRank, frames: list[Any]) -> None:
+        """What the rank sent back for its pair's plane (a nixl pair's readiness, a grant): to the plane of that
+        generation; one that makes the plane unusable tears the pair down."""
         pair = self._pairs.get(data_endpoint)
-        if pair is None or pair.generation != message.generation or pair.state != "opening" or pair.choice.plane != "nixl":
+        if pair is None or pair.plane is None or pair.generation != message.generation:
             return
         try:
-            if len(frames) != 1:
-                raise NixlError(f"nixl_ready carries {len(frames)} frames, not the one of agent metadata")
-            name = self.nixl.connect(frame_bytes(frames[0]))
-        except NixlError as exc:
-            self._tear_down(pair, f"the rank's agent could not be loaded: {exc}", tell_rank=True)
-            return
-        if name != message.agent:
-            self.nixl.disconnect(name)
-            self._tear_down(pair, f"the rank's agent metadata names {name!r}, not {message.agent!r}", tell_rank=True)
-            return
-        pair.nixl, pair.state = NixlLink(self.nixl, name, message.memory), "ready"
-        log.info("worker %s: nixl pair %d with rank %s is ready (its slots in %s)", self.worker, pair.generation, pair.rank, message.memory)
-
-    def granted(self, data_endpoint: str, message: NixlGrant, frames: list[Any]) -> None:
-        """A grant; with one frame, the metadata of a slot the rank registered since this pair opened: loaded now."""
-        pair = self._pairs.get(data_endpoint)
-        if pair is None or pair.generation != message.generation or pair.state != "ready":
-            return
-        if frames:
-            try:
-                self.nixl.connect(frame_bytes(frames[0]))
-            except NixlError as exc:
-                self._tear_down(pair, f"a new slot's metadata could not be loaded: {exc}", tell_rank=True)
-                return
-        pair.grants[message.want] = message
-
-    def take_grant(self, data_endpoint: str, generation: int, want: int) -> NixlGrant | None:
-        pair = self._pairs.get(data_endpoint)
-        if pair is None or pair.generation != generation:
-            return None
-        return pair.grants.pop(want, None)
-
-    def is_ready(self, data_endpoint: str, generation: int) -> bool:
-        pair = self._pairs.get(data_endpoint)
-        return pair is not None and pair.generation == generation and pair.state == "ready"
-
-    def next_want(self) -> int:
-        self._next_want += 1
-        return self._next_want
+            pair.plane.receive(message, frames)
+        except PlaneFailed as exc:
+            self._tear_down(pair, str(exc), tell_rank=True)
 
     def sent(self, data_endpoint: str) -> None:
         pair = self._pairs[data_endpoint]
@@ -205,12 +166,24 @@ class PairPlanes:
         with self._lock:
             return [pair.status() for pair in self._pairs.values()]
 
+    # ------------------------------------------------------------ work in flight on the planes (nixl writes)
+    @property
+    def in_flight(self) -> int:
+        """How many transfers are in flight (the compute loop checks on them every millisecond meanwhile)."""
+        return self.nixl.writing
+
+    def finish(self, block: bool) -> None:
+        """Check on the transfers in flight, dropping those that ended (``block``: wait for the oldest); one that
+        failed takes its pair down."""
+        self.nixl.finish_writes(block)
+
     def close(self) -> None:
         for data_endpoint in list(self._pairs):
             self.forget(data_endpoint)
 
     def shut_down(self) -> None:
-        """Close every pair and the NIXL agent (the worker is exiting)."""
+        """Let every transfer in flight end, close every pair and the NIXL agent (the worker is exiting)."""
+        self.nixl.drain()
         self.close()
         self.nixl.close()
 
@@ -221,79 +194,47 @@ class PairPlanes:
             log.error("worker %s: data plane to rank %s refused: %s; its requests fail", self.worker, rank, choice.reason)
         else:
             log.info("worker %s: data plane to rank %s: %s (%s)", self.worker, rank, choice.plane, choice.reason)
-        pair = _Pair(data_endpoint, rank, choice, state="frames" if choice.plane == "frames" else "down")
+        pair = _Pair(data_endpoint, rank, choice)
         with self._lock:
             self._pairs[data_endpoint] = pair
         return pair
 
     def _open(self, pair: _Pair) -> None:
-        if pair.choice.plane == "nixl":
-            self._open_nixl(pair)
-            return
-        generation = self._next_generation
-        host = local_address_towards(pair.data_endpoint)
+        plane = self._makers[pair.choice.plane](pair, self._next_generation)
         try:
-            store = host_store(host, timeout_s=self.timeout_s)
-        except (RuntimeError, OSError) as exc:
-            self._backoff(pair, f"no rendezvous store: {exc}")
-            return
-        backend = pair.choice.plane
-        nonce = secrets.token_hex(16)
-        message = PairOpen(
-            worker=self.worker,
-            generation=generation,
-            backend=backend,
-            store_host=host,
-            store_port=store.port,
-            nonce=nonce,
-            timeout_s=self.timeout_s,
-            reason=pair.choice.reason[:512],
-        )
-        if not self._send(pair.data_endpoint, pack(message)):
-            return  # the rank's link is busy or not up yet: try again with the next answer
-        self._next_generation += 1
-        pair.generation, pair.store, pair.state, pair.opened = generation, store, "opening", []
-        pair.opening = threading.Thread(
-            target=_build,
-            args=(host, store.port, backend, generation, nonce, self.timeout_s, pair.opened),
-            name=f"draftfeed-pair-{generation}",
-            daemon=True,
-        )
-        pair.opening.start()
-        log.info("worker %s: opening %s pair group %d with rank %s", self.worker, backend, generation, pair.rank)
-
-    def _open_nixl(self, pair: _Pair) -> None:
-        try:
-            agent = self.nixl.name
-        except NixlError as exc:
+            opened = plane.open()
+        except PlaneFailed as exc:
             self._backoff(pair, str(exc))
             return
-        generation = self._next_generation
-        message = NixlOpen(worker=self.worker, generation=generation, agent=agent, timeout_s=self.timeout_s, reason=pair.choice.reason[:512])
-        if not self._send(pair.data_endpoint, pack(message)):
-            return  # the rank's link is busy or not up yet: try again with the next answer
-        self._next_generation += 1
-        pair.generation, pair.state, pair.opening_until = generation, "opening", time.monotonic() + self.timeout_s
-        log.info("worker %s: opening nixl pair %d with rank %s", self.worker, generation, pair.rank)
+        if opened:
+            self._next_generation += 1
+            pair.generation, pair.plane = plane.generation, plane
 
-    def _check_opening(self, pair: _Pair) -> None:
-        if pair.choice.plane == "nixl":
-            if time.monotonic() > pair.opening_until:
-                self._tear_down(pair, f"the rank did not answer nixl_open within {self.timeout_s:.0f} s", tell_rank=True)
-            return
-        if pair.opening is None or pair.opening.is_alive():
-            return
-        outcome = pair.opened[0] if pair.opened else RuntimeError("the opening thread ended without a result")
-        pair.opening = None
-        if isinstance(outcome, PairGroup):
-            pair.group, pair.state = outcome, "ready"
-            pair.store = None  # built and warmed up: the group no longer needs the store, which stops listening
-            log.info("worker %s: %s pair group %d with rank %s is ready", self.worker, pair.choice.plane, pair.generation, pair.rank)
-        else:
-            log.warning(
-                "worker %s: %s pair group %s with rank %s could not be built: %s", self.worker, pair.choice.plane, pair.generation, pair.rank, outcome
-            )
-            self._tear_down(pair, f"could not be built: {outcome}", tell_rank=True)
+    def _group(self, pair: _Pair, generation: int) -> PairPlane:
+        return PairGroupPlane(
+            self.worker,
+            pair.rank,
+            pair.data_endpoint,
+            pair.choice.plane,
+            generation,
+            pair.choice.reason,
+            self.timeout_s,
+            send=functools.partial(self._send, pair.data_endpoint),
+            failed=functools.partial(self.failed, pair.data_endpoint),
+        )
+
+    def _nixl(self, pair: _Pair, generation: int) -> PairPlane:
+        return NixlPlane(
+            self.worker,
+            pair.rank,
+            generation,
+            pair.choice.reason,
+            self.timeout_s,
+            self.nixl_min_bytes,
+            self.nixl,
+            send=functools.partial(self._send, pair.data_endpoint),
+            failed=functools.partial(self.failed, pair.data_endpoint),
+        )
 
     def _tear_down(self, pair: _Pair, reason: str, tell_rank: bool) -> None:
         if tell_rank and pair.generation is not None:
@@ -305,39 +246,11 @@ class PairPlanes:
         pair.failures += 1
         low, high = REOPEN_BACKOFF_S
         delay = min(high, low * 2 ** (pair.failures - 1))
-        pair.state, pair.reopen_at = "down", time.monotonic() + delay
+        pair.reopen_at = time.monotonic() + delay
         log.info("worker %s: rank %s gets frames; a new pair group in %.0f s (%s)", self.worker, pair.rank, delay, reason)
 
     @staticmethod
     def _release(pair: _Pair) -> None:
-        if pair.group is not None:
-            pair.group.close()
-        pair.group = None
-        if pair.nixl is not None:
-            pair.nixl.sender.disconnect(pair.nixl.remote_agent)  # the rank's agent is dropped with its pair
-            log.info("worker %s: dropped the NIXL agent of rank %s", pair.nixl.sender.worker, pair.rank)
-        pair.nixl, pair.grants = None, {}
-        if pair.opening is not None:
-            # Still joining: the thread ends at its timeout; whatever it built is closed then.
-            opening, opened = pair.opening, pair.opened
-            threading.Thread(target=_close_when_built, args=(opening, opened), daemon=True).start()
-        pair.opening, pair.opened, pair.store = None, [], None
-
-
-def _build(host: str, port: int, backend: str, generation: int, nonce: str, timeout_s: float, out: list[Any]) -> None:
-    """The worker's side, as a client of its own store: the group keeps its store alive, and the server, which
-    the pair holds apart, must be able to stop once the group is built."""
-    try:
-        store = join_store(host, port, timeout_s=timeout_s)
-        group = PairGroup(store, SENDER, backend, generation=generation, timeout_s=timeout_s, namespace=nonce)
-        group.warm_up()
-        out.append(group)
-    except (DataPlaneError, RuntimeError, ValueError) as exc:
-        out.append(exc)
-
-
-def _close_when_built(opening: threading.Thread, opened: list[Any]) -> None:
-    opening.join()
-    for outcome in opened:
-        if isinstance(outcome, PairGroup):
-            outcome.close()
+        plane, pair.plane = pair.plane, None
+        if plane is not None:
+            plane.close()

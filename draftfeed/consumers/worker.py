@@ -139,6 +139,7 @@ class Worker:
             local_offer(self.config.data_plane, self.task.engine.device, encrypted=self.config.keys is not None),
             send=lambda data_endpoint, frames: ranks.try_send(data_endpoint, frames) is Delivery.SENT,
             timeout_s=self.config.pair_timeout_s,
+            nixl_min_bytes=self.config.nixl_min_bytes,
         )
         inbox = Inbox()
         self._link = link = BrokerLink(

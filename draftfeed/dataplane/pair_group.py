@@ -9,7 +9,7 @@ dtypes a backend does not carry (bool, bfloat16 on some) arrive bit for bit.
 
 A send or receive that fails or passes its timeout leaves the group out of step: the caller must
 ``close()`` it (which aborts the group) and never send on it again; a new group, with a new generation,
-is built for the next attempt. The worker's side of the protocol is consumers/pair_planes.py, the rank's
+is built for the next attempt. The worker's side of the protocol is consumers/pair_group_plane.py, the rank's
 producers/pair_receivers.py; this module is the transport alone.
 
 gloo carries CPU tensors: on gloo the sender copies CUDA tensors to the host first and the receiver
