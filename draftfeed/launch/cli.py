@@ -481,7 +481,7 @@ def _serve_worker(args: argparse.Namespace, keys: Any, serving: list[Any], http_
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # its retries say nothing the one error line does not
     _check_device(args.device)
     if args.data_plane == "nixl":
-        from draftfeed.dataplane.nixl_transport import unavailable
+        from draftfeed.dataplane.nixl.transport import unavailable
 
         if (problem := unavailable()) is not None:
             raise UsageError(f"--data-plane nixl: {problem}; or use --data-plane auto (NIXL where both sides have it, else frames)")
