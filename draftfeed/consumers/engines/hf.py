@@ -10,6 +10,7 @@ from torch import nn
 
 from draftfeed.consumers.config import DTYPES
 from draftfeed.consumers.engines.base import Capture, ForwardOutput, TargetShape
+from draftfeed.consumers.engines.loading import load_target, text_decoder, text_forward
 from draftfeed.consumers.engines.parallel.group import LOAD_TIMEOUT_S, join_process_group
 from draftfeed.consumers.engines.parallel.spec import ParallelRank
 from draftfeed.contract.packing import Documents
@@ -27,17 +28,9 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return choices[dtype]
 
 
-def text_decoder(model: nn.Module) -> nn.Module:
-    """The text decoder of a causal LM (the language model of a multimodal one): the module with ``layers``."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
-    for candidate in (decoder, getattr(decoder, "language_model", None), getattr(decoder, "text_model", None)):
-        if isinstance(getattr(candidate, "layers", None), nn.ModuleList):
-            return candidate
-    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}; the hf engine expects a decoder with .layers")
-
-
 class HFEngine:
-    """Loads a causal LM with ``AutoModelForCausalLM`` once, frozen and in eval mode, straight onto its devices.
+    """Loads a target once (a causal LM, or an image-text model's text decoder: loading.py), frozen and in eval mode,
+    straight onto its devices.
 
     One device: the weights are loaded onto it (``device_map``), never first into host memory. ``parallel``: this
     process is one rank of a tensor-parallel worker, the model sharded by transformers' own tensor-parallel plan
@@ -56,8 +49,6 @@ class HFEngine:
         device_map: str | None = None,
         devices: Sequence[str] = (),
     ) -> None:
-        from transformers import AutoModelForCausalLM
-
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         if parallel is not None:
@@ -71,8 +62,9 @@ class HFEngine:
             raise ValueError(f"--device-map {device_map!r}: the hf engine takes auto (layers across --devices in one process)")
         else:
             placement = {"device_map": {"": self.device}}
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=self.dtype, **placement)
+        model = load_target(target, dtype=self.dtype, **placement)
         self.model = model.eval().requires_grad_(False)
+        self._text_forward = text_forward(self.model)
         text_config = model.config.get_text_config()
         self.shape = TargetShape.from_text_config(text_config)
         self.logit_transform = LogitTransform.from_text_config(text_config)
@@ -141,7 +133,7 @@ class HFEngine:
                 if self.final_norm is None:
                     raise ValueError(f"{type(self.model).__name__} has no final norm module (decoder.norm) to capture")
                 hooks.callback(self.final_norm.register_forward_hook(self._store_final(out)).remove)
-            result = self.model(
+            result = self._text_forward(
                 input_ids=input_ids.to(self.device),
                 attention_mask=attention_mask.to(self.device) if attention_mask is not None else None,
                 use_cache=False,

@@ -12,16 +12,16 @@ import torch
 from torch import nn
 
 from draftfeed.consumers.engines.base import TargetShape
-from draftfeed.consumers.engines.hf import text_decoder
+from draftfeed.consumers.engines.loading import load_target, text_decoder
 from draftfeed.contract.ops import transform_logits
 from draftfeed.schemas.messages import LogitTransform
 
 
 class TargetHead:
-    """``embed_tokens``, the final norm and ``lm_head`` of a causal LM, frozen, on one device."""
+    """``embed_tokens``, the final norm and ``lm_head`` of a target (a causal LM or an image-text model), frozen, on one device."""
 
     def __init__(self, target: str, device: torch.device, dtype: torch.dtype) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
         from transformers.utils import logging as hf_logging
 
         config = AutoConfig.from_pretrained(target)
@@ -34,7 +34,7 @@ class TargetHead:
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # the decoder layers' weights are skipped on purpose: no load report
         try:
-            model = AutoModelForCausalLM.from_pretrained(target, config=config, dtype=dtype, device_map={"": device})  # straight onto the device
+            model = load_target(target, config=config, dtype=dtype, device_map={"": device})  # straight onto the device
         finally:
             hf_logging.set_verbosity(verbosity)
         model = model.eval().requires_grad_(False)
