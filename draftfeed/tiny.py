@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 MOE_ARCHS = ("qwen3-moe", "mixtral", "gpt-oss", "deepseek-v3", "glm4-moe", "qwen3-next")
+IMAGE_TEXT_ARCHS = ("llama4", "qwen2.5-vl", "qwen3-vl-moe")  # besides gemma3-multimodal, which AutoModelForCausalLM loads
 
 
 def build_tiny_target(
@@ -18,16 +19,25 @@ def build_tiny_target(
     max_position_embeddings: int = 4096,
     seed: int = 0,
 ) -> Path:
-    """Save a random-weight causal LM to ``path`` and return the folder.
+    """Save a random-weight target to ``path`` and return the folder.
 
     ``llama`` and ``qwen3`` are text models; ``gemma3`` a text model with scaled embeddings and logit
-    soft-capping; ``gemma3-multimodal`` an image-text model (its text config under ``config.text_config``); the
-    mixture-of-experts families of ``MOE_ARCHS`` (4 experts, 2 per token; DeepSeek-V3 with its multi-head latent
-    attention, Qwen3-Next with its hybrid linear attention). Each loads back with
-    ``AutoModelForCausalLM.from_pretrained(path)``, the same way a real target is.
+    soft-capping; the mixture-of-experts families of ``MOE_ARCHS`` (4 experts, 2 per token; DeepSeek-V3 with its
+    multi-head latent attention, Qwen3-Next with its hybrid linear attention); ``llama4-text`` Llama 4's text model
+    (Llama4ForCausalLM: 4 experts, 1 per token, in every layer; chunked attention over 16 tokens). These load back with
+    ``AutoModelForCausalLM.from_pretrained(path)``, the same way a real target does.
+
+    The image-text models (their text config under ``config.text_config``; image, video, vision start and end token
+    ids ``vocab_size - 3, - 2, - 5, - 4``, inside the vocabulary): ``gemma3-multimodal`` (Gemma3ForConditionalGeneration,
+    which ``AutoModelForCausalLM`` loads too; its image projection drawn at random, not zeros, so images matter);
+    ``llama4`` (Llama4ForConditionalGeneration, whose text model is a nested Llama4ForCausalLM, as ``llama4-text``);
+    ``qwen2.5-vl`` (Qwen2_5_VLForConditionalGeneration, M-RoPE); ``qwen3-vl-moe`` (Qwen3VLMoeForConditionalGeneration:
+    4 experts, 2 per token, interleaved M-RoPE, deepstack features added after layer 0). These load back with
+    ``AutoModelForImageTextToText.from_pretrained(path)`` (``AutoModelForCausalLM`` refuses the Qwen ones and loads
+    only the text model of ``llama4``).
     """
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, LlamaConfig, Qwen3Config
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -55,15 +65,111 @@ def build_tiny_target(
 
         text = Gemma3TextConfig(**common, sliding_window=16, final_logit_softcapping=30.0)
         vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8)
-        config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4)
+        config = Gemma3Config(
+            text_config=text.to_dict(),
+            vision_config=vision.to_dict(),
+            mm_tokens_per_image=4,
+            boi_token_index=vocab_size - 5,
+            eoi_token_index=vocab_size - 4,
+            image_token_index=vocab_size - 3,
+        )
+    elif arch == "llama4-text":
+        config = _llama4_text_config(common)
     elif arch in MOE_ARCHS:
         config = _moe_config(arch, common)
+    elif arch in IMAGE_TEXT_ARCHS:
+        config = _image_text_config(arch, common)
     else:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose llama, qwen3, gemma3, gemma3-multimodal or one of {', '.join(MOE_ARCHS)}")
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        choices = ", ".join(("llama", "qwen3", "gemma3", "gemma3-multimodal", "llama4-text", *MOE_ARCHS, *IMAGE_TEXT_ARCHS))
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {choices}")
+    auto = AutoModelForImageTextToText if arch in IMAGE_TEXT_ARCHS else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
+    if arch == "gemma3-multimodal":  # from_config leaves the image projection at zeros: images would change nothing
+        with torch.no_grad():
+            model.model.multi_modal_projector.mm_input_projection_weight.normal_(mean=0.0, std=0.02)
     path = Path(path)
     model.save_pretrained(path)
     return path
+
+
+SPECIAL_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def _llama4_text_config(common: dict[str, Any]) -> Any:
+    """Llama 4's text model: 4 experts of width 2 * hidden, 1 routed per token, in every layer (and a shared expert);
+    dense width 2 * hidden; attention chunked over 16 tokens (every 4th layer global, without RoPE)."""
+    from transformers import Llama4TextConfig
+
+    return Llama4TextConfig(
+        **common,
+        **SPECIAL_IDS,
+        intermediate_size_mlp=common["hidden_size"] * 2,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=1,
+        attention_chunk_size=16,
+    )
+
+
+def _image_text_config(arch: str, common: dict[str, Any]) -> Any:
+    """A tiny image-text config: the text model from ``common``, a 2-layer (Llama 4: 1-layer) vision tower of width 32,
+    and the image/video/vision start/end token ids at the top of the vocabulary. M-RoPE sections sum to head_dim / 2."""
+    import transformers
+
+    vocab = common["vocab_size"]
+    half = common["head_dim"] // 2
+    if arch == "llama4":
+        vision = dict(
+            hidden_size=32,
+            intermediate_size=128,  # must be hidden_size / pixel_shuffle_ratio**2
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=16,
+            patch_size=4,
+            pixel_shuffle_ratio=0.5,
+            vision_output_dim=32,
+            projector_input_dim=32,
+            projector_output_dim=32,
+        )  # 16 patches -> 4 tokens per tile
+        return transformers.Llama4Config(
+            text_config=_llama4_text_config(common).to_dict(),
+            vision_config=vision,
+            boi_token_index=vocab - 5,
+            eoi_token_index=vocab - 4,
+            image_token_index=vocab - 3,
+            tie_word_embeddings=False,
+        )
+    ids = dict(image_token_id=vocab - 3, video_token_id=vocab - 2, vision_start_token_id=vocab - 5, vision_end_token_id=vocab - 4)
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        in_channels=3,
+        patch_size=4,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=common["hidden_size"],
+    )
+    if arch == "qwen2.5-vl":
+        side = 3 * half // 8  # temporal, height, width: 16, 24, 24 of 64 in the real models
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [half - 2 * side, side, side]}
+        text = dict(common, **SPECIAL_IDS, rope_parameters=rope)
+        vision.update(window_size=16, fullatt_block_indexes=[1])
+        return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids, tie_word_embeddings=False)
+    side = 5 * half // 16  # interleaved; 24, 20, 20 of 64 in the real models
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [half - 2 * side, side, side], "mrope_interleaved": True}
+    text = dict(
+        common,
+        **SPECIAL_IDS,
+        rope_parameters=rope,
+        moe_intermediate_size=common["hidden_size"] // 2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+    )
+    vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0])  # a 4x4 position grid; indexes < depth
+    return transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision, **ids, tie_word_embeddings=False)
 
 
 def _moe_config(arch: str, common: dict[str, Any]) -> Any:
