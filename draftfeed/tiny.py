@@ -192,8 +192,11 @@ def _moe_config(arch: str, common: dict[str, Any]) -> Any:
             layer_types=["sliding_attention", "full_attention"] * (layers // 2),
         )
     if arch == "deepseek-v3":
+        # Multi-head latent attention has as many key/value heads as query heads: with fewer, transformers' attention
+        # fails on any attention mask (padding included).
         return transformers.DeepseekV3Config(
-            **{k: v for k, v in common.items() if k != "head_dim"},
+            **{k: v for k, v in common.items() if k not in ("head_dim", "num_key_value_heads")},
+            num_key_value_heads=common["num_attention_heads"],
             **experts,
             n_routed_experts=4,
             n_shared_experts=1,

@@ -79,10 +79,16 @@ def block_causal_mask(batch: dict[str, torch.Tensor], dtype: torch.dtype) -> tor
     return mask
 
 
+# An image-text target's inputs, as docs/contract.md ("Image-text targets") names them: passed to its forward as given.
+IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "mm_token_type_ids", "token_type_ids", "image_sizes")
+
+
 def model_inputs(model, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """What the model is called with in-process: a packed batch gets its block-causal mask and position ids."""
+    """What the model is called with in-process: a packed batch gets its block-causal mask and position ids; an
+    image-text batch its image inputs."""
     if "seq_lens" not in batch:
-        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        images = {name: batch[name] for name in IMAGE_INPUTS if name in batch}
+        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], **images}
     return {"input_ids": batch["input_ids"], "attention_mask": block_causal_mask(batch, model.dtype), "position_ids": batch["position_ids"]}
 
 
@@ -101,10 +107,27 @@ def shift_left(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat([tensor[:, 1:], torch.zeros_like(tensor[:, :1])], dim=1)
 
 
+# Where each family's transformers class keeps its text decoder's layers (transformers 5.2x), read off the classes
+# rather than found the way the worker finds them: causal LMs, image-text models, and Llama 4's image-text model,
+# which nests a whole causal LM.
+DECODER_PATHS = ("model.layers", "model.language_model.layers", "language_model.model.layers")
+
+
 def decoder_layers(model) -> torch.nn.ModuleList:
-    """The decoder layers of a causal LM; a multimodal model's text decoder is its ``language_model``."""
-    decoder = model.get_decoder()
-    return getattr(decoder, "language_model", decoder).layers
+    """The decoder layers of a causal LM's or an image-text model's text decoder."""
+    for path in DECODER_PATHS:
+        found = model
+        for name in path.split("."):
+            found = getattr(found, name, None)
+        if isinstance(found, torch.nn.ModuleList):
+            return found
+    raise AssertionError(f"no decoder layers at {', '.join(DECODER_PATHS)} of {type(model).__name__}")
+
+
+def text_model(model):
+    """What runs a text-only batch in-process: the model, but Llama 4's image-text model runs its nested causal LM
+    (transformers 5.24's forward of the whole fails at its return; for text it is the same computation)."""
+    return model.language_model if type(model).__name__ == "Llama4ForConditionalGeneration" else model
 
 
 @torch.no_grad()
@@ -129,7 +152,7 @@ def reference_eagle3(
 
     handles = [layers[i].register_forward_hook(catch(i)) for i in aux_layer_ids]
     try:
-        logits = model(**model_inputs(model, batch), use_cache=False).logits
+        logits = text_model(model)(**model_inputs(model, batch), use_cache=False).logits
     finally:
         for handle in handles:
             handle.remove()
@@ -178,7 +201,7 @@ def assert_supervision_equal(supervision, expected: dict[str, torch.Tensor]) -> 
 @torch.no_grad()
 def reference_dspark(model, batch, layer_ids):
     """The contract in-process: -1 is output_hidden_states[0], L-1 the post-norm output_hidden_states[L], i the output of layer i."""
-    out = model(**model_inputs(model, batch), use_cache=False, output_hidden_states=True)
+    out = text_model(model)(**model_inputs(model, batch), use_cache=False, output_hidden_states=True)
     hidden = [zero_padding(h, batch["attention_mask"]) for h in out.hidden_states]
     last = len(hidden) - 2
 
