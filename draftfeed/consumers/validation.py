@@ -2,24 +2,37 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import torch
 
+from draftfeed.contract.images import PACKED_WITH_IMAGES, check_images
 from draftfeed.contract.packing import SENT_KEYS, Documents, check_packing
 from draftfeed.contract.supervision import BATCH_KEYS
 from draftfeed.schemas.errors import BadRequest
 
 
-def validate_batch(tensors: Mapping[str, torch.Tensor], vocab_size: int, max_seq_len: int | None = None) -> Documents | None:
+def image_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors of a request that are neither the token batch nor its packing: the image inputs, by name."""
+    return {name: tensor for name, tensor in tensors.items() if name not in BATCH_KEYS and name not in SENT_KEYS}
+
+
+def validate_batch(
+    tensors: Mapping[str, torch.Tensor],
+    vocab_size: int,
+    max_seq_len: int | None = None,
+    image_inputs: Collection[str] = (),
+    images_refusal: str | None = None,
+) -> Documents | None:
     """input_ids, attention_mask and loss_mask: [B, S] each, int64 (attention_mask may be bool), ids in vocab, S at most
-    ``max_seq_len``; a packed batch also carries seq_lens (and position_ids), checked by the contract. Returns the
-    packed batch's documents, None for a batch that is not packed."""
+    ``max_seq_len``; a packed batch also carries seq_lens (and position_ids), checked by the contract. Any other tensor
+    is an image input, which must be one of ``image_inputs`` (the target's; ``images_refusal`` says why there are
+    none) and fit it (contract/images.py), in an unpacked batch. Returns the packed batch's documents, None for a batch
+    that is not packed."""
     names = set(tensors)
-    if not set(BATCH_KEYS) <= names or not names <= set(BATCH_KEYS) | set(SENT_KEYS):
+    if not set(BATCH_KEYS) <= names:
         missing = sorted(set(BATCH_KEYS) - names)
-        extra = sorted(names - set(BATCH_KEYS) - set(SENT_KEYS))
-        raise BadRequest(f"a batch carries {', '.join(BATCH_KEYS)} (and {', '.join(SENT_KEYS)} when packed); missing {missing}, unexpected {extra}")
+        raise BadRequest(f"a batch carries {', '.join(BATCH_KEYS)} (and {', '.join(SENT_KEYS)} when packed); missing {missing}")
     input_ids = tensors["input_ids"]
     if input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
         raise BadRequest(f"input_ids must be [batch, sequence] with both at least 1; got shape {list(input_ids.shape)}")
@@ -43,4 +56,10 @@ def validate_batch(tensors: Mapping[str, torch.Tensor], vocab_size: int, max_seq
         tensor = tensors[name]
         if tensor.dtype != torch.bool and not bool(((tensor == 0) | (tensor == 1)).all()):
             raise BadRequest(f"{name} must hold only 0 and 1")
-    return check_packing(tensors["attention_mask"], tensors.get("position_ids"), tensors.get("seq_lens"))
+    documents = check_packing(tensors["attention_mask"], tensors.get("position_ids"), tensors.get("seq_lens"))
+    images = image_tensors(tensors)
+    if images:
+        check_images(images, input_ids, image_inputs, images_refusal)
+        if documents is not None:
+            raise BadRequest(PACKED_WITH_IMAGES)
+    return documents

@@ -32,12 +32,12 @@ import zmq
 from draftfeed.consumers.answer_delivery import AnswerDelivery, Outcome, Refused, Undelivered
 from draftfeed.consumers.broker_link import BrokerLink
 from draftfeed.consumers.config import WorkerConfig
-from draftfeed.consumers.engines.base import RETRYABLE_ERRORS, EngineLost
+from draftfeed.consumers.engines.base import RETRYABLE_ERRORS, EngineLost, image_policy
 from draftfeed.consumers.mappings import MissingMapping, WorkerMappings
 from draftfeed.consumers.pair_planes import PairPlanes
 from draftfeed.consumers.rank_links import Delivery, RankLinks
 from draftfeed.consumers.tasks.base import Task
-from draftfeed.consumers.validation import validate_batch
+from draftfeed.consumers.validation import image_tensors, validate_batch
 from draftfeed.consumers.worker_session import RESET, STOP, Inbox
 from draftfeed.dataplane.choice import local_offer
 from draftfeed.dataplane.tensor_codec import decode_tensors
@@ -324,9 +324,11 @@ class Worker:
             raise BadRequest(f"worker {self.name} serves {self.config.service!r}, not {dispatch.service!r}")
         tensors = decode_tensors(request.tensors, tensor_frames, max_message_bytes=self.config.max_request_bytes)
         if request.kind == self.task.name:
-            documents = validate_batch(tensors, self.task.shape.vocab_size, self.max_seq_len)
+            accepted, refusal = image_policy(self.task.engine)
+            documents = validate_batch(tensors, self.task.shape.vocab_size, self.max_seq_len, accepted, refusal)
             vocab = self._mappings.get(request.mapping_digest)
-            return self.task.compute(tensors["input_ids"], tensors["attention_mask"], tensors["loss_mask"], vocab, documents)
+            images = image_tensors(tensors) or None
+            return self.task.compute(tensors["input_ids"], tensors["attention_mask"], tensors["loss_mask"], vocab, documents, images=images)
         if request.kind == "input_embeddings":
             return {"weight": self.task.engine.input_embeddings()}
         if request.kind == "output_embeddings":

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from draftfeed.contract.images import IMAGE_INPUTS, PACKED_WITH_IMAGES
 from draftfeed.contract.packing import PACKING_KEYS, SENT_KEYS, check_packing
 from draftfeed.contract.supervision import BATCH_KEYS
 from draftfeed.dataplane.tensor_codec import dtype_name
@@ -24,13 +25,15 @@ def outgoing_batch(
     position_ids: torch.Tensor | None,
     seq_lens: torch.Tensor | None,
     doc_remaining: torch.Tensor | None,
+    images: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """What goes to the worker, and the packing tensors the rank keeps to hand back with the supervision.
 
     A packed batch (``seq_lens`` given) sends its documents (``seq_lens``, ``position_ids``) as int64;
-    ``doc_remaining`` is the rank's alone. TypeError for an argument that is not a tensor of a dtype the codec
-    carries, ValueError for a packed batch that does not add up."""
-    sent = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+    ``doc_remaining`` is the rank's alone. ``images`` (name -> tensor: an image processor's outputs) go as they are,
+    each under its name; the worker checks them against its target's forward. TypeError for an argument that is not
+    a tensor of a dtype the codec carries, ValueError for a packed batch that does not add up or that has images."""
+    sent = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask, **(images or {})}
     for name, tensor in sent.items():
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -39,6 +42,8 @@ def outgoing_batch(
         packed = check_packing(attention_mask, position_ids, seq_lens, doc_remaining) is not None
     except BadRequest as exc:
         raise ValueError(f"generate_batch: {exc}") from None
+    if packed and images:
+        raise ValueError(f"generate_batch: {PACKED_WITH_IMAGES}")
     given = {"position_ids": position_ids, "seq_lens": seq_lens, "doc_remaining": doc_remaining}
     kept = {name: tensor for name, tensor in given.items() if tensor is not None}
     if packed:
@@ -47,8 +52,10 @@ def outgoing_batch(
 
 
 def batch_arguments(batch: Mapping[str, Any]) -> dict[str, Any]:
-    """``generate_batch``'s arguments from a dataloader's batch (``iterate()``); other keys are left out."""
+    """``generate_batch``'s arguments from a dataloader's batch (``iterate()``): the token batch, its packing and its
+    image inputs (contract/images.py's names) where it holds them; other keys are left out."""
     missing = [key for key in BATCH_KEYS if key not in batch]
     if missing:
         raise KeyError(f"batch has no {', '.join(missing)}; iterate() needs {', '.join(BATCH_KEYS)} in every batch")
-    return {**{key: batch[key] for key in BATCH_KEYS}, **{key: batch[key] for key in PACKING_KEYS if batch.get(key) is not None}}
+    optional = (*PACKING_KEYS, *IMAGE_INPUTS)
+    return {**{key: batch[key] for key in BATCH_KEYS}, **{key: batch[key] for key in optional if batch.get(key) is not None}}

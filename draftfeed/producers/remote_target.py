@@ -175,19 +175,23 @@ class RemoteTarget(Generic[Sup, Info]):
         position_ids: torch.Tensor | None = None,
         seq_lens: torch.Tensor | None = None,
         doc_remaining: torch.Tensor | None = None,
+        **mm_inputs: torch.Tensor,
     ) -> Future:
         """Send one batch; the future yields its supervision. Blocks while the prefetch window is full.
 
         A packed batch (several documents a row, as NeMo AutoModel packs them) gives ``seq_lens`` [B, max_docs] and
         may give ``position_ids`` and ``doc_remaining`` [B, S]; attention then stays within each document
         (docs/contract.md, "Packed rows"), and the supervision carries the three back as given. A packed batch that
-        does not add up is refused here with what is wrong. The tensors are sent from their own memory: do not modify
+        does not add up is refused here with what is wrong. An image-text target's batch gives its image processor's
+        tensors as keyword arguments (``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``, ``token_type_ids``,
+        ...: whatever the target's forward takes by name; docs/contract.md, "Image-text targets"); they go to the
+        worker as they are, in unpacked batches only. The tensors are sent from their own memory: do not modify
         them until the future is done."""
-        sent, kept = outgoing_batch(input_ids, attention_mask, loss_mask, position_ids, seq_lens, doc_remaining)
+        sent, kept = outgoing_batch(input_ids, attention_mask, loss_mask, position_ids, seq_lens, doc_remaining, mm_inputs)
         self._before_submit()
 
         def finish(_reply: Any, received: dict[str, torch.Tensor]) -> Sup:
-            own = {**sent, **kept}
+            own = {name: t for name, t in {**sent, **kept}.items() if name not in mm_inputs}  # the images are not supervision
             if self.device is not None:
                 received = {name: t.to(self.device, non_blocking=True) for name, t in received.items()}
                 own = {name: t.to(self.device, non_blocking=True) for name, t in own.items()}
@@ -226,9 +230,10 @@ class RemoteTarget(Generic[Sup, Info]):
         position_ids: torch.Tensor | None = None,
         seq_lens: torch.Tensor | None = None,
         doc_remaining: torch.Tensor | None = None,
+        **mm_inputs: torch.Tensor,
     ) -> Sup:
-        """Supervision of one batch, blocking (the packing arguments as for ``generate_batch_async``)."""
-        future = self.generate_batch_async(input_ids, attention_mask, loss_mask, position_ids, seq_lens, doc_remaining)
+        """Supervision of one batch, blocking (the packing arguments and image inputs as for ``generate_batch_async``)."""
+        future = self.generate_batch_async(input_ids, attention_mask, loss_mask, position_ids, seq_lens, doc_remaining, **mm_inputs)
         return self.wait(future)
 
     def wait(self, future: Future) -> Sup:
@@ -243,7 +248,8 @@ class RemoteTarget(Generic[Sup, Info]):
         """Yield ``(batch, supervision)`` in the dataloader's order, keeping ``prefetch_depth`` batches in flight.
 
         Each batch is a mapping with input_ids, attention_mask and loss_mask, and position_ids, seq_lens and
-        doc_remaining where it holds them (a packed batch); it is yielded as it came, other keys included.
+        doc_remaining where it holds them (a packed batch), and the image inputs of docs/contract.md's "Image-text
+        targets" where it holds them; it is yielded as it came, other keys included.
         """
 
         return prefetch(dataloader, lambda batch: self.generate_batch_async(**batch_arguments(batch)), self.wait, self.prefetch_depth)

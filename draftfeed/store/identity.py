@@ -2,7 +2,8 @@
 
 A store holds the supervision of one target, computed with one vocab mapping and sent in the forms of one
 service: its ``StoreIdentity``. A batch's key is a digest of that identity and of every tensor the rank sent
-for the batch (input ids, masks, and the packing arguments of a packed batch), so that two batches have one
+for the batch (input ids, masks, the packing arguments of a packed batch and the image inputs of an image-text
+batch), so that two batches have one
 key only when a worker would compute the same supervision for both.
 """
 

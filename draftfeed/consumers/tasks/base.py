@@ -32,6 +32,8 @@ class Task(Protocol):
         loss_mask: torch.Tensor,
         vocab: VocabMap | None,
         documents: Documents | None = None,
+        images: dict[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """The supervision tensors of one validated batch (its documents when it is packed), on the engine's device."""
+        """The supervision tensors of one validated batch (its documents when it is packed, its image inputs when it
+        has any), on the engine's device."""
         ...

@@ -79,13 +79,14 @@ class DSparkTask:
         loss_mask: torch.Tensor,
         vocab: VocabMap | None = None,
         documents: Documents | None = None,
+        images: dict[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         """target_hidden_states [B, S, len(ids) * H] and target_last_hidden_states [B, S, H].
 
         input_ids and loss_mask are not shifted for DSpark, so the rank keeps its own copies; ``vocab``
         is not used (DSpark has no draft-vocab mapping).
         """
-        out = fill_padding(forward_batch(self.engine, input_ids, attention_mask, self._capture, documents), attention_mask)
+        out = fill_padding(forward_batch(self.engine, input_ids, attention_mask, self._capture, documents, images), attention_mask)
         assert out.final_hidden is not None
         last = self.shape.num_hidden_layers - 1
 

@@ -148,11 +148,12 @@ class Eagle3Task:
         loss_mask: torch.Tensor,
         vocab: VocabMap | None,
         documents: Documents | None = None,
+        images: dict[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Supervision tensors on the engine's device; the batch must already be validated."""
         if self.chunk_tokens and input_ids.numel() > self.chunk_tokens and self._chunks_possible():
-            return self._compute_in_chunks(input_ids, attention_mask, loss_mask, vocab, documents)
-        out = fill_padding(forward_batch(self.engine, input_ids, attention_mask, self._capture, documents), attention_mask)
+            return self._compute_in_chunks(input_ids, attention_mask, loss_mask, vocab, documents, images)
+        out = fill_padding(forward_batch(self.engine, input_ids, attention_mask, self._capture, documents, images), attention_mask)
         assert out.logits is not None
         device = out.logits.device
         aux = [out.layer_outputs[i] for i in self.aux_layer_ids]
@@ -185,9 +186,15 @@ class Eagle3Task:
         return True
 
     def _compute_in_chunks(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, vocab: VocabMap | None, documents: Documents | None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        loss_mask: torch.Tensor,
+        vocab: VocabMap | None,
+        documents: Documents | None,
+        images: dict[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
-        out = fill_padding(forward_batch(self.engine, input_ids, attention_mask, self._chunk_capture, documents), attention_mask)
+        out = fill_padding(forward_batch(self.engine, input_ids, attention_mask, self._chunk_capture, documents, images), attention_mask)
         final = out.final_hidden
         assert final is not None
         device = final.device

@@ -29,6 +29,7 @@ from draftfeed.consumers.engines.parallel.ranked import build_ranked
 from draftfeed.consumers.engines.parallel.spec import FollowerSpec, ParallelRank
 from draftfeed.contract.packing import Documents
 from draftfeed.net import free_port
+from draftfeed.schemas.errors import BadRequest
 
 log = logging.getLogger("draftfeed.worker")
 
@@ -43,6 +44,9 @@ def _sigterm_self(_why: str) -> None:
 
 def spec_of(capture: Capture) -> CaptureSpec:
     return CaptureSpec(layer_ids=list(capture.layer_ids), embeddings=capture.embeddings, final_hidden=capture.final_hidden, logits=capture.logits)
+
+
+PARALLEL_IMAGES_REFUSAL = "a tensor-parallel worker (--tensor-parallel N) takes no image inputs yet: serve image-text batches with --tensor-parallel 1, or --device-map auto"
 
 
 class TensorParallelEngine:
@@ -100,6 +104,8 @@ class TensorParallelEngine:
         self.device = self.inner.device
         self.dtype = self.inner.dtype
         self.logit_transform = self.inner.logit_transform
+        self.image_inputs: frozenset[str] = frozenset()
+        self.images_refusal = PARALLEL_IMAGES_REFUSAL
         log.info("worker: the target runs over %d processes on %s", self.tensor_parallel, ", ".join(self.devices))
 
     @property
@@ -166,7 +172,16 @@ class TensorParallelEngine:
     def prepare(self, captures: Sequence[Capture]) -> None:
         self._call(Prepare(call=0, captures=[spec_of(c) for c in captures]), lambda: self.inner.prepare(captures))
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture, documents: Documents | None = None) -> ForwardOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        capture: Capture,
+        documents: Documents | None = None,
+        images: dict[str, torch.Tensor] | None = None,
+    ) -> ForwardOutput:
+        if images:
+            raise BadRequest(PARALLEL_IMAGES_REFUSAL)
         tensors = {"input_ids": input_ids, "attention_mask": attention_mask}
         if documents is not None:
             tensors |= {"seq_lens": documents.seq_lens, "position_ids": documents.position_ids}
