@@ -298,3 +298,44 @@ def test_llama4_image_text_refuses_images_in_one_line(tmp_path):
     accepted, refusal = accepted_image_inputs(model)
     assert accepted == frozenset() and refusal is not None and "\n" not in refusal
     assert refusal.startswith("Llama4ForConditionalGeneration's forward fails at its return in this transformers")
+
+
+def moved_image_token(batch: dict[str, torch.Tensor], type_name: str) -> dict[str, torch.Tensor]:
+    """Row 0 one image token more (a text token turned into one), row 1 one fewer: the batch's total is unchanged,
+    which is all the targets check themselves."""
+    ids = batch["input_ids"].clone()
+    ids[0, 0] = IMAGE
+    ids[1, int((ids[1] == IMAGE).nonzero()[0, 0])] = 5
+    return {**batch, "input_ids": ids, type_name: (ids == IMAGE).long() * (1 if type_name == "token_type_ids" else batch[type_name].max())}
+
+
+def test_image_tokens_of_another_rows_image_are_refused_and_the_worker_serves_the_next(services, models):
+    model = models["qwen2.5-vl"]
+    good = batches("qwen2.5-vl", model.config, seed=90)[0]
+    with RemoteEagle3Target(services.frontend, "qwen-probs") as target:
+        with pytest.raises(RemoteTargetError) as refused:
+            target.generate_batch(**moved_image_token(good, "mm_token_type_ids"))
+        message = str(refused.value)
+        assert "row 0 holds 5 pixel_values tokens, which do not end where an image ends (the batch's images, in row order, take [4, 4, 2])" in message
+        assert "\n" not in message
+        assert_supervision_equal(target.generate_batch(**good), reference_eagle3(model, good, AUX))
+
+
+def test_image_rows_are_checked_for_gemma_and_totals_for_both(models):
+    from draftfeed.consumers.engines.images import check_image_rows
+
+    gemma = models["gemma3-multimodal"]
+    batch = batches("gemma3-multimodal", gemma.config, seed=95)[0]
+    images = {"pixel_values": batch["pixel_values"]}
+    check_image_rows(gemma.config, batch["input_ids"], images)
+    moved = moved_image_token(batch, "token_type_ids")
+    with pytest.raises(BadRequest, match=r"^row 0 holds 5 pixel_values tokens, which do not end where an image ends .* take \[4, 4, 4\]\)"):
+        check_image_rows(gemma.config, moved["input_ids"], images)
+    with pytest.raises(BadRequest, match=r"^the batch holds 12 pixel_values tokens \(id 997\) but its 2 images take 8"):
+        check_image_rows(gemma.config, batch["input_ids"], {"pixel_values": batch["pixel_values"][:2]})
+    qwen = models["qwen2.5-vl"]
+    batch = batches("qwen2.5-vl", qwen.config, seed=96)[0]
+    grids = {"pixel_values": batch["pixel_values"], "image_grid_thw": batch["image_grid_thw"]}
+    check_image_rows(qwen.config, batch["input_ids"], grids)
+    with pytest.raises(BadRequest, match=r"^the batch holds 10 pixel_values tokens \(id 997\) but its 3 images take 12"):
+        check_image_rows(qwen.config, batch["input_ids"], {**grids, "image_grid_thw": torch.tensor([[1, 4, 4], [1, 4, 4], [1, 4, 4]])})

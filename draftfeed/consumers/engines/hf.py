@@ -10,7 +10,7 @@ from torch import nn
 
 from draftfeed.consumers.config import DTYPES
 from draftfeed.consumers.engines.base import Capture, ForwardOutput, TargetShape
-from draftfeed.consumers.engines.images import accepted_image_inputs, forward_images
+from draftfeed.consumers.engines.images import accepted_image_inputs, check_image_rows, forward_images
 from draftfeed.consumers.engines.loading import load_target, text_decoder, text_forward
 from draftfeed.consumers.engines.parallel.group import LOAD_TIMEOUT_S, join_process_group
 from draftfeed.consumers.engines.parallel.spec import ParallelRank
@@ -96,6 +96,7 @@ class HFEngine:
         if images:
             if documents is not None:
                 raise BadRequest(PACKED_WITH_IMAGES)
+            check_image_rows(self.model.config, input_ids, images)
             return self._forward(input_ids, attention_mask, capture, runner=self.model, **forward_images(images, self.device, self.dtype))
         if documents is not None and self.packs_by_position_ids:
             return self._forward_rows_by_position_ids(input_ids, attention_mask, capture, documents)
