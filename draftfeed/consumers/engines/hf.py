@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
+from typing import Any
 
 import torch
 from torch import nn
 
 from draftfeed.consumers.config import DTYPES
 from draftfeed.consumers.engines.base import Capture, ForwardOutput, TargetShape
-from draftfeed.consumers.engines.images import accepted_image_inputs, check_image_rows, forward_images
+from draftfeed.consumers.engines.images import accepted_image_inputs, check_image_rows, forward_images, image_forward
 from draftfeed.consumers.engines.loading import load_target, text_decoder, text_forward
 from draftfeed.consumers.engines.parallel.group import LOAD_TIMEOUT_S, join_process_group
 from draftfeed.consumers.engines.parallel.spec import ParallelRank
@@ -97,7 +98,9 @@ class HFEngine:
             if documents is not None:
                 raise BadRequest(PACKED_WITH_IMAGES)
             check_image_rows(self.model.config, input_ids, images)
-            return self._forward(input_ids, attention_mask, capture, runner=self.model, **forward_images(images, self.device, self.dtype))
+            return self._forward(
+                input_ids, attention_mask, capture, runner=image_forward(self.model), **forward_images(images, self.device, self.dtype)
+            )
         if documents is not None and self.packs_by_position_ids:
             return self._forward_rows_by_position_ids(input_ids, attention_mask, capture, documents)
         extra: dict[str, torch.Tensor] = {}
@@ -139,7 +142,12 @@ class HFEngine:
         )
 
     def _forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, capture: Capture, runner: nn.Module | None = None, **extra: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        capture: Capture,
+        runner: Callable[..., Any] | None = None,
+        **extra: torch.Tensor,
     ) -> ForwardOutput:
         out = ForwardOutput()
         with ExitStack() as hooks:
