@@ -44,9 +44,13 @@ def _llama4_forward(model: Any, input_ids: torch.Tensor, pixel_values: torch.Ten
     return model.language_model(inputs_embeds=embeddings.masked_scatter(mask, features), **kwargs)
 
 
+PIXELS = ("pixel_values", "pixel_values_videos")
+
+
 def forward_images(images: Mapping[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The image inputs on ``device``, pixels in the model's dtype (the processor makes float32), the rest as sent."""
-    return {name: tensor.to(device, dtype) if tensor.is_floating_point() else tensor.to(device) for name, tensor in images.items()}
+    """The image inputs on ``device``, pixels in the model's dtype (the processor makes float32), the rest as sent
+    (``second_per_grid_ts`` stays in its own precision: it scales positions)."""
+    return {name: tensor.to(device, dtype) if name in PIXELS else tensor.to(device) for name, tensor in images.items()}
 
 
 # (token id attribute of the config, grid, pixels): the kinds of visual input whose tokens stand for whole images.
