@@ -80,7 +80,16 @@ def block_causal_mask(batch: dict[str, torch.Tensor], dtype: torch.dtype) -> tor
 
 
 # An image-text target's inputs, as docs/contract.md ("Image-text targets") names them: passed to its forward as given.
-IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "mm_token_type_ids", "token_type_ids", "image_sizes")
+IMAGE_INPUTS = (
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_values_videos",
+    "video_grid_thw",
+    "second_per_grid_ts",
+    "mm_token_type_ids",
+    "token_type_ids",
+    "image_sizes",
+)
 
 
 def model_inputs(model, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -220,7 +220,9 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
     worker = _parser(roles, "worker", parents=[common], help="run a frozen target and serve its supervision")
     placed = flags.add_flags(worker.add_argument_group("where it serves"), WorkerConfig, ["broker", "service", "name"])
     target = worker.add_argument_group("the target")
-    target.add_argument("--target", required=True, help="the target model: a local folder or hub id of a causal LM or an image-text model, as transformers loads it")
+    target.add_argument(
+        "--target", required=True, help="the target model: a local folder or hub id of a causal LM or an image-text model, as transformers loads it"
+    )
     target.add_argument(
         "--engine",
         default=ENGINES[0],
