@@ -67,7 +67,7 @@ class SyntheticEagle3Task:
     def info(self) -> Eagle3TargetInfo:
         return Eagle3TargetInfo(num_hidden_layers=LAYERS, hidden_size=HIDDEN, vocab_size=DRAFT_VOCAB, aux_layer_ids=[1, 15, 28])
 
-    def compute(self, input_ids, attention_mask, loss_mask, vocab, documents=None) -> dict[str, torch.Tensor]:
+    def compute(self, input_ids, attention_mask, loss_mask, vocab, documents=None, images=None) -> dict[str, torch.Tensor]:
         deadline = time.perf_counter() + self.compute_s
         while time.perf_counter() < deadline:  # a GPU forward keeps the host thread waiting, not computing
             time.sleep(min(0.001, max(0.0, deadline - time.perf_counter())))
