@@ -68,7 +68,6 @@ from draftfeed.consumers.engines.packages import EnginePackage, import_engine_pa
 from draftfeed.consumers.engines.parallel.spec import ParallelRank
 from draftfeed.contract.packing import Documents
 from draftfeed.net import free_port
-from draftfeed.schemas.errors import BadRequest
 from draftfeed.schemas.messages import LogitTransform
 
 log = logging.getLogger(__name__)
@@ -255,16 +254,7 @@ class SGLangEngine:
 
     # ---------------------------------------------------------------- forward
     @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        capture: Capture,
-        documents: Documents | None = None,
-        images: dict[str, torch.Tensor] | None = None,
-    ) -> ForwardOutput:
-        if images:
-            raise BadRequest(SGLANG_IMAGES_REFUSAL)
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture, documents: Documents | None = None) -> ForwardOutput:
         if self._runner is None:
             raise RuntimeError("SGLangEngine.forward before prepare(): the task starts the engine")
         reason = refusal(capture, self.shape.num_hidden_layers)

@@ -39,7 +39,6 @@ from draftfeed.consumers.engines.hf import resolve_dtype
 from draftfeed.consumers.engines.packages import EnginePackage, import_engine_package, refuse_own_options
 from draftfeed.consumers.engines.target_head import TargetHead
 from draftfeed.contract.packing import Documents
-from draftfeed.schemas.errors import BadRequest
 
 log = logging.getLogger(__name__)
 
@@ -266,16 +265,7 @@ class VLLMEngine:
 
     # ---------------------------------------------------------------- forward
     @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        capture: Capture,
-        documents: Documents | None = None,
-        images: dict[str, torch.Tensor] | None = None,
-    ) -> ForwardOutput:
-        if images:
-            raise BadRequest(VLLM_IMAGES_REFUSAL)
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture, documents: Documents | None = None) -> ForwardOutput:
         if self._llm is None:
             raise RuntimeError("VLLMEngine.forward before prepare(): the task starts the engine")
         needed = capture_ids([capture], self.shape.num_hidden_layers)

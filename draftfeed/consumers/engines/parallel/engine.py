@@ -29,7 +29,6 @@ from draftfeed.consumers.engines.parallel.ranked import build_ranked
 from draftfeed.consumers.engines.parallel.spec import FollowerSpec, ParallelRank
 from draftfeed.contract.packing import Documents
 from draftfeed.net import free_port
-from draftfeed.schemas.errors import BadRequest
 
 log = logging.getLogger("draftfeed.worker")
 
@@ -172,16 +171,7 @@ class TensorParallelEngine:
     def prepare(self, captures: Sequence[Capture]) -> None:
         self._call(Prepare(call=0, captures=[spec_of(c) for c in captures]), lambda: self.inner.prepare(captures))
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        capture: Capture,
-        documents: Documents | None = None,
-        images: dict[str, torch.Tensor] | None = None,
-    ) -> ForwardOutput:
-        if images:
-            raise BadRequest(PARALLEL_IMAGES_REFUSAL)
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture, documents: Documents | None = None) -> ForwardOutput:
         tensors = {"input_ids": input_ids, "attention_mask": attention_mask}
         if documents is not None:
             tensors |= {"seq_lens": documents.seq_lens, "position_ids": documents.position_ids}
