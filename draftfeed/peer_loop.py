@@ -85,10 +85,11 @@ def run_peer_loop(
     watch: HandshakeWatch | None,
     readers: Sequence[tuple[zmq.Socket, Reader]],
     wait_cap_s: Callable[[], float] | None = None,
+    after_wait: Callable[[], None] | None = None,
 ) -> None:
     """Drive ``peer`` over ``control`` (its socket to the broker) and ``readers`` until a reader returns False or the
-    handshake is refused. ``wait_cap_s``, called each turn, caps the wait (a rank awaiting a NIXL notification polls
-    every millisecond). The loop closes ``watch``."""
+    handshake is refused. ``wait_cap_s``, called each turn, caps the wait, and ``after_wait`` runs after it (a rank
+    awaiting a NIXL notification waits a millisecond, then asks NIXL). The loop closes ``watch``."""
     poller = zmq.Poller()
     for sock, _read in readers:
         poller.register(sock, zmq.POLLIN)
@@ -102,6 +103,8 @@ def run_peer_loop(
             if wait_cap_s is not None:
                 wait_s = min(wait_s, wait_cap_s())
             events = dict(poller.poll(max(0, int(wait_s * 1000))))
+            if after_wait is not None:
+                after_wait()
             if watch is not None:
                 if watch.monitor in events:
                     watch.read()

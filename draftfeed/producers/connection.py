@@ -239,7 +239,7 @@ class Connection:
                 (control, lambda: self._read_all(control, lambda frames: self.session.on_broker(unpack(frames, FRONTEND_OUTBOUND)[0]))),
                 (pipe, lambda: self._take_commands(pipe, data)),
             ]
-            run_peer_loop(self.session, control, watch, readers, self._wait_cap_s)
+            run_peer_loop(self.session, control, watch, readers, self._wait_cap_s, self._poll_nixl)
             try:
                 control.send_multipart(pack(Bye()), flags=zmq.NOBLOCK)
                 control.close(linger=500)  # let the bye go out; the broker frees this rank's state at once
@@ -290,12 +290,13 @@ class Connection:
             )
 
     def _wait_cap_s(self) -> float:
-        """A nixl header waiting for its notification: poll NIXL every millisecond until it comes. Only then: NIXL keeps
-        notifications until asked, and asking progresses its connections, which is not free."""
+        """A nixl header waiting for its notification: wait a millisecond a turn, then ask NIXL (``_poll_nixl``)."""
+        return 0.001 if self.nixl.waiting else 0.05
+
+    def _poll_nixl(self) -> None:
+        """Only while a header waits: NIXL keeps notifications until asked, and asking is not free."""
         if self.nixl.waiting:
             self.nixl.poll()
-            return 0.001
-        return 0.05
 
     def _take_commands(self, pipe: zmq.Socket, data: zmq.Socket) -> bool:
         """Carry out what the other threads asked for; False on stop."""
