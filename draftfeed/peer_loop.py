@@ -37,9 +37,6 @@ class Outbox:
         """Drop what waits (a new introduction: the broker requeued or will be sent all of it again)."""
         self._waiting.clear()
 
-    def __len__(self) -> int:
-        return len(self._waiting)
-
     def pending(self) -> list[list[Any]]:
         """What waits to go, in order."""
         return [frames for frames, _droppable in self._waiting]

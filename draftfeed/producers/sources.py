@@ -218,9 +218,6 @@ class StoredSource:
         if not self.store.bound:
             self.store.bind(identity())
 
-    def submit(self, kind: str, tensors: dict[str, torch.Tensor], finish: Finish, mapping: str | None = None) -> Future:
-        return self._live(f"asking for {kind}").submit(kind, tensors, finish, mapping)
-
     def supervise(self, task: str, sent: dict[str, torch.Tensor], finish: Finish, mapping: str | None) -> tuple[Future, bool | None]:
         key = self.store.key(sent)
         answered = self.stored.answer(key, finish)
