@@ -12,7 +12,7 @@ from draftfeed.broker.mappings import MappingTable
 from draftfeed.broker.records import RankRecord, ServiceRecord
 from draftfeed.broker.settings import BrokerSettings
 from draftfeed.schemas.errors import MalformedMessage
-from draftfeed.schemas.messages import ErrorCode, Hello, Register, Submit
+from draftfeed.schemas.messages import TASKS, ErrorCode, Hello, Register, Submit
 from draftfeed.schemas.tensor_specs import check_frames, declared_bytes
 
 Refusal = tuple[ErrorCode, str]
@@ -73,7 +73,7 @@ def refuse_submit(
             f"request {submit.request_id} has rows of {positions} positions; the target of service {service.name!r} takes at most "
             f"{limit_positions} (its workers' limit, the target's max_position_embeddings): send rows of {limit_positions} tokens or less"
         )
-    if service.info is not None and submit.kind in ("eagle3", "dspark") and submit.kind != service.info.task:
+    if service.info is not None and submit.kind in TASKS and submit.kind != service.info.task:
         return "refused", f"service {service.name!r} serves {service.info.task} supervision, not {submit.kind}: connect to a {submit.kind} service"
     if len(service.queue) >= settings.max_queued_per_service:
         return "busy", f"service {service.name!r} has {len(service.queue)} requests queued, its limit: send again later"
@@ -82,7 +82,7 @@ def refuse_submit(
 
 def _positions(submit: Submit) -> int | None:
     """The row length of a supervision request (its input_ids' second dimension)."""
-    if submit.kind not in ("eagle3", "dspark"):
+    if submit.kind not in TASKS:
         return None
     spec = next((spec for spec in submit.tensors if spec.name == "input_ids"), None)
     return spec.shape[1] if spec is not None and len(spec.shape) == 2 else None

@@ -20,7 +20,7 @@ from draftfeed.broker.mappings import MappingTable
 from draftfeed.broker.records import Outgoing, Pending, RankRecord, ServiceRecord, WorkerRecord, to_rank
 from draftfeed.broker.scheduler import Scheduler
 from draftfeed.broker.settings import BrokerSettings
-from draftfeed.schemas.messages import Done, ErrorReply, Submit
+from draftfeed.schemas.messages import TASKS, Done, ErrorReply, Submit
 
 log = logging.getLogger("draftfeed.broker")
 
@@ -93,7 +93,7 @@ class Delivery:
         """The worker is done with the request and its rank has the answer (or a failure, or nothing: undelivered)."""
         if done.outcome == "served":
             worker.served += 1
-            if pending.request.kind in ("eagle3", "dspark"):
+            if pending.request.kind in TASKS:
                 worker.batches += 1
             service.completions.append(self.clock())
         elif done.outcome == "failed":

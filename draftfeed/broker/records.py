@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from draftfeed.broker.fair_queue import FairQueue
 from draftfeed.schemas.frames import pack
-from draftfeed.schemas.messages import DSparkTargetInfo, Eagle3TargetInfo, Hello, PairStatus, Register, SetVocabMapping, Submit
+from draftfeed.schemas.messages import AnyTargetInfo, Hello, PairStatus, Register, SetVocabMapping, Submit
 
 Side = Literal["frontend", "backend"]
 
@@ -139,7 +139,7 @@ class ServiceRecord:
     completions: deque[float] = field(default_factory=deque)
     # The service's target, fixed by its first worker or by a rank's checked expectation: every worker
     # that registers later must match it, so a mis-launched worker can never feed a run.
-    info: Eagle3TargetInfo | DSparkTargetInfo | None = None
+    info: AnyTargetInfo | None = None
 
     @property
     def ready_workers(self) -> int:

@@ -69,3 +69,62 @@ class DSparkSupervision(Supervision):
     doc_remaining: torch.Tensor | None = None
 
     WIRE_FIELDS: ClassVar[tuple[str, ...]] = ("target_hidden_states", "target_last_hidden_states")
+
+
+@dataclass
+class DFlashSupervision(Supervision):
+    """DFlash (DFlash2, Domino; JetSpec with logits) supervision of one batch, the fields of NeMo AutoModel's
+    ``DFlashTargetBatch``: hidden_states [B, S, len(ids) * H] model dtype, the outputs of the target layers (decoder
+    layers, pre-norm) concatenated in id order, not shifted; input_ids, attention_mask and loss_mask [B, S] as sent
+    (DFlash shifts nothing); logits [B, S, V] model dtype, the target's own full-vocab logits, not shifted, when the
+    service captures them (None otherwise); position_ids, seq_lens and doc_remaining as given for a packed batch."""
+
+    hidden_states: torch.Tensor
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    logits: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    doc_remaining: torch.Tensor | None = None
+
+    WIRE_FIELDS: ClassVar[tuple[str, ...]] = ("hidden_states",)  # and logits, or final_hidden_states (compact)
+
+
+@dataclass
+class EagleSupervision(Supervision):
+    """EAGLE-1 / EAGLE-2 supervision of one batch, the fields of NeMo AutoModel's ``EagleTargetBatch``:
+    input_hidden_states [B, S, H] model dtype, the post-norm last hidden state, not shifted; target_hidden_states the
+    same shifted left by one (zero at the end); target_logits [B, S, V] model dtype, lm_head applied to the last
+    hidden state, shifted left; input_ids and loss_mask [B, S] shifted left; attention_mask as sent; position_ids,
+    seq_lens and doc_remaining as given for a packed batch, not shifted."""
+
+    input_hidden_states: torch.Tensor
+    target_hidden_states: torch.Tensor
+    target_logits: torch.Tensor
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    doc_remaining: torch.Tensor | None = None
+
+    WIRE_FIELDS: ClassVar[tuple[str, ...]] = ("input_hidden_states",)  # and target_logits, unless compact
+
+
+@dataclass
+class VispecSupervision(Supervision):
+    """ViSpec supervision of one batch of an image-text target, the fields of NeMo AutoModel's ``VispecTargetBatch``:
+    inputs_embeds [B, S, H] model dtype, the embedding output with the vision features merged in, shifted left;
+    input_hidden_states [B, S, H] the post-norm last hidden state, not shifted; target_logits [B, S, V] lm_head applied
+    to it, shifted left; attention_mask as sent; loss_mask shifted left; image_mask [B, S] bool, where input_ids holds
+    the target's image token, shifted left."""
+
+    inputs_embeds: torch.Tensor
+    input_hidden_states: torch.Tensor
+    target_logits: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    image_mask: torch.Tensor
+
+    WIRE_FIELDS: ClassVar[tuple[str, ...]] = ("inputs_embeds", "input_hidden_states")  # and target_logits, unless compact

@@ -32,8 +32,7 @@ from draftfeed.producers.stored import StoredSupervision
 from draftfeed.schemas.errors import RemoteTargetError
 from draftfeed.schemas.frames import pack
 from draftfeed.schemas.messages import (
-    DSparkTargetInfo,
-    Eagle3TargetInfo,
+    AnyTargetInfo,
     LogitTransform,
     ModelInfoQuery,
     PairOpen,
@@ -52,7 +51,7 @@ log = logging.getLogger("draftfeed.producer")
 class Served:
     """What a source serves: the target, who serves it (for messages), its workers' forms and logit transform."""
 
-    info: Eagle3TargetInfo | DSparkTargetInfo
+    info: AnyTargetInfo
     origin: str  # "service 'x'" or "the store at PATH"
     verb: str  # what the origin does with it: "serves" or "holds"
     workers: list[str]  # none in replay

@@ -10,12 +10,15 @@ import json
 import math
 from typing import Annotated, Any, ClassVar, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 from typing_extensions import Self
 
 Name = Annotated[str, Field(min_length=1, max_length=256)]
 RequestId = Annotated[int, Field(ge=0, lt=2**63)]
-SubmitKind = Literal["eagle3", "dspark", "input_embeddings", "output_embeddings"]
+# The supervision tasks (docs/contract.md has a section on each) and, as requests, the weights a rank may fetch.
+TaskName = Literal["eagle3", "dspark", "dflash", "eagle", "vispec"]
+TASKS: tuple[TaskName, ...] = get_args(TaskName)
+SubmitKind = Literal[TaskName, "input_embeddings", "output_embeddings"]
 Token = Annotated[int, Field(ge=0, lt=2**63)]
 Seconds = Annotated[float, Field(gt=0, le=3600)]
 ErrorCode = Literal[
@@ -68,41 +71,78 @@ class _TargetInfo(Strict):
             f"{name}: {mine} {getattr(self, name, None)!r}, {theirs} {getattr(other, name, None)!r}" for name in self.mismatched_fields(other)
         )
 
-    LAYER_FIELD: ClassVar[str]  # the field naming the layers this task's draft reads
+    LAYER_FIELD: ClassVar[str | None] = None  # the field naming the layers this task's draft reads (None: it reads none)
 
     @classmethod
-    def from_text_config(cls, text_config: object, layer_ids: list[int]) -> Self:
-        """From a transformers config (of a multimodal target, its text config is used) and the layer ids
-        the draft reads: the aux layers for EAGLE-3, the target layers for DSpark."""
+    def from_text_config(cls, text_config: object, layer_ids: list[int] | None = None, **fields: object) -> Self:
+        """From a transformers config (of a multimodal target, its text config is used), the layer ids the draft
+        reads (the aux layers for EAGLE-3, the target layers for DSpark and DFlash; none for EAGLE-1/2 and ViSpec)
+        and the task's other fields."""
         get_text_config = getattr(text_config, "get_text_config", None)
         config = get_text_config() if callable(get_text_config) else getattr(text_config, "text_config", None) or text_config
-        return cls(
-            num_hidden_layers=config.num_hidden_layers,
-            hidden_size=config.hidden_size,
-            vocab_size=config.vocab_size,
-            **{cls.LAYER_FIELD: list(layer_ids)},
-        )
+        if cls.LAYER_FIELD is not None:
+            fields[cls.LAYER_FIELD] = list(layer_ids or [])
+        return cls(num_hidden_layers=config.num_hidden_layers, hidden_size=config.hidden_size, vocab_size=config.vocab_size, **fields)
 
 
 class Eagle3TargetInfo(_TargetInfo):
-    LAYER_FIELD: ClassVar[str] = "aux_layer_ids"
+    LAYER_FIELD: ClassVar[str | None] = "aux_layer_ids"
     task: Literal["eagle3"] = "eagle3"
     aux_layer_ids: Annotated[list[int], Field(min_length=3, max_length=3)]
 
 
 class DSparkTargetInfo(_TargetInfo):
-    LAYER_FIELD: ClassVar[str] = "target_layer_ids"
+    LAYER_FIELD: ClassVar[str | None] = "target_layer_ids"
     task: Literal["dspark"] = "dspark"
     target_layer_ids: Annotated[list[int], Field(min_length=1, max_length=256)]
 
 
-TargetInfo = Annotated[Eagle3TargetInfo | DSparkTargetInfo, Field(discriminator="task")]
-TaskName = Literal["eagle3", "dspark"]
-# How an EAGLE-3 worker sends target_probs: as float32 probabilities (the contract's form), as bfloat16
-# probabilities (lossy, half the bytes), or as the post-norm final hidden state plus the full-vocab argmax,
-# from which the rank rebuilds probabilities and position mask with the lm_head's draft rows (compact).
-SupervisionForm = Literal["probs", "probs-bf16", "hidden"]
-DEFAULT_SUPERVISION: SupervisionForm = "probs"  # what EAGLE-3 workers send unless told otherwise (--supervision)
+class DFlashTargetInfo(_TargetInfo):
+    """DFlash, DFlash2, Domino and JetSpec: the outputs of ``target_layer_ids`` (decoder layers 0..L-1, pre-norm),
+    and with ``capture_logits`` the full-vocab logits too (JetSpec's distillation needs them)."""
+
+    LAYER_FIELD: ClassVar[str | None] = "target_layer_ids"
+    task: Literal["dflash"] = "dflash"
+    target_layer_ids: Annotated[list[int], Field(min_length=1, max_length=256)]
+    capture_logits: bool = False
+
+
+class EagleTargetInfo(_TargetInfo):
+    """EAGLE-1 and EAGLE-2: the post-norm last hidden state and lm_head's logits; no layer ids."""
+
+    task: Literal["eagle"] = "eagle"
+
+
+class VispecTargetInfo(_TargetInfo):
+    """ViSpec on an image-text target: the embedding output (vision features merged in), the post-norm last hidden
+    state and lm_head's logits. The rank builds the image mask from the batch's ids and ``image_token_id``."""
+
+    task: Literal["vispec"] = "vispec"
+    image_token_id: Annotated[int, Field(ge=0)]
+
+
+TargetInfo = Annotated[Eagle3TargetInfo | DSparkTargetInfo | DFlashTargetInfo | EagleTargetInfo | VispecTargetInfo, Field(discriminator="task")]
+AnyTargetInfo = Eagle3TargetInfo | DSparkTargetInfo | DFlashTargetInfo | EagleTargetInfo | VispecTargetInfo
+# How a worker sends what its task computes. EAGLE-3: target_probs as float32 probabilities (the contract's form),
+# as bfloat16 probabilities (lossy, half the bytes), or as the post-norm final hidden state plus the full-vocab
+# argmax, from which the rank rebuilds probabilities and position mask with the lm_head's draft rows ("hidden",
+# compact). DFlash with logits, EAGLE-1/2 and ViSpec: the full-vocab logits ("logits"), or the post-norm final hidden
+# state from which the rank rebuilds them with the lm_head fetched once ("hidden", compact). DSpark, and DFlash
+# without logits, have one form, their first.
+SupervisionForm = Literal["probs", "probs-bf16", "hidden", "logits"]
+TASK_FORMS: dict[TaskName, tuple[SupervisionForm, ...]] = {
+    "eagle3": ("probs", "probs-bf16", "hidden"),
+    "dspark": ("probs",),
+    "dflash": ("logits", "hidden"),
+    "eagle": ("logits", "hidden"),
+    "vispec": ("logits", "hidden"),
+}
+DEFAULT_SUPERVISION: SupervisionForm = TASK_FORMS["eagle3"][0]  # what EAGLE-3 workers send unless told otherwise (--supervision)
+
+
+def default_supervision(task: TaskName) -> SupervisionForm:
+    """The form a worker of ``task`` sends unless told otherwise: the task's first."""
+    return TASK_FORMS[task][0]
 
 
 class LogitTransform(Strict):
@@ -313,6 +353,14 @@ class Register(Strict):
     # One worker is one replica of the target, spread over this many devices (one process each; docs/engines.md).
     tensor_parallel: Annotated[int, Field(ge=1, le=4096)] = 1
     devices: Annotated[list[Name], Field(max_length=4096)] = []
+
+    @model_validator(mode="after")
+    def _one_task(self) -> Self:
+        if self.info.task != self.task:
+            raise ValueError(f"the registration is for task {self.task} but its target info is {self.info.task}'s")
+        if self.supervision not in TASK_FORMS[self.task]:
+            raise ValueError(f"task {self.task} is sent as {', '.join(TASK_FORMS[self.task])}, not {self.supervision}")
+        return self
 
 
 # How a worker is finished with a ticket (Done.outcome). The rank has been answered: served (its result), failed

@@ -9,7 +9,7 @@ import torch
 from draftfeed.consumers.engines.base import Engine, TargetShape
 from draftfeed.contract.packing import Documents
 from draftfeed.contract.vocab import VocabMap
-from draftfeed.schemas.messages import DSparkTargetInfo, Eagle3TargetInfo, LogitTransform, SupervisionForm, TaskName
+from draftfeed.schemas.messages import AnyTargetInfo, LogitTransform, SupervisionForm, TaskName
 
 
 class Task(Protocol):
@@ -21,7 +21,7 @@ class Task(Protocol):
     @property
     def shape(self) -> TargetShape: ...
 
-    def info(self) -> Eagle3TargetInfo | DSparkTargetInfo:
+    def info(self) -> AnyTargetInfo:
         """The target info the worker registers, which ranks check."""
         ...
 
