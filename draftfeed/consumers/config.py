@@ -13,7 +13,9 @@ from draftfeed.security.curve import PeerKeys
 
 ENGINES = ("hf", "vllm", "sglang")  # or package.module:Class
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: float32 on CPU, bfloat16 on accelerators
-DEFAULT_DRAFT_LAYERS = 5  # DSpark: layers of the draft, for the default target layer ids
+DEFAULT_DRAFT_LAYERS = 5  # DSpark and DFlash: layers of the draft, for the default target layer ids
+# The tasks that read chosen layers, and the flag that names them; the other tasks take no layer ids.
+LAYER_FLAGS = {"eagle3": "--aux-layer-ids", "dspark": "--target-layer-ids", "dflash": "--target-layer-ids"}
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, get_args
 
 from draftfeed.bench import SCENARIO_NAMES
 from draftfeed.broker.settings import BrokerSettings
-from draftfeed.consumers.config import DEFAULT_DRAFT_LAYERS, DTYPES, ENGINES, WorkerConfig
+from draftfeed.consumers.config import DEFAULT_DRAFT_LAYERS, DTYPES, ENGINES, LAYER_FLAGS, WorkerConfig
 from draftfeed.consumers.devices import placement_problem, tensor_parallel_devices
 from draftfeed.launch import flags
 from draftfeed.launch.config import apply_sources, effective
@@ -33,7 +33,7 @@ from draftfeed.logs import LOG_FORMATS
 from draftfeed.logs import configure as configure_logging
 from draftfeed.producers.settings import RankSettings
 from draftfeed.schemas.errors import CannotServe, DraftfeedError, UsageError
-from draftfeed.schemas.messages import DEFAULT_SUPERVISION, SupervisionForm, TaskName
+from draftfeed.schemas.messages import TASK_FORMS, SupervisionForm, TaskName
 from draftfeed.schemas.protocol import DEFAULT_BACKEND, DEFAULT_BROKER_HTTP_PORT, DEFAULT_FRONTEND, DEFAULT_HTTP_HOST, DEFAULT_WORKER_HTTP_PORT
 
 if TYPE_CHECKING:  # imported where used: the CLI starts without loading pyzmq's auth or torch
@@ -253,16 +253,27 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
         "--target-layer-ids",
         type=_layer_ids,
         default=None,
-        help="DSpark: strictly increasing ids, -1 for the embeddings and L-1 for the final norm, e.g. -1,7,14,21,27 (default: --draft-layers ids spread over [1, L-1])",
+        help="DSpark: strictly increasing ids, -1 for the embeddings and L-1 for the final norm, e.g. -1,7,14,21,27 (default: --draft-layers ids "
+        "spread over [1, L-1]). DFlash: distinct decoder layers 0..L-1, concatenated in the order given (default: the DFlash recipe's, from --draft-layers)",
     )
     target.add_argument(
         "--supervision",
-        default=DEFAULT_SUPERVISION,
+        default=None,
         choices=get_args(SupervisionForm),
-        help="EAGLE-3: send target_probs as float32 probs (the contract's form), bfloat16 probs (lossy, half the bytes), or the final hidden state and argmax from which ranks rebuild them (hidden, compact)",
+        help="how the task's supervision is sent (default: the task's first form). EAGLE-3: target_probs as float32 probs (the contract's form), "
+        "bfloat16 probs (lossy, half the bytes), or the final hidden state and argmax from which ranks rebuild them (hidden, compact). "
+        "DFlash with --capture-logits, EAGLE-1/2 and ViSpec: the full-vocab logits, or the final hidden state from which ranks rebuild them (hidden, compact)",
     )
     target.add_argument(
-        "--draft-layers", type=int, default=DEFAULT_DRAFT_LAYERS, help="DSpark: layers of the draft, for the default target layer ids"
+        "--capture-logits",
+        action="store_true",
+        help="DFlash: send the target's full-vocab logits too (JetSpec's distillation needs them)",
+    )
+    target.add_argument(
+        "--draft-layers",
+        type=int,
+        default=DEFAULT_DRAFT_LAYERS,
+        help="DSpark and DFlash: layers of the draft, for the default target layer ids",
     )
     placed += flags.add_flags(target, WorkerConfig, ["max_seq_len", "chunk_tokens"])
     # Every other field of WorkerConfig, a new one included, gets its flag here.
@@ -434,9 +445,13 @@ def run_keys(args: argparse.Namespace) -> int:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    misplaced = "--target-layer-ids" if args.task == "eagle3" else "--aux-layer-ids"
-    if (args.target_layer_ids if args.task == "eagle3" else args.aux_layer_ids) is not None:
-        raise UsageError(f"{misplaced} does not apply to --task {args.task}")
+    for flag, value in (("--aux-layer-ids", args.aux_layer_ids), ("--target-layer-ids", args.target_layer_ids)):
+        if value is not None and LAYER_FLAGS.get(args.task) != flag:
+            raise UsageError(f"{flag} does not apply to --task {args.task}")
+    if args.supervision is not None and args.supervision not in TASK_FORMS[args.task]:
+        raise UsageError(f"--supervision {args.supervision}: task {args.task} is sent as {' or '.join(TASK_FORMS[args.task])}")
+    if args.capture_logits and args.task != "dflash":
+        raise UsageError(f"--capture-logits is DFlash's (JetSpec's logits); --task {args.task} does not take it")
     if not args.secure and (args.keys or args.key or args.broker_key):
         raise UsageError("--keys/--key/--broker-key given without --secure: add --secure to use them")
     keys = _peer_keys(args, "worker", required=True) if args.secure else None
@@ -476,6 +491,7 @@ def _serve_worker(args: argparse.Namespace, keys: Any, serving: list[Any], http_
 
     from draftfeed.consumers.engines import load_engine
     from draftfeed.consumers.tasks import load_task
+    from draftfeed.consumers.tasks.vispec import image_token_id
     from draftfeed.consumers.worker import Worker
 
     transformers.logging.disable_progress_bar()
@@ -497,7 +513,8 @@ def _serve_worker(args: argparse.Namespace, keys: Any, serving: list[Any], http_
         raise UsageError(_target_problem(args.target, exc)) from None
     try:
         layer_ids = args.aux_layer_ids if args.task == "eagle3" else args.target_layer_ids
-        task = load_task(args.task, engine, layer_ids, args.draft_layers, args.supervision, args.chunk_tokens)
+        image_token = image_token_id(transformers.AutoConfig.from_pretrained(args.target)) if args.task == "vispec" else None
+        task = load_task(args.task, engine, layer_ids, args.draft_layers, args.supervision, args.chunk_tokens, args.capture_logits, image_token)
     except (ValueError, TypeError) as exc:  # a bad layer id, or an engine option the engine's package rejects
         engine.close()
         raise UsageError(str(exc)) from None

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from typing import get_args
-
 from draftfeed.consumers.config import DEFAULT_DRAFT_LAYERS
 from draftfeed.consumers.engines.base import Engine
 from draftfeed.consumers.tasks.base import Task
+from draftfeed.consumers.tasks.dflash import DFlashTask
 from draftfeed.consumers.tasks.dspark import DSparkTask
+from draftfeed.consumers.tasks.eagle import EagleTask
 from draftfeed.consumers.tasks.eagle3 import Eagle3Task
-from draftfeed.schemas.messages import DEFAULT_SUPERVISION, TaskName
-
-TASKS = get_args(TaskName)
+from draftfeed.consumers.tasks.vispec import VispecTask
+from draftfeed.schemas.messages import TASK_FORMS, TASKS, default_supervision
 
 
 def load_task(
@@ -19,13 +18,30 @@ def load_task(
     engine: Engine,
     layer_ids: list[int] | None = None,
     draft_layers: int = DEFAULT_DRAFT_LAYERS,
-    supervision: str = DEFAULT_SUPERVISION,
+    supervision: str | None = None,
     chunk_tokens: int = 0,
+    capture_logits: bool = False,
+    image_token_id: int | None = None,
 ) -> Task:
-    """``eagle3`` (layer_ids: the 3 aux layers; supervision: its form; chunk_tokens: see Eagle3Task) or ``dspark``
-    (layer_ids: the target layers; it has no vocab-sized step to chunk)."""
+    """The task ``name`` on ``engine``: layer_ids are EAGLE-3's 3 aux layers or DSpark's and DFlash's target layers
+    (None: the task's default, from draft_layers for the last two); supervision is one of the task's forms (None: its
+    first); chunk_tokens bounds EAGLE-3's vocab-sized step; capture_logits makes DFlash send logits (JetSpec);
+    image_token_id is ViSpec's image placeholder. A ValueError says what is wrong in one line."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
+    form = supervision or default_supervision(name)  # type: ignore[arg-type]
+    if form not in TASK_FORMS[name]:  # type: ignore[index]
+        raise ValueError(f"--supervision {form}: task {name} is sent as {' or '.join(TASK_FORMS[name])}")  # type: ignore[index]
+    if capture_logits and name != "dflash":
+        raise ValueError(f"--capture-logits is DFlash's (JetSpec's logits); task {name} does not take it")
     if name == "eagle3":
-        return Eagle3Task(engine, layer_ids, supervision, chunk_tokens)  # type: ignore[arg-type]
+        return Eagle3Task(engine, layer_ids, form, chunk_tokens)  # type: ignore[arg-type]
     if name == "dspark":
         return DSparkTask(engine, layer_ids, draft_layers)
-    raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
+    if name == "dflash":
+        return DFlashTask(engine, layer_ids, draft_layers, capture_logits, form)  # type: ignore[arg-type]
+    if name == "eagle":
+        return EagleTask(engine, form)  # type: ignore[arg-type]
+    if image_token_id is None:
+        raise ValueError("--task vispec needs the target's image token id (its config's image_token_id)")
+    return VispecTask(engine, image_token_id, form)  # type: ignore[arg-type]

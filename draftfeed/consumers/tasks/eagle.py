@@ -1,0 +1,80 @@
+"""EAGLE-1 / EAGLE-2 supervision from one forward pass, as docs/contract.md defines it: the final norm's output and
+the lm_head's logits on it, shifted left by one.
+
+The logits are lm_head applied to the last hidden state and nothing else, as NeMo AutoModel's EAGLE-1/2 wrapper
+computes them: a target that scales or soft-caps its own logits (Gemma) is not scaled here either, so the draft
+learns what it would learn colocated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftfeed.consumers.engines.base import Capture, Engine, TargetShape, fill_padding, forward_batch
+from draftfeed.contract.ops import lm_head_logits, shift_left
+from draftfeed.contract.packing import Documents
+from draftfeed.contract.vocab import VocabMap
+from draftfeed.schemas.messages import EagleTargetInfo, LogitTransform, SupervisionForm, default_supervision
+
+# What ranks apply to lm_head's output when they rebuild the logits (the compact form): nothing.
+RAW_LM_HEAD = LogitTransform()
+
+
+class LastHiddenLogits:
+    """The final norm's output and the raw lm_head logits on it, shifted: what EAGLE-1/2 and ViSpec share."""
+
+    def __init__(self, engine: Engine, supervision: SupervisionForm) -> None:
+        self.engine = engine
+        self.supervision = supervision
+        self.logit_transform = RAW_LM_HEAD
+        self._weight: torch.Tensor | None = None
+
+    def shifted_logits(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head(final_hidden) [B, S, V] in the model's dtype, shifted left by one."""
+        if self._weight is None:
+            self._weight = self.engine.output_embeddings()
+        return shift_left(lm_head_logits(final_hidden, self._weight, RAW_LM_HEAD))
+
+    def with_logits(self, result: dict[str, torch.Tensor], final_hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``result`` and, unless compact, target_logits."""
+        if self.supervision == "logits":
+            result["target_logits"] = self.shifted_logits(final_hidden)
+        return result
+
+
+class EagleTask:
+    """EAGLE-1/2 supervision on top of any engine: the logits as they are ("logits"), or only the last hidden state,
+    from which ranks rebuild them with the lm_head fetched once ("hidden", compact)."""
+
+    name = "eagle"
+
+    def __init__(self, engine: Engine, supervision: SupervisionForm | None = None) -> None:
+        self.engine = engine
+        self.supervision: SupervisionForm = supervision or default_supervision("eagle")
+        self._head = LastHiddenLogits(engine, self.supervision)
+        self.logit_transform = self._head.logit_transform
+        self._capture = Capture(final_hidden=True)
+        engine.prepare([self._capture])
+
+    @property
+    def shape(self) -> TargetShape:
+        return self.engine.shape
+
+    def info(self) -> EagleTargetInfo:
+        return EagleTargetInfo(num_hidden_layers=self.shape.num_hidden_layers, hidden_size=self.shape.hidden_size, vocab_size=self.shape.vocab_size)
+
+    @torch.inference_mode()
+    def compute(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        loss_mask: torch.Tensor,
+        vocab: VocabMap | None = None,
+        documents: Documents | None = None,
+        images: dict[str, torch.Tensor] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """input_hidden_states [B, S, H] not shifted, and unless compact target_logits [B, S, V] shifted left. The rank
+        shifts its own input_ids and loss_mask and the hidden states for target_hidden_states; ``vocab`` is not used."""
+        out = fill_padding(forward_batch(self.engine, input_ids, attention_mask, self._capture, documents, images), attention_mask)
+        assert out.final_hidden is not None
+        return self._head.with_logits({"input_hidden_states": out.final_hidden}, out.final_hidden)
