@@ -94,7 +94,12 @@ def test_help_shows_every_default_with_its_source():
     from draftfeed.consumers.config import WorkerConfig
 
     worker = run("-m", "draftfeed.launch", "worker", "--help").stdout
-    for text in ("--dtype {auto,float32,bfloat16,float16}", f"(default: {WorkerConfig.capacity})", "(default: auto)", "(default: probs)"):
+    for text in (
+        "--dtype {auto,float32,bfloat16,float16}",
+        f"(default: {WorkerConfig.capacity})",
+        "(default: auto)",
+        "(default: the task's first form)",
+    ):
         assert text in " ".join(worker.split()), text
     broker = " ".join(run("-m", "draftfeed.launch", "broker", "--help").stdout.split())
     assert f"(default: {BrokerSettings.max_queued_per_rank})" in broker and f"(default: {BrokerSettings.heartbeat_interval_s})" in broker

@@ -452,6 +452,8 @@ def run_worker(args: argparse.Namespace) -> int:
         raise UsageError(f"--supervision {args.supervision}: task {args.task} is sent as {' or '.join(TASK_FORMS[args.task])}")
     if args.capture_logits and args.task != "dflash":
         raise UsageError(f"--capture-logits is DFlash's (JetSpec's logits); --task {args.task} does not take it")
+    if args.task == "dflash" and args.supervision == "hidden" and not args.capture_logits:
+        raise UsageError("--supervision hidden: DFlash sends logits only with --capture-logits; add it, or leave --supervision out")
     if not args.secure and (args.keys or args.key or args.broker_key):
         raise UsageError("--keys/--key/--broker-key given without --secure: add --secure to use them")
     keys = _peer_keys(args, "worker", required=True) if args.secure else None
@@ -503,6 +505,12 @@ def _serve_worker(args: argparse.Namespace, keys: Any, serving: list[Any], http_
 
         if (problem := unavailable()) is not None:
             raise UsageError(f"--data-plane nixl: {problem}; or use --data-plane auto (NIXL where both sides have it, else frames)")
+    try:  # ViSpec's image token, before the engine loads: a text-only target is one line at once
+        image_token = image_token_id(transformers.AutoConfig.from_pretrained(args.target)) if args.task == "vispec" else None
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    except OSError as exc:
+        raise UsageError(_target_problem(args.target, exc)) from None
     try:
         engine = load_engine(
             args.engine, args.target, args.device, args.dtype, dict(args.engine_option), args.tensor_parallel, args.devices, args.device_map
@@ -513,7 +521,6 @@ def _serve_worker(args: argparse.Namespace, keys: Any, serving: list[Any], http_
         raise UsageError(_target_problem(args.target, exc)) from None
     try:
         layer_ids = args.aux_layer_ids if args.task == "eagle3" else args.target_layer_ids
-        image_token = image_token_id(transformers.AutoConfig.from_pretrained(args.target)) if args.task == "vispec" else None
         task = load_task(args.task, engine, layer_ids, args.draft_layers, args.supervision, args.chunk_tokens, args.capture_logits, image_token)
     except (ValueError, TypeError) as exc:  # a bad layer id, or an engine option the engine's package rejects
         engine.close()
