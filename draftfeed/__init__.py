@@ -16,10 +16,19 @@ _PUBLIC = {
     "RemoteTarget": "draftfeed.producers.remote_target",
     "RemoteEagle3Target": "draftfeed.producers.remote_target",
     "RemoteDSparkTarget": "draftfeed.producers.remote_target",
+    "RemoteDFlashTarget": "draftfeed.producers.remote_tasks",
+    "RemoteEagleTarget": "draftfeed.producers.remote_tasks",
+    "RemoteVispecTarget": "draftfeed.producers.remote_tasks",
     "Eagle3Supervision": "draftfeed.contract.supervision",
     "DSparkSupervision": "draftfeed.contract.supervision",
+    "DFlashSupervision": "draftfeed.contract.supervision",
+    "EagleSupervision": "draftfeed.contract.supervision",
+    "VispecSupervision": "draftfeed.contract.supervision",
     "Eagle3TargetInfo": "draftfeed.schemas.messages",
     "DSparkTargetInfo": "draftfeed.schemas.messages",
+    "DFlashTargetInfo": "draftfeed.schemas.messages",
+    "EagleTargetInfo": "draftfeed.schemas.messages",
+    "VispecTargetInfo": "draftfeed.schemas.messages",
     "DraftfeedError": "draftfeed.schemas.errors",
     "MalformedMessage": "draftfeed.schemas.errors",
     "RemoteTargetError": "draftfeed.schemas.errors",
@@ -28,27 +37,37 @@ _PUBLIC = {
     "reexec_with_hugepage_malloc": "draftfeed.producers.fast_receive",
 }
 __all__ = [
+    "DFlashSupervision",
+    "DFlashTargetInfo",
     "DSparkSupervision",
     "DSparkTargetInfo",
     "DraftfeedError",
     "Eagle3Supervision",
     "Eagle3TargetInfo",
+    "EagleSupervision",
+    "EagleTargetInfo",
     "MalformedMessage",
+    "RemoteDFlashTarget",
     "RemoteDSparkTarget",
     "RemoteEagle3Target",
+    "RemoteEagleTarget",
     "RemoteTarget",
     "RemoteTargetError",
     "RemoteTargetTimeout",
+    "RemoteVispecTarget",
     "TargetClosed",
+    "VispecSupervision",
+    "VispecTargetInfo",
     "reexec_with_hugepage_malloc",
 ]
 
 if TYPE_CHECKING:
-    from draftfeed.contract.supervision import DSparkSupervision, Eagle3Supervision
+    from draftfeed.contract.supervision import DFlashSupervision, DSparkSupervision, Eagle3Supervision, EagleSupervision, VispecSupervision
     from draftfeed.producers.fast_receive import reexec_with_hugepage_malloc
     from draftfeed.producers.remote_target import RemoteDSparkTarget, RemoteEagle3Target, RemoteTarget
+    from draftfeed.producers.remote_tasks import RemoteDFlashTarget, RemoteEagleTarget, RemoteVispecTarget
     from draftfeed.schemas.errors import DraftfeedError, MalformedMessage, RemoteTargetError, RemoteTargetTimeout, TargetClosed
-    from draftfeed.schemas.messages import DSparkTargetInfo, Eagle3TargetInfo
+    from draftfeed.schemas.messages import DFlashTargetInfo, DSparkTargetInfo, Eagle3TargetInfo, EagleTargetInfo, VispecTargetInfo
 
 
 def __getattr__(name: str) -> Any:

@@ -12,6 +12,7 @@ from collections.abc import Collection, Mapping
 
 import torch
 
+from draftfeed.contract.ops import shift_left
 from draftfeed.schemas.errors import BadRequest
 
 # Every name a batch may carry for an image-text target; a target takes those of them its forward declares by name.
@@ -64,3 +65,9 @@ def check_images(images: Mapping[str, torch.Tensor], input_ids: torch.Tensor, ac
             patches = int(thw.long().prod(-1).sum())
             if images[pixels].shape[0] != patches:
                 raise BadRequest(f"{pixels} has {images[pixels].shape[0]} rows but {grid} counts {patches} patches; they must be equal")
+
+
+def shifted_image_mask(input_ids: torch.Tensor, image_token_id: int) -> torch.Tensor:
+    """ViSpec's image_mask [B, S] bool: True where ``input_ids`` holds the target's image token, shifted left by one
+    (False at the last position), so that it lines up with the shifted embeddings."""
+    return shift_left((input_ids == image_token_id).long()).bool()

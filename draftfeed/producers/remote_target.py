@@ -6,6 +6,7 @@ against it calls these classes unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -30,6 +31,7 @@ from draftfeed.producers.sources import Served, Source, open_source
 from draftfeed.producers.waits import wait_for
 from draftfeed.schemas.errors import BadRequest, RemoteTargetError
 from draftfeed.schemas.messages import (
+    AnyTargetInfo,
     DSparkTargetInfo,
     Eagle3TargetInfo,
     PairOpen,
@@ -41,7 +43,7 @@ from draftfeed.store.identity import StoreIdentity
 log = logging.getLogger("draftfeed.producer")
 _DEFAULTS = RankSettings()
 Sup = TypeVar("Sup", bound=Supervision)
-Info = TypeVar("Info", Eagle3TargetInfo, DSparkTargetInfo)
+Info = TypeVar("Info", bound=AnyTargetInfo)
 
 
 class RemoteTarget(Generic[Sup, Info]):
@@ -77,6 +79,7 @@ class RemoteTarget(Generic[Sup, Info]):
     TASK: ClassVar[str]
     SUPERVISION: ClassVar[type[Supervision]]
     INFO: ClassVar[type]
+    PACKED_REFUSAL: ClassVar[str | None] = None  # why this task takes no packed rows (None: it takes them)
 
     def __init__(
         self,
@@ -187,6 +190,8 @@ class RemoteTarget(Generic[Sup, Info]):
         ...: whatever the target's forward takes by name; docs/contract.md, "Image-text targets"); they go to the
         worker as they are, in unpacked batches only. The tensors are sent from their own memory: do not modify
         them until the future is done."""
+        if seq_lens is not None and self.PACKED_REFUSAL is not None:
+            raise ValueError(f"{type(self).__name__}.generate_batch: {self.PACKED_REFUSAL}")
         sent, kept = outgoing_batch(input_ids, attention_mask, loss_mask, position_ids, seq_lens, doc_remaining, mm_inputs)
         self._before_submit()
 
@@ -195,7 +200,8 @@ class RemoteTarget(Generic[Sup, Info]):
             if self.device is not None:
                 received = {name: t.to(self.device, non_blocking=True) for name, t in received.items()}
                 own = {name: t.to(self.device, non_blocking=True) for name, t in own.items()}
-            supervision = self.SUPERVISION(**{**own, **self._from_wire(received)})
+            made = {**own, **self._from_wire(received, own)}
+            supervision = self.SUPERVISION(**{name: made[name] for name in self._field_names() if name in made})
             self.metrics.received(tensor_bytes(received))
             return supervision  # type: ignore[return-value]
 
@@ -218,9 +224,16 @@ class RemoteTarget(Generic[Sup, Info]):
             mapping_digest=self._mapping_digest,
         )
 
-    def _from_wire(self, received: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The supervision fields from what the worker sent (on the thread that takes the result)."""
+    def _from_wire(self, received: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The supervision fields made from what the worker sent (``received``) and the rank's own tensors of the batch
+        (``own``: input_ids, attention_mask, loss_mask and the packing arguments as given), on the thread that takes
+        the result. A field it returns replaces the rank's own of that name; of the rest, only the supervision
+        dataclass's fields are kept."""
         return {name: received[name] for name in self.SUPERVISION.WIRE_FIELDS}
+
+    @classmethod
+    def _field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls.SUPERVISION))  # type: ignore[arg-type]
 
     def generate_batch(
         self,
@@ -377,9 +390,9 @@ class RemoteEagle3Target(RemoteTarget[Eagle3Supervision, Eagle3TargetInfo]):
         weight = self._fetch_weight("output_embeddings", rows)
         self._compact = CompactEagle3(weight, mask.to(weight.device), served.logit_transform)
 
-    def _from_wire(self, received: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _from_wire(self, received: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if "final_hidden_states" not in received:  # probs or probs-bf16
-            fields = super()._from_wire(received)
+            fields = super()._from_wire(received, own)
             fields["target_probs"] = fields["target_probs"].float()
             return fields
         if self._compact is None:

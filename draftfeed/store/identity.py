@@ -29,7 +29,7 @@ class StoreIdentity(BaseModel):
     format: int = STORE_FORMAT
     task: TaskName
     target: TargetInfo = Field(discriminator="task")
-    forms: list[SupervisionForm]  # the forms the service's workers sent (empty for DSpark, which has one)
+    forms: list[SupervisionForm]  # the forms the service's workers sent (DSpark, and DFlash without logits, have one)
     logit_transform: LogitTransform | None = None  # how the rank rebuilds probabilities from the compact form
     mapping_digest: MappingDigest | None = None  # the vocab mapping's digest; None: the identity mapping
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+from draftfeed.store.identity import StoreIdentity
 from draftfeed.store.index import IndexFile, ShardRecord
 from draftfeed.store.shards import SHARD_SUFFIX, UNFINISHED_SUFFIX, file_sha256, tensor_name
 from draftfeed.store.store import MANIFEST_NAME, read_manifest, shard_problem
@@ -51,13 +52,22 @@ def info_lines(path: Path) -> list[str]:
         f"store: {path}",
         f"task: {identity.task}",
         f"target: {target}",
-        f"form: {'hidden states (the one form of DSpark)' if identity.task == 'dspark' else ', '.join(identity.forms)}",
+        f"form: {_form(identity)}",
         f"vocab mapping: {identity.mapping_digest or 'identity (the whole target vocab)'}",
         f"batches: {len(seen)}",
         f"tokens: {tokens}",
         f"supervision: {nbytes:,} bytes, {per_token}; {on_disk:,} bytes on disk",
         f"shards: {len(found.records)} from {len({r.writer for r in found.records})} recording ranks",
     ]
+
+
+def _form(identity: StoreIdentity) -> str:
+    """How the store's batches were sent, in words."""
+    if identity.task == "dspark":
+        return "hidden states (the one form of DSpark)"
+    if identity.task == "dflash" and not getattr(identity.target, "capture_logits", False):
+        return "layer hidden states, no logits (the one form of DFlash without capture_logits)"
+    return ", ".join(identity.forms)
 
 
 def verify(path: Path) -> tuple[list[str], list[str], int]:
