@@ -34,6 +34,7 @@ from draftfeed import (
 from draftfeed.dataplane.tensor_codec import pack_tensors
 from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import FRONTEND_OUTBOUND, ErrorReply, Hello, Submit
+from draftfeed.store.inspect import info_lines
 
 NEMO_PACKAGES = Path(__file__).resolve().parents[1] / ".nemo-packages"
 pytestmark = pytest.mark.timeout(240)
@@ -242,6 +243,15 @@ def test_vispec_refuses_packed_rows_in_one_line(services):
         assert "\n" not in str(refused.value) and target.in_flight == 0
 
 
+# What ``draftfeed store info`` says of each recorded service's form.
+FORM_LINES = {
+    "dflash-hidden": "form: hidden",
+    "dflash": "form: layer hidden states, no logits (the one form of DFlash without capture_logits)",
+    "eagle-hidden": "form: hidden",
+    "vispec-logits": "form: logits",
+}
+
+
 @pytest.mark.parametrize(
     "cls, service",
     [
@@ -255,6 +265,8 @@ def test_record_then_replay_is_bit_for_bit(services, vispec_model, tmp_path, cls
     batches = image_batches(vispec_model, seed=50) if cls is RemoteVispecTarget else text_batches(seed=50)
     with cls(services.frontend, service, prefetch_depth=2, store=tmp_path, store_mode="record") as target:
         live = [{name: t.clone() for name, t in supervision.as_dict().items()} for _, supervision in target.iterate(batches)]
+    info = info_lines(tmp_path)
+    assert f"task: {cls.TASK}" in info and FORM_LINES[service] in info, info
     with cls(None, service, prefetch_depth=2, store=tmp_path, store_mode="replay") as replay:
         for index, (_, supervision) in enumerate(replay.iterate(batches)):
             got = supervision.as_dict()
