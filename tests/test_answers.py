@@ -70,10 +70,10 @@ class SlowFinishEagle3Target(RemoteEagle3Target):
 
     finished_on: list[int]
 
-    def _from_wire(self, received):
+    def _from_wire(self, received, own):
         self.finished_on.append(threading.get_ident())
         time.sleep(SLOW_FINISH_S)  # stands for work on the taker's thread
-        return super()._from_wire(received)
+        return super()._from_wire(received, own)
 
 
 def test_a_finish_longer_than_the_liveness_window_costs_the_rank_nothing(fast_cluster, tiny_target, tiny_model):
