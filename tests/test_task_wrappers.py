@@ -183,3 +183,12 @@ def test_flags_that_do_not_go_together_are_one_line(tiny_target, arguments, mess
 def test_dflash_layer_ids_are_checked_in_one_line(engine, layer_ids, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         load_task("dflash", engine, layer_ids)
+
+
+def test_the_vispec_worker_refuses_packed_rows(image_text):
+    from draftfeed.schemas.errors import BadRequest
+
+    task = load_task("vispec", HFEngine(str(image_text["qwen2.5-vl"])), image_token_id=997)
+    batch = make_packed_batch([[5, 6], [11]], pad=[0, 0], vocab_size=990, seed=1)
+    with pytest.raises(BadRequest, match=r"ViSpec takes no packed rows \(seq_lens\): send one sequence a row"):
+        task.compute(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None, packing(batch)[0])

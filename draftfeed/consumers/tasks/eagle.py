@@ -11,34 +11,29 @@ from __future__ import annotations
 import torch
 
 from draftfeed.consumers.engines.base import Capture, Engine, TargetShape, fill_padding, forward_batch
-from draftfeed.contract.ops import lm_head_logits, shift_left
+from draftfeed.contract.compact import logit_transform_of, task_logits
 from draftfeed.contract.packing import Documents
 from draftfeed.contract.vocab import VocabMap
-from draftfeed.schemas.messages import EagleTargetInfo, LogitTransform, SupervisionForm, default_supervision
-
-# What ranks apply to lm_head's output when they rebuild the logits (the compact form): nothing.
-RAW_LM_HEAD = LogitTransform()
+from draftfeed.schemas.messages import EagleTargetInfo, SupervisionForm, default_supervision
 
 
 class LastHiddenLogits:
-    """The final norm's output and the raw lm_head logits on it, shifted: what EAGLE-1/2 and ViSpec share."""
+    """The raw lm_head logits on the final norm's output, shifted, unless the form is compact: what EAGLE-1/2 and
+    ViSpec share. The math is contract/compact.py's ``task_logits``, which ranks run to rebuild the compact form."""
 
-    def __init__(self, engine: Engine, supervision: SupervisionForm) -> None:
+    def __init__(self, task: str, engine: Engine, supervision: SupervisionForm) -> None:
+        self.task = task
         self.engine = engine
         self.supervision = supervision
-        self.logit_transform = RAW_LM_HEAD
+        self.logit_transform = logit_transform_of(task, engine.logit_transform)  # none: lm_head as it is
         self._weight: torch.Tensor | None = None
 
-    def shifted_logits(self, final_hidden: torch.Tensor) -> torch.Tensor:
-        """lm_head(final_hidden) [B, S, V] in the model's dtype, shifted left by one."""
-        if self._weight is None:
-            self._weight = self.engine.output_embeddings()
-        return shift_left(lm_head_logits(final_hidden, self._weight, RAW_LM_HEAD))
-
     def with_logits(self, result: dict[str, torch.Tensor], final_hidden: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``result`` and, unless compact, target_logits."""
+        """``result`` and, unless compact, target_logits [B, S, V] in the model's dtype, shifted left."""
         if self.supervision == "logits":
-            result["target_logits"] = self.shifted_logits(final_hidden)
+            if self._weight is None:
+                self._weight = self.engine.output_embeddings()
+            result["target_logits"] = task_logits(self.task, final_hidden, self._weight, self.logit_transform)
         return result
 
 
@@ -51,7 +46,7 @@ class EagleTask:
     def __init__(self, engine: Engine, supervision: SupervisionForm | None = None) -> None:
         self.engine = engine
         self.supervision: SupervisionForm = supervision or default_supervision("eagle")
-        self._head = LastHiddenLogits(engine, self.supervision)
+        self._head = LastHiddenLogits(self.name, engine, self.supervision)
         self.logit_transform = self._head.logit_transform
         self._capture = Capture(final_hidden=True)
         engine.prepare([self._capture])

@@ -43,7 +43,7 @@ class VispecTask:
         self.engine = engine
         self.image_token_id = image_token_id
         self.supervision: SupervisionForm = supervision or default_supervision("vispec")
-        self._head = LastHiddenLogits(engine, self.supervision)
+        self._head = LastHiddenLogits(self.name, engine, self.supervision)
         self.logit_transform = self._head.logit_transform
         self._capture = Capture(embeddings=True, final_hidden=True)
         engine.prepare([self._capture])
