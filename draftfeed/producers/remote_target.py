@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
@@ -24,8 +24,8 @@ from draftfeed.dataplane.tensor_codec import tensor_bytes
 from draftfeed.observe.http import ObserveServer
 from draftfeed.observe.rank_metrics import RankMetrics
 from draftfeed.producers.outgoing import batch_arguments, outgoing_batch
-from draftfeed.producers.prefetch import prefetch
 from draftfeed.producers.rank_session import ConnectionStats
+from draftfeed.producers.resumable import ResumableIteration
 from draftfeed.producers.settings import RankSettings
 from draftfeed.producers.sources import Served, Source, open_source
 from draftfeed.producers.waits import wait_for
@@ -257,15 +257,26 @@ class RemoteTarget(Generic[Sup, Info]):
         self.metrics.waited(time.monotonic() - started)
         return supervision
 
-    def iterate(self, dataloader: Iterable[Mapping[str, Any]]) -> Iterator[tuple[Mapping[str, Any], Sup]]:
+    def iterate(self, dataloader: Iterable[Mapping[str, Any]]) -> ResumableIteration[Sup]:
         """Yield ``(batch, supervision)`` in the dataloader's order, keeping ``prefetch_depth`` batches in flight.
 
         Each batch is a mapping with input_ids, attention_mask and loss_mask, and position_ids, seq_lens and
         doc_remaining where it holds them (a packed batch), and the image inputs of docs/contract.md's "Image-text
         targets" where it holds them; it is yielded as it came, other keys included.
-        """
 
-        return prefetch(dataloader, lambda batch: self.generate_batch_async(**batch_arguments(batch)), self.wait, self.prefetch_depth)
+        The iterator's ``state_dict()`` is the dataloader's state as of the last batch it yielded, not as of the last
+        batch drawn (which is ``prefetch_depth`` ahead); ``load_state_dict(state)`` on a new ``iterate()`` of a fresh
+        dataloader, before its first batch, goes on after that batch, and the batches that were in flight are asked
+        for again (docs/reliability.md, "Stopping and resuming training"). It needs a dataloader that saves its state
+        (torchdata's ``StatefulDataLoader``); with a store, taking the state also writes what the store recorded.
+        """
+        return ResumableIteration(
+            dataloader,
+            lambda batch: self.generate_batch_async(**batch_arguments(batch)),
+            self.wait,
+            self.prefetch_depth,
+            before_state=lambda: self._opened().flush(self.request_timeout),
+        )
 
     # ------------------------------------------------------------ plumbing
     # The vocab mapping this rank's batches are computed with (its digest; None: the identity), named by every batch.

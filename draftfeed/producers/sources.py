@@ -179,6 +179,9 @@ class BrokerSource:
     def pair_group(self, worker: str) -> PairOpen | None:
         return self.connection.pairs.opened(worker)
 
+    def flush(self, timeout_s: float) -> None:
+        """Nothing is recorded without a store."""
+
     def close(self, timeout_s: float) -> None:
         self.connection.close()
 
@@ -290,6 +293,10 @@ class StoredSource:
 
     def pair_group(self, worker: str) -> PairOpen | None:
         return self.broker.pair_group(worker) if self.broker is not None else None
+
+    def flush(self, timeout_s: float) -> None:
+        """Write what was recorded so far into the store for good (its shard and index line)."""
+        self.store.flush(timeout_s)
 
     def close(self, timeout_s: float) -> None:
         """Write what the store has still to record, then close the broker's connection (also if that write failed)."""

@@ -185,6 +185,11 @@ class SupervisionStore:
         except OSError as exc:
             raise StoreWriteError(f"cannot write the weight {path}: {exc.strerror or exc}") from None
 
+    def flush(self, timeout_s: float) -> None:
+        """Write what was recorded so far into the store for good (a shard and its index line), if anything was."""
+        if self._recorder is not None:
+            self._recorder.flush(timeout_s)
+
     def close(self, timeout_s: float) -> None:
         """Finish recording (the last shard is written) and release the files; the recorder's error, if any."""
         recorder, self._recorder = self._recorder, None

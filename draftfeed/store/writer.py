@@ -49,6 +49,8 @@ class Recorder:
         self._pending: dict[str, dict[str, torch.Tensor]] = {}  # recorded, their shard not yet in the index
         self._error: StoreWriteError | None = None
         self._closing = False
+        self._flushes_asked = 0  # flush() calls so far; the thread has written everything queued before the last done
+        self._flushes_done = 0
         self._shards_written = 0
         self._thread = threading.Thread(target=self._run, name=f"draftfeed-store-{writer}", daemon=True)
         self._thread.start()
@@ -79,6 +81,20 @@ class Recorder:
     def shards_written(self) -> int:
         return self._shards_written
 
+    def flush(self, timeout_s: float) -> None:
+        """Write every batch queued so far into a shard and its index line, then return (a partial shard: a resumed
+        run reads these batches back even if this process is killed right after). Raises the recorder's error."""
+        with self._cond:
+            self._flushes_asked += 1
+            asked = self._flushes_asked
+            self._cond.notify_all()
+            if not self._cond.wait_for(lambda: self._error is not None or self._flushes_done >= asked, timeout_s):
+                raise StoreWriteError(
+                    f"the store at {self.store} did not write its batches within {timeout_s:.0f} s: is its disk this slow, or stuck?"
+                )
+            if self._error is not None:
+                raise self._error
+
     def close(self, timeout_s: float) -> None:
         """Write what is queued and the last, partial shard; raise the recorder's error, if it had one."""
         atexit.unregister(self._close_at_exit)
@@ -103,8 +119,10 @@ class Recorder:
         gathered = 0
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._queue or self._closing)
+                self._cond.wait_for(lambda: self._queue or self._closing or self._flushes_asked > self._flushes_done)
                 item = self._queue.popleft() if self._queue else None
+                flush = item is None and not self._closing  # the queue is empty: what flush() asked for is gathered
+                flushed = self._flushes_asked
                 self._cond.notify_all()  # room for admit()
             if item is not None:
                 key, fields, tokens = item
@@ -117,8 +135,12 @@ class Recorder:
                 if not self._write(tensors, batches):
                     return
                 tensors, batches, gathered = {}, [], 0
-            if item is None:
-                return
+            if item is None:  # everything queued is written: flush() calls made so far are answered
+                with self._cond:
+                    self._flushes_done = flushed
+                    self._cond.notify_all()
+                if not flush:
+                    return
 
     def _write(self, tensors: dict[str, torch.Tensor], batches: list[BatchRecord]) -> bool:
         name = f"{self._shards_written:06d}{SHARD_SUFFIX}"
