@@ -9,6 +9,10 @@ Tensor parallel (issue 26): the vllm engine at tensor_parallel=2 (two vLLM CPU r
 by its own test, held to the same agreement with hf and compared with one rank, and closed there: its ranks hold both
 cores while they run.
 
+The tasks of issue 29 (DFlash with layers up to L - 1 and the target's logits, EAGLE-1/2, ViSpec on a text-only batch)
+run on the vllm engine the module starts once, against hf on the same batch, within the same bounds (logits also
+within 1e-4 absolute, the bound of the tensor-parallel comparison).
+
 Agreement (issue 6): hidden states within 1e-5 relative (per position: |x - y| / |y| over the hidden
 vector), target_probs within 1e-5 absolute, position_mask and target_argmax equal except where the top
 two logits tie within tolerance (counted and printed). Padded positions are zeros in every engine.
@@ -196,6 +200,52 @@ def test_dspark_agrees_with_hf_at_every_layer_id(name, engines, hf_engine, vllm_
             got["target_hidden_states"][..., part], expected["target_hidden_states"][..., part], batch["attention_mask"], f"layer id {layer_id}"
         )
     assert_hidden_close(got["target_last_hidden_states"], expected["target_last_hidden_states"], batch["attention_mask"], "target_last_hidden_states")
+
+
+DFLASH_IDS = [1, 3, 5]  # 5 = L - 1: the last layer's output, before the final norm
+LOGITS_ATOL = 1e-4  # the largest |difference| of logits the tensor-parallel comparison allows
+
+
+def assert_fields_close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], attention_mask: torch.Tensor, label: str) -> str:
+    """Every field of ``expected`` within the module's relative bound per position (the hidden states layer by
+    layer), logits also within LOGITS_ATOL; what was measured, as text."""
+    assert set(got) == set(expected), f"{label}: {sorted(got)} != {sorted(expected)}"
+    measured = []
+    for name, tensor in expected.items():
+        width = HIDDEN if name == "hidden_states" else tensor.shape[-1]  # DFlash's layers side by side
+        worst = max(
+            assert_hidden_close(got[name][..., part : part + width], tensor[..., part : part + width], attention_mask, f"{label} {name}[{part}:]")
+            for part in range(0, tensor.shape[-1], width)
+        )
+        largest = float((got[name] - tensor).abs().max())
+        if "logits" in name:
+            assert largest <= LOGITS_ATOL, f"{label} {name}: largest |difference| {largest:.2e} > {LOGITS_ATOL}"
+        measured.append(f"{name} rel {worst:.1e} abs {largest:.1e}")
+    return f"{label}: " + ", ".join(measured)
+
+
+@pytest.mark.parametrize("name", OTHER_ENGINES)
+def test_dflash_eagle_and_vispec_agree_with_hf(name, engines, hf_engine, vllm_target):
+    """DFlash at layers up to L - 1 with the target's logits (JetSpec) in both forms, EAGLE-1/2 in both forms, and
+    ViSpec on a text-only batch (the embeddings and the final norm's output), each through its task on the same
+    batch as hf. The engine prepared for every capture serves them all: no new start."""
+    engine = get_engine(engines, name, vllm_target)
+    batch = padded_batch(seed=19)
+    args = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
+    cases = {
+        "dflash": {"layer_ids": DFLASH_IDS, "capture_logits": True},
+        "dflash compact": {"layer_ids": DFLASH_IDS, "capture_logits": True, "supervision": "hidden"},
+        "eagle": {},
+        "eagle compact": {"supervision": "hidden"},
+        "vispec": {"image_token_id": VOCAB - 1},  # a text-only batch: no token is an image
+    }
+    lines = []
+    for label, options in cases.items():
+        task = label.split()[0]
+        got = load_task(task, engine, **options).compute(*args)
+        expected = load_task(task, hf_engine, **options).compute(*args)
+        lines.append(assert_fields_close(got, expected, batch["attention_mask"], f"{name} {label}"))
+    print("\n" + "\n".join(lines))
 
 
 def assert_equal_to_the_reference(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], added_by_the_rank: set[str]) -> None:

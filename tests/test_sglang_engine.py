@@ -5,8 +5,12 @@ sglang's capture semantics (``set_eagle3_layers_to_capture(ids)`` keeps what ent
 logits processor stores the aux states under ``CaptureHiddenMode.FULL``), computed with transformers on CPU.
 
 What this proves: the adapter's own logic, i.e. one request per row holding only its real tokens,
-results put back at the right positions, HF layer ids passed through unchanged, full logits taken from
-the logits processor, pools cleared between requests, the refusals and the version gate. What it does
+results put back at the right positions, HF layer ids passed through unchanged, full logits and the final norm's
+output taken from the logits processor, pools cleared between requests, the refusals and the version gate.
+
+Tasks (issue 29): EAGLE-3 (both forms), DSpark without id -1, DFlash at layers 0..L-2 (with JetSpec's logits, both
+forms), EAGLE-1/2 (both forms) equal hf within 1e-6; refused at start in one line: the last layer L - 1 as an EAGLE-3
+aux id or a DFlash layer, and the embeddings (DSpark's id -1, ViSpec's inputs_embeds). What it does
 NOT prove: that the real sglang's internals have these signatures and behave this way (they move between
 versions), nor sglang's numerics on a GPU; that needs a run against a real sglang install.
 
@@ -114,23 +118,64 @@ def test_padding_and_empty_rows_are_zero(engine):
     assert out.layer_outputs[1][1].eq(0).all()
 
 
-def test_refuses_hidden_supervision(engine):
-    with pytest.raises(ValueError, match=r"post-norm final hidden state.*use --engine hf or vllm"):
-        load_task("eagle3", engine, AUX_IDS, supervision="hidden")
+@pytest.fixture(scope="module")
+def hf(target):
+    return load_engine("hf", str(target), "cpu", "float32")
+
+
+def assert_agrees(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], label: str) -> None:
+    """The same fields, dtypes and shapes as hf, every value within 1e-6 (the fake runs each row alone); the largest
+    difference printed."""
+    assert set(got) == set(expected), f"{label}: {sorted(got)} != {sorted(expected)}"
+    worst = {}
+    for name, tensor in expected.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, f"{label} {name}"
+        worst[name] = float((got[name].double() - tensor.double()).abs().max())
+        assert worst[name] <= 1e-6, f"{label} {name}: largest |difference| {worst[name]:.2e} > 1e-6"
+    print(f"\n{label} vs hf, largest |difference|: " + ", ".join(f"{name} {value:.1e}" for name, value in worst.items()))
+
+
+def task_args(seed: int) -> tuple[torch.Tensor, ...]:
+    batch = make_batch(3, 24, 512, seed=seed)
+    return batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None
+
+
+# The final norm's output is what the model hands its logits processor, kept beside the aux layers (FullLogits).
+@pytest.mark.parametrize(
+    ("task", "options"),
+    [
+        ("eagle3", {"layer_ids": AUX_IDS, "supervision": "hidden"}),
+        ("dspark", {"layer_ids": [0, 2, LAYERS - 1]}),  # L - 1: the final norm's output
+        ("dflash", {"layer_ids": [0, 2, LAYERS - 2], "capture_logits": True}),  # JetSpec's logits
+        ("dflash", {"layer_ids": [0, 2, LAYERS - 2], "capture_logits": True, "supervision": "hidden"}),
+        ("dflash", {"draft_layers": 2}),  # the recipe's default layers (1 and L - 3), no logits
+        ("eagle", {}),
+        ("eagle", {"supervision": "hidden"}),
+    ],
+)
+def test_tasks_that_need_the_final_hidden_state_or_logits_equal_hf(engine, hf, task, options):
+    args = task_args(seed=4)
+    got = load_task(task, engine, **options).compute(*args)
+    assert_agrees(got, load_task(task, hf, **options).compute(*args), f"{task} {options}")
 
 
 @pytest.mark.parametrize(
-    ("ids", "match"),
-    [([-1, 1, 2], r"embeddings.*-1.*use --engine hf or vllm"), ([1, 2, LAYERS - 1], rf"final hidden state.*{LAYERS - 1}.*use --engine hf or vllm")],
+    ("task", "options", "match"),
+    [
+        ("dspark", {"layer_ids": [-1, 1, 2]}, r"embeddings .*DSpark's layer id -1.*use --engine hf or vllm"),
+        ("vispec", {"image_token_id": 511}, r"embeddings .*ViSpec's inputs_embeds.*use --engine hf or vllm"),
+        (
+            "eagle3",
+            {"layer_ids": [0, 2, LAYERS - 1]},
+            rf"cannot capture layer ids \[{LAYERS - 1}\].*choose layers below {LAYERS - 1}, or use --engine hf or vllm",
+        ),
+        ("dflash", {"layer_ids": [1, 3, LAYERS - 1]}, rf"cannot capture layer ids \[{LAYERS - 1}\].*last layer {LAYERS - 1}'s output"),
+    ],
 )
-def test_refuses_dspark_edges(engine, ids, match):
-    with pytest.raises(ValueError, match=match):
-        load_task("dspark", engine, ids)
-
-
-def test_refuses_last_aux_layer(engine):
-    with pytest.raises(ValueError, match=rf"cannot capture layer ids \[{LAYERS - 1}\].*use --engine hf or vllm"):
-        load_task("eagle3", engine, [0, 2, LAYERS - 1])
+def test_refuses_what_sglang_cannot_capture_in_one_line(engine, task, options, match):
+    with pytest.raises(ValueError, match=match) as refused:
+        load_task(task, engine, **options)
+    assert "\n" not in str(refused.value)
 
 
 def test_missing_sglang_is_a_clear_error(monkeypatch, target):
@@ -188,6 +233,9 @@ def no_sigterm():
     signal.signal(signal.SIGTERM, previous)
 
 
+TP_TASKS = {"eagle": {}, "dflash": {"layer_ids": [1, 3], "capture_logits": True}}
+
+
 def test_tensor_parallel_2_equals_tp_1(fake_sglang, target, monkeypatch, no_sigterm):
     import torch.distributed as dist
 
@@ -202,6 +250,8 @@ def test_tensor_parallel_2_equals_tp_1(fake_sglang, target, monkeypatch, no_sigt
     one = SGLangEngine(str(target), device="cpu", dtype="float32")
     try:
         expected = load_task("eagle3", one, AUX_IDS).compute(*args)
+        # EAGLE-1/2 and JetSpec: the final hidden state and the logits kept by every rank's logits processor
+        others = {task: load_task(task, one, **options).compute(*args) for task, options in TP_TASKS.items()}
         embeddings = (one.input_embeddings(), one.output_embeddings())
     finally:
         one.close()
@@ -221,6 +271,9 @@ def test_tensor_parallel_2_equals_tp_1(fake_sglang, target, monkeypatch, no_sigt
             assert set(got) == set(expected)
             for name, tensor in expected.items():
                 assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+        for name, options in TP_TASKS.items():
+            got = load_task(name, engine, **options).compute(*args)
+            assert set(got) == set(others[name]) and all(torch.equal(got[key], others[name][key]) for key in got), name
         assert torch.equal(engine.input_embeddings(), embeddings[0])
         assert torch.equal(engine.output_embeddings(), embeddings[1])
 

@@ -287,3 +287,43 @@ def test_moe_families_at_degree_2(tmp_path):
             TensorParallelEngine("hf", str(tmp_path / family), ["cpu", "cpu"], "float32", on_lost=lambda _why: None)
         assert f"fails a padded batch at --tensor-parallel 2 ({outcomes[family]['fails']}); serve it with --device-map auto" in str(refused.value)
         assert not torch.distributed.is_initialized()  # nothing is left of the group
+
+
+def test_dflash_eagle_and_vispec_captures_at_degree_2(tiny_target, tiny_model):
+    """The captures of the three newer tasks through the tensor-parallel engine (one follower, no worker): layer
+    outputs up to L - 1 with the model's logits (DFlash, JetSpec; a packed batch too), the final norm's output with
+    lm_head gathered inside the task's inference-mode compute (EAGLE-1/2), and the embeddings (ViSpec, a text-only
+    batch), each within the last bits of degree 1 (the reductions split differently), as above."""
+    from draftfeed.consumers.tasks import load_task
+
+    layers = tiny_model.config.num_hidden_layers
+    lost: list[str] = []
+    two = TensorParallelEngine("hf", str(tiny_target), ["cpu", "cpu"], "float32", on_lost=lost.append)
+    one = load_engine("hf", str(tiny_target), "cpu", "float32")
+    named = batches()
+    cases = [
+        ("dflash", {"layer_ids": [0, layers // 2, layers - 1], "capture_logits": True}, "plain-0"),
+        ("dflash", {"layer_ids": [0, layers // 2, layers - 1], "capture_logits": True}, "packed-0"),
+        ("eagle", {}, "plain-1"),
+        ("vispec", {"image_token_id": 999}, "plain-2"),
+    ]
+    worst: dict[str, float] = {}
+    try:
+        for task, options, name in cases:
+            batch = named[name]
+            documents = None
+            if "seq_lens" in batch:
+                from draftfeed.contract.packing import check_packing
+
+                documents = check_packing(batch["attention_mask"], batch["position_ids"], batch["seq_lens"])
+            args = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None, documents)
+            got, expected = load_task(task, two, **options).compute(*args), load_task(task, one, **options).compute(*args)
+            assert set(got) == set(expected), task
+            for field, tensor in expected.items():
+                assert got[field].dtype == tensor.dtype and got[field].shape == tensor.shape, (task, field)
+                worst[f"{task} {name} {field}"] = (got[field].double() - tensor.double()).abs().max().item()
+    finally:
+        two.close()
+    print("\nlargest |difference| between degree 2 and degree 1: " + ", ".join(f"{key} {value:.2g}" for key, value in worst.items()))
+    assert max(worst.values()) < 1e-5, worst
+    assert lost == [] and not torch.distributed.is_initialized()

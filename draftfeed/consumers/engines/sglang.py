@@ -31,26 +31,27 @@ process and the N - 1 it starts (engines/parallel/) each build this engine with 
 ``ModelRunner`` at ``tp_rank`` = its rank, ``tp_size`` = N, ``gpu_id`` = the index of its device and ``nccl_port`` =
 the port every rank shares (``engine_port``), so the N runners form sglang's own group; draftfeed joins no process
 group itself. Every call (prepare, each forward, each weight) is made on every rank in the same order, so sglang's
-collectives line up. sglang shards the weights and its layers all-reduce, so the captured aux states and the logits
-(all-gathered over the vocab by its logits processor) are whole on every rank; only rank 0's are kept. The
-embeddings are vocab shards (``VocabParallelEmbedding`` / ``ParallelLMHead``), gathered over the ranks. ``tp_size``
-is set by ``--tensor-parallel`` only, and ``pp_size`` must stay 1.
+collectives line up. sglang shards the weights and its layers all-reduce, so the captured aux states, the final hidden
+state and the logits (all-gathered over the vocab by its logits processor) are whole on every rank; only rank 0's are
+kept. The embeddings are vocab shards (``VocabParallelEmbedding`` / ``ParallelLMHead``), gathered over the ranks.
+``tp_size`` is set by ``--tensor-parallel`` only, and ``pp_size`` must stay 1.
 
 Layer semantics. sglang's ``set_eagle3_layers_to_capture(ids)`` stores ``hidden_states + residual`` entering
 decoder layer id + 1, which is what transformers' layer id returns, so HF layer ids are passed unchanged.
 What sglang cannot give, and this engine refuses in ``prepare`` (use the hf or vllm engine instead):
 
-- the last layer L - 1 (there is no layer L to enter);
-- the embeddings (DSpark's layer id -1);
-- the post-norm final hidden state (``--supervision hidden``, and DSpark, whose ``target_last_hidden_states``
-  is that state): with aux layers captured, sglang's logits processor stores them instead of it.
+- the last layer L - 1 (there is no layer L to enter): an EAGLE-3 aux id or a DFlash target layer L - 1;
+- the embeddings (the input of decoder layer 0: DSpark's layer id -1, ViSpec's ``inputs_embeds``).
 
-Logits over every position: with ``CaptureHiddenMode.FULL`` the logits processor sees the post-norm hidden
-state of every token; the engine wraps it (``FullLogits``) and keeps ``_get_logits`` of all positions, i.e.
-sglang's own lm_head, scaling and soft-capping, not a rebuild.
+Logits and the final hidden state over every position: the model hands its logits processor the post-norm hidden
+state of every token (with ``CaptureHiddenMode.FULL`` and aux layers or not: the aux states travel beside it). The
+engine wraps the processor (``FullLogits``) and keeps, as asked, that hidden state (the final norm's output: EAGLE-1/2,
+ViSpec, DSpark's id L - 1, the compact forms) and ``_get_logits`` of all positions, i.e. sglang's own lm_head,
+scaling and soft-capping, not a rebuild.
 
 Each row of a batch runs as its own request holding only its real tokens (attention_mask 1, in order);
-results go back to those positions of zero tensors, and the request and KV pools are cleared after each.
+results go back to those positions of zero tensors, and the request and KV pools are cleared after each. The logits
+are put back in the model's dtype, as the other engines return them.
 """
 
 from __future__ import annotations
@@ -96,20 +97,15 @@ def refusal(capture: Capture, num_hidden_layers: int) -> str | None:
     last = num_hidden_layers - 1
     if capture.embeddings:
         return (
-            "the sglang engine cannot capture the embeddings (the input of decoder layer 0, DSpark's layer id -1): "
-            f"sglang's EAGLE-3 capture only holds the inputs of layers 1..{last}; {INSTEAD}"
-        )
-    if capture.final_hidden:
-        return (
-            "the sglang engine cannot capture the post-norm final hidden state (final_hidden: --supervision hidden, "
-            f"and DSpark's target_last_hidden_states and layer id {last}): with aux layers captured sglang stores "
-            f"them in its place; {INSTEAD}"
+            "the sglang engine cannot capture the embeddings (the input of decoder layer 0: DSpark's layer id -1, "
+            f"ViSpec's inputs_embeds): sglang's EAGLE-3 capture holds only the outputs of layers 0..{last - 1}; {INSTEAD}"
         )
     bad = [i for i in capture.layer_ids if not 0 <= i < last]
     if bad:
         return (
             f"the sglang engine cannot capture layer ids {bad} of a {num_hidden_layers}-layer target: sglang captures "
-            f"the input of layer id + 1, so only ids 0..{last - 1} exist (not the last layer {last}); {INSTEAD}"
+            f"the input of layer id + 1, so only ids 0..{last - 1} exist, not the last layer {last}'s output (pre-norm); "
+            f"choose layers below {last}, or {INSTEAD}"
         )
     return None
 
@@ -118,17 +114,22 @@ SGLANG_IMAGES_REFUSAL = "engine sglang takes no image inputs in draftfeed: serve
 
 
 class FullLogits(nn.Module):
-    """Stands in for the model's logits processor: passes its output through unchanged and, while
-    ``keep`` is set, also keeps the logits over every position (sglang's own ``_get_logits``)."""
+    """Stands in for the model's logits processor: passes its output through unchanged and, while asked, also keeps
+    the post-norm hidden state it is handed (``keep_hidden``) and the logits over every position (``keep``:
+    sglang's own ``_get_logits``)."""
 
     def __init__(self, inner: nn.Module, metadata_class: Any) -> None:
         super().__init__()
         self.inner = inner
         self.metadata_class = metadata_class
         self.keep = False
+        self.keep_hidden = False
         self.logits: torch.Tensor | None = None
+        self.hidden: torch.Tensor | None = None
 
     def forward(self, input_ids: Any, hidden_states: torch.Tensor, lm_head: nn.Module, logits_metadata: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.keep_hidden:
+            self.hidden = hidden_states.clone()  # taken before the processor runs, which may prune or reuse it
         output = self.inner(input_ids, hidden_states, lm_head, logits_metadata, *args, **kwargs)
         if self.keep:
             metadata = logits_metadata
@@ -137,11 +138,17 @@ class FullLogits(nn.Module):
             self.logits = self.inner._get_logits(hidden_states, lm_head, metadata)
         return output
 
-    def take(self) -> torch.Tensor:
-        logits, self.logits = self.logits, None
-        if logits is None:
+    def take(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The kept (hidden state, logits), each None unless asked; a RuntimeError if the processor was not called."""
+        hidden, logits = self.hidden, self.logits
+        self.hidden = self.logits = None
+        if (self.keep_hidden and hidden is None) or (self.keep and logits is None):
             raise RuntimeError("sglang's logits processor was not called during the forward")
-        return logits
+        return hidden, logits
+
+    def reset(self) -> None:
+        self.keep = self.keep_hidden = False
+        self.hidden = self.logits = None
 
 
 class SGLangEngine:
@@ -264,22 +271,31 @@ class SGLangEngine:
             raise ValueError(f"layer ids {sorted(set(capture.layer_ids) - set(self._ids))} were not prepared")
         batch, seq = input_ids.shape
         hidden = self.shape.hidden_size
-        out = ForwardOutput(layer_outputs={i: torch.zeros(batch, seq, hidden, dtype=self.dtype, device=self.device) for i in capture.layer_ids})
+
+        def zeros(width: int) -> torch.Tensor:
+            return torch.zeros(batch, seq, width, dtype=self.dtype, device=self.device)
+
+        out = ForwardOutput(
+            layer_outputs={i: zeros(hidden) for i in capture.layer_ids},
+            final_hidden=zeros(hidden) if capture.final_hidden else None,
+            logits=zeros(self.shape.vocab_size) if capture.logits else None,
+        )
         for row, positions in request_segments(attention_mask, documents):  # a row, or a packed row's document, is one request
-            aux, logits = self._extend(input_ids[row, positions].tolist(), want_logits=capture.logits)
+            aux, final, logits = self._extend(input_ids[row, positions].tolist(), want_final=capture.final_hidden, want_logits=capture.logits)
             positions = positions.to(self.device)
             for i in capture.layer_ids:
                 out.layer_outputs[i][row, positions] = aux[i].to(self.device, self.dtype)
-            if logits is not None:
-                if out.logits is None:
-                    out.logits = torch.zeros(batch, seq, logits.shape[-1], dtype=logits.dtype, device=self.device)
-                out.logits[row, positions] = logits.to(self.device)
-        if capture.logits and out.logits is None:  # no real token in the batch
-            out.logits = torch.zeros(batch, seq, self.shape.vocab_size, dtype=self.dtype, device=self.device)
+            if out.final_hidden is not None and final is not None:
+                out.final_hidden[row, positions] = final.to(self.device, self.dtype)
+            if out.logits is not None and logits is not None:
+                out.logits[row, positions] = logits.to(self.device, self.dtype)
         return out
 
-    def _extend(self, tokens: list[int], want_logits: bool) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
-        """One request's prefill: the captured layers {id: [n, H]} and, when wanted, its logits [n, V]."""
+    def _extend(
+        self, tokens: list[int], want_final: bool, want_logits: bool
+    ) -> tuple[dict[int, torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
+        """One request's prefill: the captured layers {id: [n, H]} and, when wanted, its final hidden state [n, H]
+        (post-norm) and its logits [n, V]."""
         from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
         from sglang.srt.sampling.sampling_params import SamplingParams
@@ -297,7 +313,7 @@ class SGLangEngine:
         req.fill_ids = req.origin_input_ids
         req.extend_input_len = len(req.fill_ids) - len(req.prefix_indices)
         req.logprob_start_len = len(tokens) - 1
-        head.keep = want_logits
+        head.keep, head.keep_hidden = want_logits, want_final
         try:
             batch = ScheduleBatch.init_new(
                 reqs=[req],
@@ -312,10 +328,9 @@ class SGLangEngine:
             forward_batch = ForwardBatch.init_new(batch.get_model_worker_batch(), runner)
             forward_batch.capture_hidden_mode = CaptureHiddenMode.FULL
             output = runner.forward(forward_batch).logits_output
-            logits = head.take() if want_logits else None
+            final, logits = head.take()
         finally:
-            head.keep = False
-            head.logits = None
+            head.reset()
             runner.req_to_token_pool.clear()
             runner.token_to_kv_pool_allocator.clear()
         aux: dict[int, torch.Tensor] = {}
@@ -326,9 +341,11 @@ class SGLangEngine:
                 got = None if stored is None else tuple(stored.shape)
                 raise RuntimeError(f"sglang returned captured hidden states of shape {got}; expected {expected} for ids {list(self._ids)}")
             aux = dict(zip(self._ids, stored.split(self.shape.hidden_size, dim=-1)))
+        if final is not None and tuple(final.shape) != (len(tokens), self.shape.hidden_size):
+            raise RuntimeError(f"sglang's final hidden state has shape {tuple(final.shape)}; expected {(len(tokens), self.shape.hidden_size)}")
         if logits is not None and tuple(logits.shape) != (len(tokens), self.shape.vocab_size):
             raise RuntimeError(f"sglang's logits have shape {tuple(logits.shape)}; expected {(len(tokens), self.shape.vocab_size)}")
-        return aux, logits
+        return aux, final, logits
 
     # ---------------------------------------------------------------- weights, close
     def _weight(self, path: str) -> torch.Tensor:

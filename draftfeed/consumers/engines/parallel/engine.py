@@ -183,9 +183,17 @@ class TensorParallelEngine:
         return self._call(command, run, tensors)
 
     def _weight(self, which: Literal["input", "output"]) -> torch.Tensor:
+        """The weight gathered once. A task may first ask for it inside its inference-mode compute (EAGLE-1/2 and
+        ViSpec apply lm_head there); the followers gather outside inference mode, so rank 0 does too: a DTensor's
+        gather fails under it ("Cannot set version_counter for inference tensor") and leaves the ranks out of step."""
         if which not in self._weights:
-            inner = self.inner.input_embeddings if which == "input" else self.inner.output_embeddings
-            self._weights[which] = self._call(Weight(call=0, which=which), inner)
+            method = self.inner.input_embeddings if which == "input" else self.inner.output_embeddings
+
+            def gather() -> torch.Tensor:
+                with torch.inference_mode(False):
+                    return method()
+
+            self._weights[which] = self._call(Weight(call=0, which=which), gather)
         return self._weights[which]
 
     def _check_padded_batch(self, target: str) -> None:
