@@ -160,6 +160,18 @@ class RemoteTarget(Generic[Sup, Info]):
         """The target's output embedding (lm_head) weight [V, H] as a frozen ``nn.Embedding``, fetched once."""
         return self._embedding("output_embeddings")
 
+    def get_lm_head(self) -> nn.Linear:
+        """The target's lm_head as a frozen ``nn.Linear`` without bias, its weight [V, H] the output embedding's (the same
+        tensor, fetched once): NeMo's EAGLE-1/2 and ViSpec recipes start their draft's head from it."""
+        if self._lm_head is None:
+            weight = self.get_output_embeddings().weight
+            head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+            head.weight = weight  # a frozen Parameter: no copy
+            self._lm_head = head.requires_grad_(False)
+        return self._lm_head
+
+    _lm_head: nn.Linear | None = None
+
     def _embedding(self, kind: str) -> nn.Embedding:
         if kind not in self._embeddings:
             self._embeddings[kind] = nn.Embedding.from_pretrained(self._fetch_weight(kind), freeze=True)

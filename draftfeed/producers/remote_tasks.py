@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import ClassVar, TypeVar
 
 import torch
-from torch import nn
 
 from draftfeed.contract.compact import CompactLogits
 from draftfeed.contract.images import shifted_image_mask
@@ -58,18 +57,6 @@ class _WithLogits(RemoteTarget[Sup, Info]):
 
     def _compact_answer(self, received: dict[str, torch.Tensor]) -> bool:
         return self.COMPACT_HIDDEN in received
-
-    _lm_head: nn.Linear | None = None
-
-    def get_lm_head(self) -> nn.Linear:
-        """The target's lm_head as a frozen ``nn.Linear`` without bias, its weight [V, H] the output embedding,
-        fetched once (the same tensor as ``get_output_embeddings().weight``)."""
-        if self._lm_head is None:
-            weight = self.get_output_embeddings().weight
-            head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-            head.weight = weight  # a frozen Parameter: no copy
-            self._lm_head = head.requires_grad_(False)
-        return self._lm_head
 
 
 class RemoteDFlashTarget(_WithLogits[DFlashSupervision, DFlashTargetInfo]):
