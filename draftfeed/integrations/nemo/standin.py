@@ -26,21 +26,15 @@ class DraftfeedTargetModel(nn.Module):
         self.config = config
         self.recipe = recipe  # the recipe class's name, for messages
         self.url = url
-        self._head: nn.Linear | None = None
 
     def get_input_embeddings(self) -> nn.Embedding:
         """The target's input embedding, frozen, fetched once."""
         return self.client.get_input_embeddings()
 
     def get_output_embeddings(self) -> nn.Linear:
-        """The target's lm_head as a frozen ``nn.Linear`` without bias (weight [V, H]), fetched once."""
-        if self._head is None:
-            weight = self.client.get_output_embeddings().weight
-            head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-            head.weight = nn.Parameter(weight, requires_grad=False)  # the fetched tensor, not a copy
-            # held outside the module's registry: nothing of the target is a parameter of anything the recipe trains
-            object.__setattr__(self, "_head", head)
-        return self._head  # type: ignore[return-value]
+        """The target's lm_head as a frozen ``nn.Linear`` without bias (weight [V, H]), fetched once; the client's, held
+        outside this module's registry: nothing of the target is a parameter of anything the recipe trains."""
+        return self.client.get_lm_head()
 
     @property
     def lm_head(self) -> nn.Linear:
