@@ -287,8 +287,13 @@ class RemoteTarget(Generic[Sup, Info]):
             lambda batch: self.generate_batch_async(**batch_arguments(batch)),
             self.wait,
             self.prefetch_depth,
-            before_state=lambda: self._opened().flush(self.request_timeout),
+            before_state=self._write_store,
         )
+
+    def _write_store(self) -> None:
+        """Have the store write what it recorded so far (a closed rank's store has written everything)."""
+        if not self._closed:
+            self._made().flush(self.request_timeout)
 
     # ------------------------------------------------------------ plumbing
     # The vocab mapping this rank's batches are computed with (its digest; None: the identity), named by every batch.
