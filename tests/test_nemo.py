@@ -13,19 +13,16 @@ torchao importable, transformers loads it in every process that loads a model, e
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import add_service, make_batch
 from reference import make_packed_batch
+from support.nemo import nemo_on_path
 
 from draftfeed.integrations.nemo import DraftfeedEagle3TargetModel, use_draftfeed
 
-NEMO_PACKAGES = Path(__file__).resolve().parents[1] / ".nemo-packages"
 pytestmark = pytest.mark.timeout(180)
 
 SERVICE = "nemo-eagle3"
@@ -38,10 +35,7 @@ PREFETCH = 3  # the recipe's target_prefetch_depth
 @pytest.fixture(scope="module")
 def nemo() -> SimpleNamespace:
     """NeMo's names the tests use, imported from .nemo-packages (after the venv's own packages on the path)."""
-    if str(NEMO_PACKAGES) not in sys.path:
-        sys.path.append(str(NEMO_PACKAGES))
-    if importlib.util.find_spec("nemo_automodel") is None:
-        pytest.skip(f"nemo-automodel is not installed in {NEMO_PACKAGES} (`make venv` installs it: nemo-automodel 0.7.0, --no-deps)")
+    nemo_on_path()
     from nemo_automodel.components.config.loader import ConfigNode
     from nemo_automodel.components.datasets.llm.eagle3 import build_eagle3_token_mapping
     from nemo_automodel.components.speculative.eagle import Eagle3TargetBackend, Eagle3TrainerModule, HFEagle3TargetModel

@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import importlib
 import importlib.util
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,6 +20,7 @@ import pytest
 import torch
 from conftest import add_service, make_batch
 from reference import make_packed_batch
+from support.nemo import nemo_on_path
 
 from draftfeed.integrations.nemo import (
     DraftfeedDFlashTarget,
@@ -32,7 +32,6 @@ from draftfeed.integrations.nemo import (
 )
 from draftfeed.integrations.nemo.recipes import draftfeed_target
 
-NEMO_PACKAGES = Path(__file__).resolve().parents[1] / ".nemo-packages"
 pytestmark = pytest.mark.timeout(180)
 
 LAYERS = [1, 3, 5]
@@ -47,10 +46,7 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module")
 def nemo() -> SimpleNamespace:
     """NeMo's recipe modules, from .nemo-packages (after the venv's own packages on the path), with use_draftfeed() in force."""
-    if str(NEMO_PACKAGES) not in sys.path:
-        sys.path.append(str(NEMO_PACKAGES))
-    if importlib.util.find_spec("nemo_automodel") is None:
-        pytest.skip(f"nemo-automodel is not installed in {NEMO_PACKAGES} (`make venv` installs it: nemo-automodel 0.7.0, --no-deps)")
+    nemo_on_path()
     use_draftfeed()
     use_draftfeed()  # a second call changes nothing
     from nemo_automodel.components.config.loader import ConfigNode

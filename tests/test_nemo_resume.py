@@ -11,18 +11,16 @@ budget. The dataset's indices each step trained on are recorded and compared wit
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import add_service, make_batch
+from support.nemo import nemo_on_path
 
 from draftfeed.integrations.nemo import use_draftfeed
 
-NEMO_PACKAGES = Path(__file__).resolve().parents[1] / ".nemo-packages"
 pytestmark = pytest.mark.timeout(180)
 
 SERVICE = "nemo-resume"
@@ -58,10 +56,7 @@ class Rows(torch.utils.data.Dataset):
 @pytest.fixture(scope="module")
 def nemo() -> SimpleNamespace:
     """NeMo's names, imported from .nemo-packages (as tests/test_nemo.py's fixture does), and the recipe class."""
-    if str(NEMO_PACKAGES) not in sys.path:
-        sys.path.append(str(NEMO_PACKAGES))
-    if importlib.util.find_spec("nemo_automodel") is None:
-        pytest.skip(f"nemo-automodel is not installed in {NEMO_PACKAGES} (`make venv` installs it: nemo-automodel 0.7.0, --no-deps)")
+    nemo_on_path()
     from nemo_automodel.components.config.loader import ConfigNode
     from nemo_automodel.components.datasets.llm.eagle3 import build_eagle3_token_mapping
     from nemo_automodel.components.speculative.eagle import Eagle3TrainerModule

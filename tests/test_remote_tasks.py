@@ -11,8 +11,6 @@ NeMo is imported from .nemo-packages as tests/test_nemo.py does (after the worke
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,7 +18,8 @@ import pytest
 import torch
 from conftest import add_service, make_batch, raw_peer
 from reference import difference, make_packed_batch, shift_left
-from test_images import IMAGE, gemma_batch
+from support.images import IMAGE, gemma_batch
+from support.nemo import nemo_on_path
 
 from draftfeed import (
     DFlashSupervision,
@@ -36,7 +35,6 @@ from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import FRONTEND_OUTBOUND, ErrorReply, Hello, Submit
 from draftfeed.store.inspect import info_lines
 
-NEMO_PACKAGES = Path(__file__).resolve().parents[1] / ".nemo-packages"
 pytestmark = pytest.mark.timeout(240)
 
 LAYER_IDS = [1, 4, 7]  # of the tiny target's 8 decoder layers
@@ -78,10 +76,7 @@ def services(cluster, tiny_target, vispec_target):
 @pytest.fixture(scope="module")
 def nemo(services) -> SimpleNamespace:
     """NeMo's three target wrappers and their batch dataclasses, imported once the workers run."""
-    if str(NEMO_PACKAGES) not in sys.path:
-        sys.path.append(str(NEMO_PACKAGES))
-    if importlib.util.find_spec("nemo_automodel") is None:
-        pytest.skip(f"nemo-automodel is not installed in {NEMO_PACKAGES} (`make venv` installs it: nemo-automodel 0.7.0, --no-deps)")
+    nemo_on_path()
     from nemo_automodel.components.speculative.dflash.target import DFlashTargetBatch, HFDFlashTargetModel
     from nemo_automodel.components.speculative.eagle.target_v12 import EagleTargetBatch, HFEagleTargetModel
     from nemo_automodel.components.speculative.eagle.vispec_target import HFVispecTargetModel, VispecTargetBatch

@@ -7,7 +7,6 @@ Also the tasks' layer ids and the worker's one-line refusals of flags that do no
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -17,7 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from reference import make_batch, make_packed_batch
-from test_images import gemma_batch, qwen_batch
+from support.images import gemma_batch, qwen_batch
+from support.nemo import nemo_on_path
 
 from draftfeed.consumers.engines.hf import HFEngine
 from draftfeed.consumers.tasks import load_task
@@ -26,17 +26,13 @@ from draftfeed.consumers.tasks.vispec import image_token_id
 from draftfeed.contract.ops import shift_left
 from draftfeed.contract.packing import Documents
 
-NEMO_PACKAGES = Path(__file__).resolve().parents[1] / ".nemo-packages"
 pytestmark = pytest.mark.timeout(180)
 DFLASH_IDS = [1, 4, 7]  # the last is the last decoder layer's output, before the final norm
 
 
 @pytest.fixture(scope="module")
 def nemo() -> SimpleNamespace:
-    if str(NEMO_PACKAGES) not in sys.path:
-        sys.path.append(str(NEMO_PACKAGES))
-    if importlib.util.find_spec("nemo_automodel") is None:
-        pytest.skip(f"nemo-automodel is not installed in {NEMO_PACKAGES} (`make venv` installs it)")
+    nemo_on_path()
     from nemo_automodel.components.speculative.dflash.draft_qwen3 import build_target_layer_ids
     from nemo_automodel.components.speculative.dflash.target import HFDFlashTargetModel
     from nemo_automodel.components.speculative.eagle.target_v12 import HFEagleTargetModel
