@@ -107,3 +107,18 @@ def test_engine_out_of_memory_is_retried_elsewhere_and_a_crash_is_reported(fast_
     assert fast_cluster.status()["requeues"].get("retry") == 1  # the OOM batch only, and once
     # A worker's done can reach the broker after its result reached the rank.
     wait_until(lambda: fast_cluster.worker_status("sound")["served"] >= 1, what="the broker to count the batch the sound worker served")
+
+
+def test_a_rank_that_leaves_while_its_batch_is_computed_costs_the_next_rank_nothing(fast_cluster, tiny_target, tiny_model):
+    """The broker's forget_rank reaches the worker while it computes the leaving rank's batch: the worker drops that
+    answer at once, rather than waiting --send-timeout for a rank that is gone, and serves the next rank's batch."""
+    fast_cluster.add_worker(tiny_target, *SLOW, "--name", "patient", "--send-timeout", "600", env={"FAKE_FORWARD_S": "1.0"})
+    leaving = RemoteEagle3Target(fast_cluster.frontend, SERVICE, prefetch_depth=1)
+    leaving.get_input_embeddings()  # the worker has reached its data socket: a send to it now waits, it does not fail fast
+    leaving.generate_batch_async(**make_batch(2, 16, 1000, seed=70))
+    wait_until(lambda: (fast_cluster.worker_status("patient") or {}).get("in_flight", 0) > 0, what="the leaving rank's batch at the worker")
+    leaving.close()  # mid-forward
+    batch = make_batch(2, 16, 1000, seed=71)
+    with RemoteEagle3Target(fast_cluster.frontend, SERVICE, prefetch_depth=1, request_timeout=30) as staying:
+        supervision = staying.generate_batch(**batch)  # a stuck delivery would hold it for 600 s: RemoteTargetTimeout
+    assert_supervision_equal(supervision, reference_eagle3(tiny_model, batch, [1, 3, 4]))

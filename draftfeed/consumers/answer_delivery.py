@@ -124,10 +124,15 @@ class AnswerDelivery:
         self.ranks.close()
 
     # ------------------------------------------------------------ one answer
-    def result(self, dispatch: Dispatch, tensors: dict[str, torch.Tensor]) -> Outcome:
-        """Send a result on the pair's plane when it has a ready one, else (or when that fails) as frames."""
+    def forgets(self, data_endpoint: str) -> int:
+        """How many ``forget_rank`` for the rank at ``data_endpoint`` the link has passed on so far."""
+        return self._forgets(data_endpoint)
+
+    def result(self, dispatch: Dispatch, tensors: dict[str, torch.Tensor], since: int) -> Outcome:
+        """Send a result on the pair's plane when it has a ready one, else (or when that fails) as frames. ``since``:
+        ``forgets(data_endpoint)`` when the request was filed; a ``forget_rank`` after that, also one that came while
+        the request was computed, ends every wait of this delivery at once."""
         request, data_endpoint = dispatch.request, dispatch.data_endpoint
-        since = self._forgets(data_endpoint)  # a forget_rank from now on ends every wait of this delivery
         too_big = _over_limit(tensors, dispatch.max_result_bytes)
         if too_big is not None:
             return Refused(too_big)

@@ -54,6 +54,7 @@ log = logging.getLogger("draftfeed.worker")
 class _Queued:
     dispatch: Dispatch
     frames: list[Any]
+    forgets: int  # the link's count of forget_rank for its rank when it was filed: a later one means the rank is gone
 
 
 class Worker:
@@ -210,7 +211,7 @@ class Worker:
             self._delivery.take_from_ranks()
             if self._queue and not self._stop.is_set():
                 queued = self._queue.popleft()
-                done = self._serve_one(queued.dispatch, queued.frames, pipe)
+                done = self._serve_one(queued, pipe)
                 self.metrics.answered(done.outcome)
                 self._to_link(pipe, pack(done))
         if self._stop.is_set():
@@ -240,7 +241,7 @@ class Worker:
         message, tensor_frames = item
         if isinstance(message, Dispatch):
             self._delivery.remember(message.data_endpoint, message.reply_key)
-            self._queue.append(_Queued(message, tensor_frames))
+            self._queue.append(_Queued(message, tensor_frames, self._delivery.forgets(message.data_endpoint)))
         elif isinstance(message, VocabMapping):
             self._mappings.load(message, tensor_frames)
         elif isinstance(message, ForgetMapping):
@@ -263,9 +264,10 @@ class Worker:
             self._to_link(pipe, pack(Done(ticket=queued.dispatch.ticket, outcome="draining", message=reason)))
 
     # ------------------------------------------------------------ serving one request
-    def _serve_one(self, dispatch: Dispatch, tensor_frames: list[Any], pipe: zmq.Socket) -> Done:
+    def _serve_one(self, queued: _Queued, pipe: zmq.Socket) -> Done:
         """Compute and deliver one request; the done for the broker says how it went. The broker hears which request
         is in the engine before the engine starts: if the worker dies now, that one is charged with it."""
+        dispatch, tensor_frames = queued.dispatch, queued.frames
         request = dispatch.request
         self._in_engine = dispatch.ticket
         self._to_link(pipe, pack(self._stats()))
@@ -299,7 +301,7 @@ class Worker:
         if failure is not None:
             return self._fail(dispatch, failure)
         assert self._delivery is not None
-        return self._done(dispatch, self._delivery.result(dispatch, tensors), ok=True)
+        return self._done(dispatch, self._delivery.result(dispatch, tensors, queued.forgets), ok=True)
 
     def _fail(self, dispatch: Dispatch, message: str) -> Done:
         """Tell the rank why its request could not be served."""
