@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import get_args
 
-from draftfeed.schemas.messages import DataPlaneMode
+from draftfeed.schemas.messages import TASK_FORMS, DataPlaneMode
 from draftfeed.schemas.protocol import DEFAULT_MAX_REQUEST_BYTES
 from draftfeed.security.curve import PeerKeys
 
@@ -16,6 +16,18 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: float32 on CPU, bfl
 DEFAULT_DRAFT_LAYERS = 5  # DSpark and DFlash: layers of the draft, for the default target layer ids
 # The tasks that read chosen layers, and the flag that names them; the other tasks take no layer ids.
 LAYER_FLAGS = {"eagle3": "--aux-layer-ids", "dspark": "--target-layer-ids", "dflash": "--target-layer-ids"}
+
+
+def task_settings_problem(task: str, supervision: str | None, capture_logits: bool) -> str | None:
+    """What is wrong with a worker's task settings, in one line that names the flag and what to do; None if nothing.
+    The CLI asks before torch loads, ``load_task`` for any caller (without torch either: the forms are the schema's)."""
+    if supervision is not None and supervision not in TASK_FORMS[task]:  # type: ignore[index]
+        return f"--supervision {supervision}: task {task} is sent as {' or '.join(TASK_FORMS[task])}"  # type: ignore[index]
+    if capture_logits and task != "dflash":
+        return f"--capture-logits is DFlash's (JetSpec's logits); --task {task} does not take it"
+    if task == "dflash" and supervision == "hidden" and not capture_logits:
+        return "--supervision hidden: DFlash sends logits only with --capture-logits; add it, or leave --supervision out"
+    return None
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, get_args
 
 from draftfeed.bench import SCENARIO_NAMES
 from draftfeed.broker.settings import BrokerSettings
-from draftfeed.consumers.config import DEFAULT_DRAFT_LAYERS, DTYPES, ENGINES, LAYER_FLAGS, WorkerConfig
+from draftfeed.consumers.config import DEFAULT_DRAFT_LAYERS, DTYPES, ENGINES, LAYER_FLAGS, WorkerConfig, task_settings_problem
 from draftfeed.consumers.devices import placement_problem, tensor_parallel_devices
 from draftfeed.launch import flags
 from draftfeed.launch.config import apply_sources, effective
@@ -33,7 +33,7 @@ from draftfeed.logs import LOG_FORMATS
 from draftfeed.logs import configure as configure_logging
 from draftfeed.producers.settings import RankSettings
 from draftfeed.schemas.errors import CannotServe, DraftfeedError, UsageError
-from draftfeed.schemas.messages import TASK_FORMS, SupervisionForm, TaskName
+from draftfeed.schemas.messages import SupervisionForm, TaskName
 from draftfeed.schemas.protocol import DEFAULT_BACKEND, DEFAULT_BROKER_HTTP_PORT, DEFAULT_FRONTEND, DEFAULT_HTTP_HOST, DEFAULT_WORKER_HTTP_PORT
 
 if TYPE_CHECKING:  # imported where used: the CLI starts without loading pyzmq's auth or torch
@@ -448,12 +448,8 @@ def run_worker(args: argparse.Namespace) -> int:
     for flag, value in (("--aux-layer-ids", args.aux_layer_ids), ("--target-layer-ids", args.target_layer_ids)):
         if value is not None and LAYER_FLAGS.get(args.task) != flag:
             raise UsageError(f"{flag} does not apply to --task {args.task}")
-    if args.supervision is not None and args.supervision not in TASK_FORMS[args.task]:
-        raise UsageError(f"--supervision {args.supervision}: task {args.task} is sent as {' or '.join(TASK_FORMS[args.task])}")
-    if args.capture_logits and args.task != "dflash":
-        raise UsageError(f"--capture-logits is DFlash's (JetSpec's logits); --task {args.task} does not take it")
-    if args.task == "dflash" and args.supervision == "hidden" and not args.capture_logits:
-        raise UsageError("--supervision hidden: DFlash sends logits only with --capture-logits; add it, or leave --supervision out")
+    if (problem := task_settings_problem(args.task, args.supervision, args.capture_logits)) is not None:
+        raise UsageError(problem)
     if not args.secure and (args.keys or args.key or args.broker_key):
         raise UsageError("--keys/--key/--broker-key given without --secure: add --secure to use them")
     keys = _peer_keys(args, "worker", required=True) if args.secure else None

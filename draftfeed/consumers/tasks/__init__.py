@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from draftfeed.consumers.config import DEFAULT_DRAFT_LAYERS
+from draftfeed.consumers.config import DEFAULT_DRAFT_LAYERS, task_settings_problem
 from draftfeed.consumers.engines.base import Engine
 from draftfeed.consumers.tasks.base import Task
 from draftfeed.consumers.tasks.dflash import DFlashTask
@@ -10,7 +10,7 @@ from draftfeed.consumers.tasks.dspark import DSparkTask
 from draftfeed.consumers.tasks.eagle import EagleTask
 from draftfeed.consumers.tasks.eagle3 import Eagle3Task
 from draftfeed.consumers.tasks.vispec import VispecTask
-from draftfeed.schemas.messages import TASK_FORMS, TASKS, default_supervision
+from draftfeed.schemas.messages import TASKS, default_supervision
 
 
 def load_task(
@@ -29,11 +29,9 @@ def load_task(
     image_token_id is ViSpec's image placeholder. A ValueError says what is wrong in one line."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
+    if (problem := task_settings_problem(name, supervision, capture_logits)) is not None:
+        raise ValueError(problem)
     form = supervision or default_supervision(name)  # type: ignore[arg-type]
-    if form not in TASK_FORMS[name]:  # type: ignore[index]
-        raise ValueError(f"--supervision {form}: task {name} is sent as {' or '.join(TASK_FORMS[name])}")  # type: ignore[index]
-    if capture_logits and name != "dflash":
-        raise ValueError(f"--capture-logits is DFlash's (JetSpec's logits); task {name} does not take it")
     if name == "eagle3":
         return Eagle3Task(engine, layer_ids, form, chunk_tokens)  # type: ignore[arg-type]
     if name == "dspark":

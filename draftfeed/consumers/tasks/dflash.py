@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from draftfeed.consumers.config import DEFAULT_DRAFT_LAYERS
+from draftfeed.consumers.config import DEFAULT_DRAFT_LAYERS, task_settings_problem
 from draftfeed.consumers.engines.base import Capture, Engine, TargetShape, fill_padding, forward_batch
 from draftfeed.consumers.tasks.eagle3 import verified_logit_transform
 from draftfeed.contract.packing import Documents
@@ -65,9 +65,9 @@ class DFlashTask:
         else:
             self.target_layer_ids = check_dflash_layer_ids(list(target_layer_ids), layers, default=False)
         self.capture_logits = capture_logits
+        if (problem := task_settings_problem("dflash", supervision, capture_logits)) is not None:
+            raise ValueError(problem)
         self.supervision: SupervisionForm = supervision or default_supervision("dflash")
-        if self.supervision == "hidden" and not capture_logits:
-            raise ValueError("--supervision hidden: DFlash sends logits only with --capture-logits; without it there is nothing to compact")
         compact = capture_logits and self.supervision == "hidden"
         self._capture = Capture(layer_ids=tuple(self.target_layer_ids), logits=capture_logits and not compact, final_hidden=compact)
         engine.prepare([self._capture, Capture(final_hidden=True, logits=True)] if compact else [self._capture])
