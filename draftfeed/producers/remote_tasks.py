@@ -49,14 +49,11 @@ class _WithLogits(RemoteTarget[Sup, Info]):
         logits)."""
         if self.LOGITS in received:
             return received[self.LOGITS]
-        if not self._compact_answer(received):
+        if self.COMPACT_HIDDEN not in received:  # DFlash without logits (EAGLE-1/2 and ViSpec always send the hidden state)
             return None
         if self._compact is None:
             raise ValueError("a compact (hidden) answer came before the lm_head weight was fetched")
         return self._compact.rebuild(received[self.COMPACT_HIDDEN])
-
-    def _compact_answer(self, received: dict[str, torch.Tensor]) -> bool:
-        return self.COMPACT_HIDDEN in received
 
 
 class RemoteDFlashTarget(_WithLogits[DFlashSupervision, DFlashTargetInfo]):
@@ -100,9 +97,6 @@ class RemoteEagleTarget(_WithLogits[EagleSupervision, EagleTargetInfo]):
     LOGITS = "target_logits"
     COMPACT_HIDDEN = "input_hidden_states"
 
-    def _compact_answer(self, received: dict[str, torch.Tensor]) -> bool:
-        return self.LOGITS not in received  # both forms send the hidden state; the compact one has no logits
-
     def _from_wire(self, received: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         hidden = received["input_hidden_states"]
         return {
@@ -130,9 +124,6 @@ class RemoteVispecTarget(_WithLogits[VispecSupervision, VispecTargetInfo]):
     def image_token_id(self) -> int:
         """The target's image placeholder token (image_mask is True where input_ids hold it, shifted left)."""
         return self.model_info().image_token_id
-
-    def _compact_answer(self, received: dict[str, torch.Tensor]) -> bool:
-        return self.LOGITS not in received
 
     def _from_wire(self, received: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {

@@ -44,6 +44,19 @@ class DraftfeedWrapper:
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.get_input_embeddings()
 
+    def generate_batch(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        loss_mask: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        seq_lens: torch.Tensor | None = None,
+        doc_remaining: torch.Tensor | None = None,
+    ) -> Any:
+        """NeMo's batch of this wrapper's task, with the packing arguments of a packed batch, as NeMo's DFlash and
+        EAGLE-1/2 wrappers take them (the ViSpec and DSpark wrappers take image inputs too: their own below)."""
+        return self._to_nemo(self.target.generate_batch(input_ids, attention_mask, loss_mask, position_ids, seq_lens, doc_remaining))
+
     def _to_nemo(self, supervision: Any) -> Any:
         given = supervision.as_dict()
         return self._batch_type(**{name: given[name] for name in self._fields if name in given})
@@ -77,17 +90,6 @@ class DraftfeedDFlashTarget(DraftfeedWrapper):
     def get_output_embeddings(self) -> nn.Linear:
         return self.model.get_output_embeddings()
 
-    def generate_batch(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        loss_mask: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        seq_lens: torch.Tensor | None = None,
-        doc_remaining: torch.Tensor | None = None,
-    ) -> Any:
-        return self._to_nemo(self.target.generate_batch(input_ids, attention_mask, loss_mask, position_ids, seq_lens, doc_remaining))
-
 
 class DraftfeedEagleTarget(DraftfeedWrapper):
     """NeMo's ``HFEagleTargetModel`` (EAGLE-1, EAGLE-2, ViSpec's text-only first stage) on an ``eagle`` service:
@@ -105,17 +107,6 @@ class DraftfeedEagleTarget(DraftfeedWrapper):
 
     def get_lm_head(self) -> nn.Linear:
         return self.model.get_output_embeddings()
-
-    def generate_batch(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        loss_mask: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        seq_lens: torch.Tensor | None = None,
-        doc_remaining: torch.Tensor | None = None,
-    ) -> Any:
-        return self._to_nemo(self.target.generate_batch(input_ids, attention_mask, loss_mask, position_ids, seq_lens, doc_remaining))
 
 
 class DraftfeedVispecTarget(DraftfeedWrapper):
