@@ -200,6 +200,13 @@ def difference(name: str, got: torch.Tensor, expected: torch.Tensor) -> str | No
     return text
 
 
+def difference_at_real(name: str, got: torch.Tensor, expected: torch.Tensor, real: torch.Tensor) -> str | None:
+    """``difference`` against ``expected`` with the contract's zeros where ``real`` [B, S] is 0 (padded positions): None
+    when ``got`` equals ``expected`` at every real position and is zero at every padded one."""
+    keep = real.bool().view(*real.shape, *[1] * (expected.dim() - 2))
+    return difference(name, got, expected.masked_fill(~keep, 0))
+
+
 def assert_supervision_equal(supervision, expected: dict[str, torch.Tensor]) -> None:
     got = supervision.as_dict()
     assert set(got) == set(expected), f"fields {sorted(got)}, expected {sorted(expected)}"

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import add_service, make_batch, raw_peer
-from reference import difference, make_packed_batch, shift_left
+from reference import difference, difference_at_real, make_packed_batch, shift_left
 from support.images import IMAGE, gemma_batch
 from support.nemo import nemo_on_path
 
@@ -117,9 +117,10 @@ def assert_equals_nemo(supervision, expected, attention_mask: torch.Tensor) -> N
                 problems.append(f"{field.name}: got {type(got).__name__}, NeMo {type(want).__name__}")
             continue
         if want.is_floating_point():
-            kept = shift_left(real) if field.name in SHIFTED else real
-            want = want.masked_fill(~kept.unsqueeze(-1), 0)
-        if (problem := difference(field.name, got, want)) is not None:
+            problem = difference_at_real(field.name, got, want, shift_left(real) if field.name in SHIFTED else real)
+        else:
+            problem = difference(field.name, got, want)
+        if problem is not None:
             problems.append(problem)
     assert not problems, "; ".join(problems)
 

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from reference import make_batch, make_packed_batch
+from reference import difference_at_real, make_batch, make_packed_batch
 from support.images import gemma_batch, qwen_batch
 from support.nemo import nemo_on_path
 
@@ -65,13 +65,8 @@ def packing(batch: dict[str, torch.Tensor]) -> tuple[Documents | None, dict[str,
 
 def assert_equal_at(name: str, got: torch.Tensor, expected: torch.Tensor, real: torch.Tensor) -> None:
     """Equal at real positions (``real`` [B, S]), zero elsewhere; a difference is named with where and how large."""
-    assert got.shape == expected.shape and got.dtype == expected.dtype, f"{name}: {got.shape} {got.dtype} vs {expected.shape} {expected.dtype}"
-    real = real.bool()
-    if not torch.equal(got[real], expected[real]):
-        diff = (got - expected).abs().masked_fill(~real.view(*real.shape, *[1] * (got.dim() - 2)), 0)
-        where = tuple(int(i) for i in torch.nonzero(diff == diff.max())[0])
-        raise AssertionError(f"{name}: differs at real positions, most ({diff.max().item():.3g}) at {where}")
-    assert not got[~real].any(), f"{name}: padded positions are not zeros"
+    problem = difference_at_real(name, got, expected, real)
+    assert problem is None, problem
 
 
 @pytest.mark.parametrize("capture_logits", [False, True], ids=["dflash", "jetspec"])
