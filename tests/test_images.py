@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import Cluster, add_service, assert_supervision_equal, reference_dspark, reference_eagle3
-from support.images import END, IMAGE, START, gemma_batch, qwen_batch, rows_of, text
+from support.images import IMAGE, Llama4InProcess, gemma_batch, llama4_batch, qwen_batch
 
 from draftfeed import RemoteDSparkTarget, RemoteEagle3Target, RemoteTargetError
 from draftfeed.consumers.validation import validate_batch
@@ -262,37 +262,6 @@ def test_image_rows_are_checked_for_gemma_and_totals_for_both(models):
     check_image_rows(qwen.config, batch["input_ids"], grids)
     with pytest.raises(BadRequest, match=r"^the batch holds 10 pixel_values tokens \(id 997\) but its 3 images take 12"):
         check_image_rows(qwen.config, batch["input_ids"], {**grids, "image_grid_thw": torch.tensor([[1, 4, 4], [1, 4, 4], [1, 4, 4]])})
-
-
-def llama4_batch(config, tiles_per_row: list[int], seed: int, pad: int = 2) -> dict[str, torch.Tensor]:
-    """Llama 4's layout: <image> x tokens-per-tile for each tile of a row's images (the boi, eoi and tile separators
-    are plain text, left out here); pixel_values [tiles, 3, size, size] over the batch's tiles in row order."""
-    vision, generator = config.vision_config, torch.Generator().manual_seed(seed)
-    per_tile = int((vision.image_size // vision.patch_size) ** 2 * vision.pixel_shuffle_ratio**2)
-    texts = [text(generator, 4) + [START] + [IMAGE] * per_tile * tiles + [END] + text(generator, 3) for tiles in tiles_per_row]
-    input_ids, attention_mask = rows_of(texts, max(len(t) for t in texts) + pad)
-    loss_mask = attention_mask.clone()
-    loss_mask[:, :3] = 0
-    pixels = torch.randn(sum(tiles_per_row), 3, vision.image_size, vision.image_size, generator=generator)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask, "pixel_values": pixels}
-
-
-class Llama4InProcess(torch.nn.Module):
-    """Llama 4's image-text model in-process, as its forward computes it up to the line where transformers 5.24's
-    fails (its return): the image features put in at the image tokens of the input embeddings, then its language
-    model (research notes of issue 28; the same decoder layers, found by tests/reference.py at language_model)."""
-
-    def __init__(self, model) -> None:
-        super().__init__()
-        self.inner, self.language_model = model, model.language_model
-
-    def forward(self, input_ids, attention_mask, pixel_values, **kwargs):
-        inner = self.inner
-        embeds = inner.get_input_embeddings()(input_ids)
-        features = inner.get_image_features(pixel_values=pixel_values, return_dict=True).last_hidden_state
-        flat = inner.multi_modal_projector(features.view(-1, features.size(-1)))
-        embeds = embeds.masked_scatter((input_ids == inner.config.image_token_id).unsqueeze(-1).expand_as(embeds), flat)
-        return self.language_model(inputs_embeds=embeds, attention_mask=attention_mask, **kwargs)
 
 
 @pytest.fixture(scope="module")
