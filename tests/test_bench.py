@@ -68,6 +68,7 @@ def test_every_scenario_is_a_module_with_one_signature():
         "nixl",
         "encryption",
         "broker",
+        "cluster",
         "overlap",
         "scaling",
         "real-target",
@@ -76,7 +77,9 @@ def test_every_scenario_is_a_module_with_one_signature():
         "store",
     )
     for name in SCENARIO_NAMES:
-        assert str(inspect.signature(load(name).run)) == "(quick: 'bool', workdir: 'Path') -> 'list[Row]'", name
+        module = load(name)
+        own = f", settings: '{module.SETTINGS.__name__} | None' = None" if hasattr(module, "SETTINGS") else ""
+        assert str(inspect.signature(module.run)) == f"(quick: 'bool', workdir: 'Path'{own}) -> 'list[Row]'", name
     with pytest.raises(ValueError, match="unknown bench scenario 'nope'"):
         load("nope")
 

@@ -11,7 +11,7 @@ from support.messages import dispatches, errors, hello, register, submit
 
 from draftfeed.broker.settings import BrokerSettings
 from draftfeed.broker.state import BrokerState
-from draftfeed.schemas.messages import Done, WorkerHeartbeat
+from draftfeed.schemas.messages import Computing, Done, WorkerHeartbeat
 
 INPUT = {"input_ids": torch.zeros(1, 1, dtype=torch.int64)}
 
@@ -27,7 +27,10 @@ def state(clock) -> BrokerState:
 
 
 def beat(state: BrokerState, worker: str, in_engine: int | None = None):
-    return state.on_worker_heartbeat(worker.encode(), WorkerHeartbeat(in_engine=in_engine))
+    """A heartbeat from ``worker``; ``in_engine``: first its word that it computes that ticket (``computing``)."""
+    if in_engine is not None:
+        state.on_computing(worker.encode(), Computing(ticket=in_engine))
+    return state.on_worker_heartbeat(worker.encode(), WorkerHeartbeat())
 
 
 def kill(state: BrokerState, clock: Clock, worker: str, keep: list[str]):

@@ -21,8 +21,8 @@ from draftfeed.schemas.messages import (
     PairStatus,
     Submit,
     TensorSpec,
-    WorkerGone,
     WorkerHeartbeat,
+    WorkersGone,
     dispatch_header,
     dispatch_rank_fields,
 )
@@ -64,12 +64,12 @@ def test_ranks_a_worker_served_are_told_it_is_gone_and_pairs_show_in_status(stat
     hello(state, "r2")
     assert dispatches(submit(state, "r1", 0))
     pair = PairStatus(rank="r1", plane="gloo", state="ready", reason="the worker asked for gloo", generation=0, sent_over_pair=3)
-    state.on_worker_heartbeat(b"w1", WorkerHeartbeat(pairs=[pair]))
+    state.on_worker_heartbeat(b"w1", WorkerHeartbeat(pairs=[pair], pair_count=1))
     assert state.status()["services"]["svc"]["workers"][0]["pairs"] == [pair.model_dump(mode="json")]
-    out = state.on_worker_bye(b"w1")
+    out = state.ordered(state.on_worker_bye(b"w1"))
     # Only the rank it served hears of it (r2 never had a pair with it).
-    told = [(i.peer, m) for i in out if i.side == "frontend" and isinstance(m := unpack(i.frames, FRONTEND_OUTBOUND)[0], WorkerGone)]
-    assert told == [(b"r1", WorkerGone(worker="w1"))]
+    told = [(i.peer, m) for i in out if i.side == "frontend" and isinstance(m := unpack(i.frames, FRONTEND_OUTBOUND)[0], WorkersGone)]
+    assert told == [(b"r1", WorkersGone(workers=["w1"]))]
 
 
 def test_requests_go_to_the_worker_with_free_credits_and_wait_for_one(state):

@@ -10,7 +10,7 @@ from support.clock import Clock
 from draftfeed.producers.rank_session import RankSession
 from draftfeed.producers.requests import RequestKind, RequestTable
 from draftfeed.schemas.errors import RemoteTargetError
-from draftfeed.schemas.messages import ErrorReply, Failure, Goodbye, Heartbeat, Hello, Liveness, Result, Welcome, WorkerGone
+from draftfeed.schemas.messages import ErrorReply, Failure, Goodbye, Heartbeat, Hello, Liveness, Result, Welcome, WorkersGone
 
 LIVENESS = Liveness(heartbeat_interval_s=1.0, liveness=3)  # silent for 3 s is dead
 
@@ -149,7 +149,7 @@ def test_an_answer_lost_on_a_pair_is_asked_for_again_under_a_new_id(session):
 
 def test_goodbye_and_a_gone_worker_are_told(session, clock):
     session.on_broker(welcome())
-    session.on_broker(WorkerGone(worker="w1"))
+    session.on_broker(WorkersGone(workers=["w1"]))
     assert session.gone == ["w1"]
     session.on_broker(Goodbye(instance="b1"))
     assert sent(session) == ["hello"]

@@ -17,6 +17,7 @@ from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import (
     BACKEND_INBOUND,
     DATA_INBOUND,
+    Computing,
     Dispatch,
     Done,
     Failure,
@@ -80,13 +81,13 @@ def dispatch(backend, peer, data_endpoint, ticket, tensors, service="svc"):
 
 
 def next_done(backend) -> Done:
-    """The worker's next done, past its heartbeats."""
+    """The worker's next done, past its heartbeats and its word of what it computes."""
     while True:
         assert backend.poll(30_000), "no done reached the broker"
         message, _ = unpack(backend.recv_multipart()[1:], BACKEND_INBOUND)
         if isinstance(message, Done):
             return message
-        assert isinstance(message, WorkerHeartbeat)
+        assert isinstance(message, (WorkerHeartbeat, Computing))
 
 
 def receive(rank, backend):

@@ -14,10 +14,11 @@ from draftfeed.schemas.messages import (
     Done,
     ErrorReply,
     ForgetMapping,
-    ForgetRank,
+    ForgetRanks,
     Goodbye,
     Heartbeat,
     Liveness,
+    RankAddress,
     Register,
     Registered,
     WorkerHeartbeat,
@@ -112,10 +113,10 @@ def test_what_is_for_the_compute_loop_goes_there_in_order_and_forgets_are_counte
     session.register()
     session.on_broker(registered(), [])
     session.on_broker(ForgetMapping(digest="d" * 16), [])
-    session.on_broker(ForgetRank(rank="r1", data_endpoint="tcp://rank:1"), [])
-    session.on_broker(ForgetRank(rank="r1", data_endpoint="tcp://rank:1"), [])
+    session.on_broker(ForgetRanks(ranks=[RankAddress(rank="r1", data_endpoint="tcp://rank:1")]), [])
+    session.on_broker(ForgetRanks(ranks=[RankAddress(rank="r1", data_endpoint="tcp://rank:1")]), [])
     assert session.inbox.forgets("tcp://rank:1") == 2 and session.inbox.forgets("tcp://rank:2") == 0
-    assert inbox(session) == ["forget_mapping", "forget_rank", "forget_rank"]
+    assert inbox(session) == ["forget_mapping", "forget_ranks", "forget_ranks"]
 
 
 def test_the_compute_loops_messages_go_in_order_and_stop_says_bye(session):

@@ -155,15 +155,18 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def run(names: Sequence[str], quick: bool, workdir: Path) -> list[Row]:
-    """The rows of each named scenario, in the order given, with their progress on stderr."""
+def run(names: Sequence[str], quick: bool, workdir: Path, settings: Sequence[Any] = ()) -> list[Row]:
+    """The rows of each named scenario, in the order given, with their progress on stderr; a scenario whose
+    ``SETTINGS`` class is among ``settings`` gets that object."""
     from draftfeed.launch.progress import Progress
 
     rows: list[Row] = []
     progress = Progress(len(names), "bench scenarios", every_s=0.0)
     for name in names:
         progress.write(f"running {name} ...")
-        rows.extend(load(name).run(quick, workdir))
+        module = load(name)
+        own = [item for item in settings if type(item) is getattr(module, "SETTINGS", None)]
+        rows.extend(module.run(quick, workdir, settings=own[0]) if own else module.run(quick, workdir))
         progress.advance(note=f"{name} done")
     progress.close()
     return rows

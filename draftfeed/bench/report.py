@@ -77,6 +77,12 @@ absolute figures (shared hosts are noisy). Regenerate with `draftfeed bench --re
   between two processes.
 - **encryption**: supervision and 1-token requests through a `--secure` pipeline (CURVE on every socket)
   against the same pipeline in plaintext, in the same run.
+- **cluster**: one broker for a cluster: simulated ranks and workers (draftfeed/bench/cluster.py, 1,000 x 256 at
+  60 ms a request by default; flags `--ranks`, `--workers`, `--compute-ms`, `--prefetch`, `--capacity`) speaking
+  the protocol to a real broker, and to a policy-free forwarder of the same messages with the same peers in the same
+  run. The broker's main thread has one core, the simulator's the other. Rate against the ideal (workers / compute
+  time), the broker's own dispatch latency (from when a request could go to its dispatch), its CPU per 1,000
+  requests and its memory, `draftfeed status` under the load, every request once and in order.
 - **broker**: one-byte requests routed through broker and synthetic workers and answered, per second, and
   the latency of one request at a time; the baseline is a direct DEALER -> ROUTER echo.
 - **overlap**: a training loop with a fixed step time and a worker with a fixed compute time shorter than it:

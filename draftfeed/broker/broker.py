@@ -23,6 +23,7 @@ from draftfeed.schemas.messages import (
     BACKEND_INBOUND,
     FRONTEND_INBOUND,
     Bye,
+    Computing,
     Done,
     Draining,
     ErrorReply,
@@ -41,6 +42,10 @@ from draftfeed.security.curve import RANKS, WORKERS, BrokerKeys, RoleGate, make_
 log = logging.getLogger("draftfeed.broker")
 _MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
 _LAST = int(zmq.NOBLOCK)
+# Fair reading: each turn reads the two sockets in turn, this many messages at a time, so that neither side's
+# traffic holds the other's heartbeats back; a turn ends when both are empty or after TURN_S, for the tick.
+BATCH = 64
+TURN_S = 0.05
 
 
 class Broker:
@@ -74,8 +79,11 @@ class Broker:
         self._bad_input = RateLimitedLog(log)
         self.keys = keys
         self._authenticator = None
-        # The status document as of the last heartbeat tick, for readers on other threads (the metrics endpoint).
+        # The status document for readers on other threads (the metrics endpoint), built by the loop when one asks
+        # (``fresh_status``), never otherwise: at thousands of peers it is not free.
         self.published_status: dict[str, Any] | None = None
+        self._status_wanted = threading.Event()
+        self._status_ready = threading.Event()
         self.running = False  # bound and routing (until it drains)
 
     def bind(self) -> tuple[str, str]:
@@ -131,10 +139,20 @@ class Broker:
         """Ask the loop to drain and exit (safe from a signal handler or another thread)."""
         self._stop.set()
 
+    def fresh_status(self, timeout_s: float = 1.0) -> dict[str, Any] | None:
+        """The whole status document as the loop builds it within ``timeout_s`` (any thread); the last one built if
+        the loop does not answer in time, None before the first."""
+        if self.running:
+            self._status_ready.clear()
+            self._status_wanted.set()
+            self._status_ready.wait(timeout_s)
+        return self.published_status
+
     def run(self) -> None:
         """Route until stopped. One turn: start draining if stop was asked (and return once nothing is at workers or
         the drain timeout passed), wait up to the next tick (at most 100 ms) for messages, handle what waits on the
-        frontend then the backend, and on each tick send what the policy's clock calls for (heartbeats, expiries)."""
+        two sockets in turn (``BATCH`` at a time, for at most ``TURN_S``), and on each tick send what the policy's
+        clock calls for (heartbeats, expiries, the notices gathered); build the status document if a reader asked."""
         if self._frontend is None:
             self.bind()
         assert self._frontend is not None and self._backend is not None
@@ -147,7 +165,7 @@ class Broker:
         )
         next_tick = time.monotonic() + interval
         drain_deadline: float | None = None
-        self.published_status, self.running = self.state.status(), True
+        self.running = True
         try:
             while True:
                 if self._stop.is_set() and drain_deadline is None:
@@ -159,29 +177,41 @@ class Broker:
                     log.info("broker: stopped with %d requests still at workers", self.state.in_flight)
                     return
                 timeout_ms = max(0, int((next_tick - time.monotonic()) * 1000))
-                events = dict(poller.poll(min(timeout_ms, 100)))
-                if self._frontend in events:
-                    self._read_waiting(self._frontend, self._on_frontend)
-                if self._backend in events:
-                    self._read_waiting(self._backend, self._on_backend)
+                if poller.poll(min(timeout_ms, 100)):
+                    self._read_in_turn()
                 if time.monotonic() >= next_tick:
                     self._send(self.state.on_tick())
-                    self.published_status = self.state.status()
                     next_tick = time.monotonic() + interval
+                if self._status_wanted.is_set():
+                    self._status_wanted.clear()
+                    self.published_status = self.state.status()
+                    self._status_ready.set()
         finally:
             self.running = False
             close_quietly(self._frontend, self._backend)
             if self._authenticator is not None:
                 self._authenticator.stop()
 
-    def _read_waiting(self, sock: zmq.Socket, handle: Any, budget: int = 256) -> None:
-        """Read and handle what waits on ``sock``, up to ``budget`` messages, then send everything they call for in one pass."""
+    def _read_in_turn(self) -> None:
+        """Read both sockets in turn, ``BATCH`` messages at a time, until both are empty or ``TURN_S`` has passed."""
+        assert self._frontend is not None and self._backend is not None
+        ends = time.monotonic() + TURN_S
+        while True:
+            read = self._read_waiting(self._frontend, self._on_frontend) + self._read_waiting(self._backend, self._on_backend)
+            if read == 0 or time.monotonic() >= ends:
+                return
+
+    def _read_waiting(self, sock: zmq.Socket, handle: Any, budget: int = BATCH) -> int:
+        """Read and handle what waits on ``sock``, up to ``budget`` messages, then send everything they call for in one
+        pass, and the notices they gathered; how many were read."""
         out: list[Outgoing] = []
-        for _ in range(budget):
+        read = 0
+        while read < budget:
             try:
                 peer, body = recv_routed(sock)
             except zmq.Again:
                 break
+            read += 1
             key = peer_key(body[0]) if self.keys is not None and body else None
             try:
                 out.extend(handle(peer, body, key))
@@ -191,6 +221,8 @@ class Broker:
             except Exception:  # a bug must not take the broker down with every rank's batches
                 log.exception("broker: error handling a message from %r", peer)
         self._send(out)
+        self._send(self.state.flush_notices())
+        return read
 
     def _on_frontend(self, peer: bytes, body: list[Any], key: str | None) -> list[Outgoing]:
         message, raw, tensors = unpack_raw(body, FRONTEND_INBOUND)
@@ -216,6 +248,8 @@ class Broker:
         state = self.state
         if isinstance(message, Done):
             return state.on_done(peer, message)
+        if isinstance(message, Computing):
+            return state.on_computing(peer, message)
         if isinstance(message, WorkerHeartbeat):
             return state.on_worker_heartbeat(peer, message)
         if isinstance(message, Register):
@@ -253,8 +287,13 @@ class Broker:
         return Outgoing("frontend" if sock is self._frontend else "backend", peer, pack(ErrorReply(message=f"rejected by the broker: {reason}")))
 
     def _send(self, outgoing: list[Outgoing]) -> None:
+        """Send each message, after what notices wait for its peer (so a peer hears of a departure first)."""
+        notices = self.state.notices
         for item in outgoing:
             sock = self._frontend if item.side == "frontend" else self._backend
+            if notices:
+                for notice in notices.take(item.side, item.peer):
+                    self._send_one(sock, notice.peer, notice.frames)
             self._send_one(sock, item.peer, item.frames)
 
     def _send_one(self, sock: zmq.Socket | None, peer: bytes, frames: list[Any]) -> None:

@@ -31,14 +31,12 @@ class Delivery:
         settings: BrokerSettings,
         mappings: MappingTable,
         scheduler: Scheduler,
-        workers: dict[bytes, WorkerRecord],
         counters: dict[str, int],
         clock: Callable[[], float],
     ) -> None:
         self.settings = settings
         self.mappings = mappings
         self.scheduler = scheduler
-        self.workers = workers  # every worker, which mappings.py tells to forget a mapping no one needs
         self.counters = counters  # the broker's: requeued, requests_failed, mappings_resent
         self.clock = clock
         # Why requests went back to the queue: worker_gone (its worker died or left while it waited there: no fault
@@ -108,7 +106,7 @@ class Delivery:
         rank = pending.rank
         if rank.requests.pop(pending.request.request_id, None) is None:
             return []
-        out = self.mappings.release(pending, self.workers.values())
+        out = self.mappings.release(pending)
         rank.completed += 1
         if rank.parked and not rank.gone:
             out.extend(self._enqueue(rank.parked.popleft(), service))
@@ -120,7 +118,7 @@ class Delivery:
         out: list[Outgoing] = []
         back: list[Pending] = []
         for pending, cause in sorted(requeued, key=lambda item: item[0].enqueued_at):
-            pending.ticket = -1
+            pending.ticket, pending.worker = -1, None
             if pending.rank.gone:
                 continue  # its rank was forgotten; if it came back, it sent the request again under a new record
             if pending.failures >= self.settings.max_attempts:

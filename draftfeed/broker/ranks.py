@@ -4,16 +4,20 @@ A rank is known from its hello until it says goodbye, falls silent for the liven
 reach it. A forgotten rank is remembered by name (forgotten.py): its next message is answered ``forgotten``
 with the reason, and its old record is marked ``gone`` and never used again. What a rank's going means for its
 requests, mappings and workers is the handlers' (state.py); this module holds the records only.
+
+The records are kept in the order the ranks were last heard, so finding the silent ones costs O(the silent ones).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 
 from draftfeed.broker.forgotten import ForgottenPeers
-from draftfeed.broker.records import Outgoing, RankRecord, ServiceRecord, to_rank
-from draftfeed.schemas.messages import ErrorReply, Hello, ServiceWorkers, WorkerKeys
+from draftfeed.broker.records import Outgoing, RankRecord, ServiceRecord, silent_peers, to_rank
+from draftfeed.schemas.frames import pack
+from draftfeed.schemas.messages import ErrorReply, Hello, WorkerKeys
 
 log = logging.getLogger("draftfeed.broker")
 
@@ -28,7 +32,7 @@ class RankBook:
         self.broker = broker
         self.instance = instance
         self.clock = clock
-        self.records: dict[bytes, RankRecord] = {}
+        self.records: OrderedDict[bytes, RankRecord] = OrderedDict()  # least recently heard first
         self.forgotten = ForgottenPeers()
 
     def known(self, peer: bytes, request_id: int | None) -> tuple[RankRecord | None, list[Outgoing]]:
@@ -36,6 +40,7 @@ class RankBook:
         rank = self.records.get(peer)
         if rank is not None:
             rank.last_seen = self.clock()
+            self.records.move_to_end(peer)
             return rank, []
         why = self.forgotten.why(peer)
         if why is not None:
@@ -55,6 +60,7 @@ class RankBook:
             log.info("broker: rank %s (host %s, pid %d) connected%s for service %r", hello.rank, hello.host, hello.pid, again, hello.service)
         else:  # the same rank again (its link flickered): keep its requests, take its new settings
             rank.hello, rank.last_seen, rank.dispatch_fields = hello, self.clock(), None
+            self.records.move_to_end(peer)
         rank.key = key
         return rank, resumed
 
@@ -78,17 +84,9 @@ class RankBook:
 
     def silent(self, now: float, liveness_s: float) -> list[bytes]:
         """The ranks not heard for longer than the liveness period."""
-        return [peer for peer, rank in self.records.items() if now - rank.last_seen > liveness_s]
-
-    def uses(self, service: ServiceRecord) -> bool:
-        return any(r.hello.service == service.name for r in self.records.values())
-
-    def announce_service_workers(self, service: ServiceRecord) -> list[Outgoing]:
-        """Tell the service's ranks how many ready workers it has now."""
-        message = ServiceWorkers(service=service.name, workers=service.ready_workers)
-        return [to_rank(r.peer, message) for r in self.records.values() if r.hello.service == service.name]
+        return silent_peers(self.records, now, liveness_s)
 
     def announce_worker_keys(self, service: ServiceRecord) -> list[Outgoing]:
         """Tell the service's ranks (on a secure broker) which workers their data sockets admit."""
-        message = WorkerKeys(keys=worker_keys(service))
-        return [to_rank(r.peer, message) for r in self.records.values() if r.key is not None and r.hello.service == service.name]
+        frames = pack(WorkerKeys(keys=worker_keys(service)))
+        return [Outgoing("frontend", peer, frames) for peer in service.ranks if (rank := self.records.get(peer)) is not None and rank.key is not None]

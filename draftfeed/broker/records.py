@@ -6,12 +6,14 @@ mappings.py and scheduler.py.
 
 from __future__ import annotations
 
-from collections import deque
+import sys
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from draftfeed.broker.fair_queue import FairQueue
+from draftfeed.broker.free_workers import FreeWorkers
 from draftfeed.schemas.frames import pack
 from draftfeed.schemas.messages import AnyTargetInfo, Hello, PairStatus, Register, SetVocabMapping, Submit
 
@@ -35,6 +37,17 @@ def to_worker(peer: bytes, message: Any, frames: Iterable[Any] = ()) -> Outgoing
     return Outgoing("backend", peer, pack(message, list(frames)))
 
 
+def silent_peers(records: OrderedDict[bytes, Any], now: float, liveness_s: float) -> list[bytes]:
+    """The peers not heard for longer than the liveness period, of ``records`` kept least recently heard first (a
+    record moves to the end each time its peer is heard): O(the silent ones)."""
+    out = []
+    for peer, record in records.items():
+        if now - record.last_seen <= liveness_s:
+            break
+        out.append(peer)
+    return out
+
+
 @dataclass(slots=True)
 class Pending:
     """A rank's request from its arrival until a worker reports it done."""
@@ -44,6 +57,7 @@ class Pending:
     frames: list[Any]
     enqueued_at: float
     ticket: int = -1  # of its current dispatch; -1 while queued
+    worker: bytes | None = None  # the worker it is dispatched to, while it is
     request_json: bytes | None = None  # the request, encoded once for every dispatch of it
     failures: int = 0  # tries that failed in the engine (a poison batch must not kill every worker)
     excluded: set[bytes] = field(default_factory=set)  # workers it failed on
@@ -94,11 +108,32 @@ class RankRecord:
     dispatch_fields: bytes | None = None  # this rank's part of every dispatch header, encoded once
     key: str | None = None  # its authenticated CURVE public key, on a secure broker
     gone: bool = False  # forgotten: a later hello of the same rank makes a new record
+    workers_served: set[bytes] = field(default_factory=set)  # the workers that hold a link to it (told when it goes)
 
     @property
     def outstanding(self) -> int:
         """Its requests queued or at a worker (those parked beyond its window not counted)."""
         return len(self.requests) - len(self.parked)
+
+
+class PairRecord(NamedTuple):
+    """One pair's status as the broker keeps it: a tuple of interned strings, a fifth of the model's memory (a
+    broker of a thousand ranks and 256 workers keeps 256,000 of them)."""
+
+    plane: str
+    state: str
+    reason: str
+    generation: int | None
+    sent_over_pair: int
+    fallbacks: int
+
+    @classmethod
+    def of(cls, pair: PairStatus) -> PairRecord:
+        return cls(sys.intern(pair.plane), sys.intern(pair.state), sys.intern(pair.reason), pair.generation, pair.sent_over_pair, pair.fallbacks)
+
+    def as_json(self, rank: str) -> dict[str, Any]:
+        """What ``PairStatus.model_dump(mode="json")`` gives for it."""
+        return {"rank": rank, **self._asdict()}
 
 
 @dataclass
@@ -116,10 +151,14 @@ class WorkerRecord:
     draining: bool = False
     rank_links: int = 0
     mappings_held: int = 0
-    pairs: list[PairStatus] = field(default_factory=list)  # its data plane to each rank, from its heartbeats
+    pairs: dict[str, PairRecord] = field(default_factory=dict)  # its data plane to each rank, by rank, from its heartbeats
+    pair_count: int = 0  # how many pairs it says it has (``pairs`` catches up over a few heartbeats)
     key: str | None = None  # its authenticated CURVE public key, on a secure broker
-    in_engine: int | None = None  # the ticket it last said it was computing
+    in_engine: int | None = None  # the ticket it computes now, as it last said (``computing``, or a done's next)
     batches: int = 0  # supervision batches served (served counts every request, embeddings fetches too)
+    order: int = 0  # when it registered, among all workers (the scheduler's last tie-break)
+    version: int = 0  # bumped at each change of its credits (free_workers.py)
+    removed: bool = False  # it left its service
 
     @property
     def free_credits(self) -> int:
@@ -132,24 +171,53 @@ class WorkerRecord:
 
 @dataclass
 class ServiceRecord:
+    """A service, its workers and ranks, and its queue. What is derived from its workers (the free ones, the ready
+    count, the longest row all take) is kept up to date as workers join, change and leave, never recomputed per
+    request: ``add_worker``, ``credits_changed``, ``drains``, ``remove_worker``."""
+
     name: str
     workers: dict[bytes, WorkerRecord] = field(default_factory=dict)
+    ranks: set[bytes] = field(default_factory=set)  # the ranks known for it
     queue: FairQueue[Pending] = field(default_factory=FairQueue)  # round-robin across ranks (fair_queue.py)
     info_waiters: list[tuple[bytes, int]] = field(default_factory=list)
     completions: deque[float] = field(default_factory=deque)
     # The service's target, fixed by its first worker or by a rank's checked expectation: every worker
     # that registers later must match it, so a mis-launched worker can never feed a run.
     info: AnyTargetInfo | None = None
+    free: FreeWorkers = field(default_factory=FreeWorkers)  # the workers with free credits, best first
+    ready_workers: int = 0  # workers that take work (registered, not draining)
+    max_positions: int | None = None  # the longest row every worker of the service takes, None when none says
+    in_flight: int = 0  # requests at its workers
 
-    @property
-    def ready_workers(self) -> int:
-        return sum(1 for w in self.workers.values() if not w.draining)
+    def add_worker(self, worker: WorkerRecord) -> None:
+        self.workers[worker.peer] = worker
+        self.ready_workers += not worker.draining
+        self._limits_changed()
+        self.free.update(worker)
 
-    @property
-    def max_positions(self) -> int | None:
-        """The longest row every worker of the service takes, None when none says."""
+    def remove_worker(self, peer: bytes) -> None:
+        worker = self.workers.pop(peer, None)
+        if worker is None:
+            return
+        worker.removed = True
+        self.ready_workers -= not worker.draining
+        self._limits_changed()
+        self.free.remove(worker)
+
+    def drains(self, worker: WorkerRecord) -> None:
+        """The worker takes no more work."""
+        if not worker.draining:
+            worker.draining = True
+            self.ready_workers -= 1
+            self.free.update(worker)
+
+    def credits_changed(self, worker: WorkerRecord) -> None:
+        if not worker.removed:
+            self.free.update(worker)
+
+    def _limits_changed(self) -> None:
         limits = [w.registration.max_positions for w in self.workers.values() if w.registration.max_positions is not None]
-        return min(limits) if limits else None
+        self.max_positions = min(limits) if limits else None
 
 
 @dataclass
@@ -160,6 +228,7 @@ class MappingRecord:
     frames: list[Any]
     users: set[bytes] = field(default_factory=set)
     requests: int = 0
+    sent_to: set[bytes] = field(default_factory=set)  # the workers believed to hold it
 
     @property
     def needed(self) -> bool:

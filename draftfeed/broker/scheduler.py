@@ -5,6 +5,9 @@ with the most free credits, ties to the one that waited longest since its last r
 the request already failed on. A request that every free worker has failed on waits at the front of its
 rank's queue for another worker. Nothing is dispatched while the broker drains. The vocab mapping a request
 names goes to the worker before the request, if the worker does not hold it.
+
+Cost: the service keeps its free workers best first (free_workers.py), so a dispatch costs O(log W) whatever the
+number of workers and ranks, and a call with no free worker or nothing queued O(1).
 """
 
 from __future__ import annotations
@@ -17,20 +20,6 @@ from draftfeed.schemas.messages import dispatch_header, dispatch_rank_fields
 from draftfeed.schemas.protocol import SIGNATURE
 
 log = logging.getLogger("draftfeed.broker")
-
-
-def pick_worker(service: ServiceRecord, pending: Pending) -> WorkerRecord | None:
-    """The worker for ``pending``, or None while no free worker may take it (one pass: this runs per request)."""
-    best: WorkerRecord | None = None
-    best_free = 0
-    excluded = pending.excluded
-    for worker in service.workers.values():
-        free = worker.free_credits
-        if free <= 0 or (excluded and worker.peer in excluded):
-            continue
-        if free > best_free or (free == best_free and best is not None and worker.last_assigned < best.last_assigned):
-            best, best_free = worker, free
-    return best
 
 
 class Scheduler:
@@ -50,16 +39,18 @@ class Scheduler:
             return []
         out: list[Outgoing] = []
         waiting: list[Pending] = []
-        queue, workers = service.queue, service.workers.values()
-        while queue and any(w.free_credits > 0 for w in workers):
+        queue, free = service.queue, service.free
+        while queue and len(free):
             pending = queue.pop()  # the next rank's oldest request, round-robin across ranks
             if pending.rank.gone:
                 continue
-            worker = pick_worker(service, pending)
+            worker = free.pick(pending.excluded)
             if worker is None:
                 waiting.append(pending)  # every free worker has failed on this one; wait for another
                 continue
             self._assign(worker, pending, out)
+            service.in_flight += 1
+            service.credits_changed(worker)
         if waiting:
             queue.push_front(waiting)
         return out
@@ -69,11 +60,14 @@ class Scheduler:
         if pending.mapping is not None:
             out.extend(self.mappings.send_before(worker, pending))
         pending.ticket = self._next_ticket
+        pending.worker = worker.peer
         self._next_ticket += 1
         worker.in_flight[pending.ticket] = pending
         worker.last_assigned = pending.ticket
         rank = pending.rank
-        worker.ranks_served.add(rank.peer)
+        if rank.peer not in worker.ranks_served:
+            worker.ranks_served.add(rank.peer)
+            rank.workers_served.add(worker.peer)
         if rank.dispatch_fields is None:
             rank.dispatch_fields = dispatch_rank_fields(rank.hello, rank.key)
         if pending.request_json is None:

@@ -20,11 +20,17 @@ and is sent the mapping again; a request is never computed without its mapping (
 
 A forgotten peer (silent too long, gone, unreachable) is remembered by name for a while, so that its next
 message is answered ``forgotten`` with the reason; its old records are never used again (``RankRecord.gone``).
+
+Cost: no handler's work grows with the number of ranks or workers the broker knows. A request costs O(log W) to
+dispatch (the service keeps its free workers best first), a peer's message O(1) beyond what it carries, a departure
+O(the peers that held state of it), and what that departure has to tell others gathers in ``notices`` (notices.py),
+said in one message per peer. Only the heartbeat tick visits every peer, to send each its heartbeat.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 import uuid
 from collections import Counter
@@ -34,22 +40,25 @@ from typing import Any
 from draftfeed.broker.admission import refuse_hello, refuse_registration, refuse_submit
 from draftfeed.broker.delivery import Delivery
 from draftfeed.broker.mappings import MappingTable
+from draftfeed.broker.notices import Notices
 from draftfeed.broker.ranks import RankBook, worker_keys
-from draftfeed.broker.records import Outgoing, ServiceRecord, to_rank, to_worker
+from draftfeed.broker.records import Outgoing, PairRecord, ServiceRecord, WorkerRecord, to_rank, to_worker
 from draftfeed.broker.scheduler import Scheduler
 from draftfeed.broker.settings import BrokerSettings
-from draftfeed.broker.status import THROUGHPUT_WINDOW_S, status_document
+from draftfeed.broker.status import THROUGHPUT_WINDOW_S, status_document, status_page
 from draftfeed.broker.workers import WorkerBook, model_info_reply
 from draftfeed.schemas.errors import MalformedMessage
+from draftfeed.schemas.frames import pack
 from draftfeed.schemas.messages import (
     Ack,
+    Computing,
     Done,
     ErrorReply,
-    ForgetRank,
     Goodbye,
     Heartbeat,
     Hello,
     ModelInfoQuery,
+    RankAddress,
     Register,
     Registered,
     SetVocabMapping,
@@ -57,7 +66,6 @@ from draftfeed.schemas.messages import (
     StatusReply,
     Submit,
     Welcome,
-    WorkerGone,
     WorkerHeartbeat,
 )
 from draftfeed.schemas.tensor_specs import check_frames
@@ -82,8 +90,9 @@ class BrokerState:
         self.workers = self.worker_book.records
         self.forgotten_ranks = self.rank_book.forgotten
         self.forgotten_workers = self.worker_book.forgotten
-        self.mappings = MappingTable()
+        self.mappings = MappingTable(self.workers)
         self.scheduler = Scheduler(self.mappings)
+        self.notices = Notices()  # what departures and arrivals tell other peers, said at the next flush
         self.counters = {
             "workers_expired": 0,
             "ranks_expired": 0,
@@ -92,7 +101,7 @@ class BrokerState:
             "mappings_resent": 0,
             "requests_failed": 0,
         }
-        self.delivery = Delivery(self.settings, self.mappings, self.scheduler, self.workers, self.counters, clock)
+        self.delivery = Delivery(self.settings, self.mappings, self.scheduler, self.counters, clock)
         self.requeues: Counter[str] = self.delivery.requeues  # why requests went back to the queue (delivery.py)
         # Messages refused before any handler took them, by reason (malformed, wrong_port, protocol_version; their sum
         # is the status' rejected_messages), and submits refused by a handler, by the error code the rank was sent.
@@ -116,7 +125,11 @@ class BrokerState:
         service = self.service(hello.service)
         if hello.expect is not None:
             service.info = hello.expect
+        known = self.ranks.get(peer)
+        if known is not None and known.hello.service != hello.service:
+            self.service(known.hello.service).ranks.discard(peer)
         _rank, resumed = self.rank_book.greet(peer, hello, key)
+        service.ranks.add(peer)
         welcome = Welcome(
             broker=self.name,
             instance=self.instance,
@@ -153,7 +166,7 @@ class BrokerState:
             check_frames(message.tensors, frames)
         except MalformedMessage as exc:
             return [to_rank(peer, ErrorReply(request_id=message.request_id, message=str(exc)))]
-        out = self.mappings.set_for(rank, message, frames, self.workers.values())
+        out = self.mappings.set_for(rank, message, frames)
         out.append(to_rank(peer, Ack(request_id=message.request_id)))
         return out
 
@@ -168,7 +181,7 @@ class BrokerState:
         return [to_rank(peer, model_info_reply(service, query.request_id))]
 
     def on_status(self, peer: bytes, query: StatusQuery) -> list[Outgoing]:
-        return [to_rank(peer, StatusReply(request_id=query.request_id, status=self.status()))]
+        return [to_rank(peer, StatusReply(request_id=query.request_id, status=self.status(query)))]
 
     def on_rank_bye(self, peer: bytes) -> list[Outgoing]:
         return self._forget_rank(peer, "it said goodbye")
@@ -176,30 +189,41 @@ class BrokerState:
     def _forget_rank(self, peer: bytes, why: str) -> list[Outgoing]:
         """Drop a rank and everything held for it: queued and parked work, its mapping, workers' links to it.
 
-        Workers are told to forget the rank before they are told to forget its mappings."""
+        Every worker that holds a link to it is to forget it (notices.py): at once the ones computing its requests,
+        the others at the next flush. Workers are told to forget the rank before they are told to forget its
+        mappings (a worker's notices go before any other message to it)."""
         rank = self.rank_book.remove(peer, why)
         if rank is None:
             return []
         service = self.service(rank.hello.service)
+        service.ranks.discard(peer)
         service.queue.drop_rank(rank.peer)
-        service.info_waiters = [(p, r) for p, r in service.info_waiters if p != peer]
+        if service.info_waiters:
+            service.info_waiters = [(p, r) for p, r in service.info_waiters if p != peer]
         rank.parked.clear()
+        self.notices.drop_rank(peer)
         out: list[Outgoing] = []
-        forget = ForgetRank(rank=rank.hello.rank, data_endpoint=rank.hello.data_endpoint)
-        for worker in self.workers.values():
-            if peer in worker.ranks_served:
+        address = RankAddress(rank=rank.hello.rank, data_endpoint=rank.hello.data_endpoint)
+        for worker_peer in rank.workers_served:
+            worker = self.workers.get(worker_peer)
+            if worker is not None:
                 worker.ranks_served.discard(peer)
-                out.append(to_worker(worker.peer, forget))
+                worker.pairs.pop(rank.hello.rank, None)
+                self.notices.forget_rank(worker_peer, address)
+        rank.workers_served.clear()
+        computing = {pending.worker for pending in rank.requests.values() if pending.worker is not None}
+        for worker_peer in computing:
+            out.extend(self.notices.take("backend", worker_peer))
         for pending in rank.requests.values():
-            out.extend(self.mappings.release(pending, self.workers.values()))
-        out.extend(self.mappings.release_rank(rank, self.workers.values()))
+            out.extend(self.mappings.release(pending))
+        out.extend(self.mappings.release_rank(rank))
         out.extend(self.scheduler.dispatch(service))
         self._drop_if_unused(service)
         return out
 
     def _drop_if_unused(self, service: ServiceRecord) -> None:
         """A service with no worker, no rank and nothing queued is forgotten (its target pin with it)."""
-        if service.workers or service.queue or service.info_waiters or self.rank_book.uses(service):
+        if service.workers or service.queue or service.info_waiters or service.ranks:
             return
         self.services.pop(service.name, None)
 
@@ -217,30 +241,43 @@ class BrokerState:
             log.warning("broker: refused registration: %s", refusal)
             return out + [to_worker(peer, ErrorReply(message=refusal, code="refused"))]
         service.info = register.info
-        service.workers[peer] = self.worker_book.add(peer, register, key)
+        before = service.ready_workers
+        service.add_worker(self.worker_book.add(peer, register, key))
         if key is not None:
             out.extend(self.rank_book.announce_worker_keys(service))  # before its first dispatch reaches a rank
         out.append(to_worker(peer, Registered(broker=self.name, instance=self.instance, liveness=self.settings.liveness_message)))
-        out.extend(self.rank_book.announce_service_workers(service))
+        self.notices.workers_changed(service, before)
         for waiter, request_id in service.info_waiters:
             out.append(to_rank(waiter, model_info_reply(service, request_id)))
         service.info_waiters.clear()
         return out + self.scheduler.dispatch(service)
 
     def on_worker_heartbeat(self, peer: bytes, heartbeat: WorkerHeartbeat) -> list[Outgoing]:
+        """Its stats, and the pairs whose status changed (a pair of a rank the broker forgot is not kept)."""
         worker, out = self.worker_book.known(peer)
         if worker is not None:
-            worker.rank_links, worker.mappings_held, worker.pairs = heartbeat.rank_links, heartbeat.mappings, heartbeat.pairs
-            worker.in_engine = heartbeat.in_engine
+            worker.rank_links, worker.mappings_held, worker.pair_count = heartbeat.rank_links, heartbeat.mappings, heartbeat.pair_count
+            for pair in heartbeat.pairs:
+                if pair.rank.encode() in worker.ranks_served:
+                    worker.pairs[sys.intern(pair.rank)] = PairRecord.of(pair)
+        return out
+
+    def on_computing(self, peer: bytes, computing: Computing) -> list[Outgoing]:
+        worker, out = self.worker_book.known(peer)
+        if worker is not None and computing.ticket in worker.in_flight:
+            worker.in_engine = computing.ticket
         return out
 
     def on_draining(self, peer: bytes) -> list[Outgoing]:
         worker = self.workers.get(peer)
         if worker is None or worker.draining:
             return []
-        worker.draining = True
+        service = self.service(worker.registration.service)
+        before = service.ready_workers
+        service.drains(worker)
         log.info("broker: worker %s is draining: it gets no more work", worker.name)
-        return self.rank_book.announce_service_workers(self.service(worker.registration.service))
+        self.notices.workers_changed(service, before)
+        return []
 
     def on_worker_bye(self, peer: bytes) -> list[Outgoing]:
         return self._remove_worker(peer, "it said goodbye")
@@ -250,11 +287,14 @@ class BrokerState:
         if worker is None:
             return out
         pending = worker.in_flight.pop(done.ticket, None)
+        if worker.in_engine == done.ticket or done.next_ticket is not None:
+            worker.in_engine = done.next_ticket if done.next_ticket in worker.in_flight else None
         if pending is None:
             return []  # an earlier attempt, already requeued elsewhere
-        if worker.in_engine == done.ticket:
-            worker.in_engine = None
+        pending.worker = None
         service = self.service(worker.registration.service)
+        service.in_flight -= 1
+        service.credits_changed(worker)
         if done.outcome == "missing_mapping" and done.missing_mapping is not None:
             return self.delivery.missing_mapping(worker, pending, done.missing_mapping, service)
         if done.hands_back:
@@ -278,16 +318,29 @@ class BrokerState:
             return []
         worker, requeued = removed
         service = self.service(worker.registration.service)
-        service.workers.pop(peer, None)
+        before = service.ready_workers
+        service.remove_worker(peer)
+        service.in_flight -= len(requeued)
+        self.mappings.worker_left(worker)
+        self.notices.drop_worker(peer)
         # Ranks it served release their pair groups with it (docs/data-planes.md).
-        gone = WorkerGone(worker=worker.name)
-        out = [to_rank(rank, gone) for rank in worker.ranks_served if rank in self.ranks]
+        self._ranks_forget_worker(worker)
+        out: list[Outgoing] = []
         if worker.key is not None:
             out.extend(self.rank_book.announce_worker_keys(service))
-        out.extend(self.rank_book.announce_service_workers(service))
+        self.notices.workers_changed(service, before)
         out.extend(self.delivery.requeue(requeued, service))
         self._drop_if_unused(service)
         return out
+
+    def _ranks_forget_worker(self, worker: WorkerRecord) -> None:
+        for rank_peer in worker.ranks_served:
+            rank = self.ranks.get(rank_peer)
+            if rank is not None:
+                rank.workers_served.discard(worker.peer)
+                self.notices.worker_gone(rank_peer, worker.name)
+        worker.ranks_served.clear()
+        worker.pairs.clear()
 
     # ------------------------------------------------------------ time
     def on_tick(self) -> list[Outgoing]:
@@ -302,13 +355,28 @@ class BrokerState:
         for peer in self.rank_book.silent(now, liveness_s):
             self.counters["ranks_expired"] += 1
             out.extend(self._forget_rank(peer, f"silent for {now - self.ranks[peer].last_seen:.1f} s (liveness period {liveness_s:.1f} s)"))
-        beat = Heartbeat(instance=self.instance)
-        out.extend(to_rank(peer, beat) for peer in self.ranks)
-        out.extend(to_worker(peer, beat) for peer in self.workers)
+        beat = pack(Heartbeat(instance=self.instance))  # one encoding for every peer
+        out.extend(Outgoing("frontend", peer, beat) for peer in self.ranks)
+        out.extend(Outgoing("backend", peer, beat) for peer in self.workers)
         for service in self.services.values():
             while service.completions and now - service.completions[0] > THROUGHPUT_WINDOW_S:
                 service.completions.popleft()
-        return out
+        return out + self.notices.flush(tick=True)
+
+    def flush_notices(self) -> list[Outgoing]:
+        """What has gathered for peers since the last flush (notices.py); the broker sends it after each batch."""
+        return self.notices.flush() if self.notices else []
+
+    def ordered(self, out: list[Outgoing]) -> list[Outgoing]:
+        """``out`` as it goes on the wire: each peer's waiting notices before the next message to it, then what is
+        left of them (the broker sends ``out`` so, and ``flush_notices`` after each batch)."""
+        if not self.notices:
+            return out
+        ordered: list[Outgoing] = []
+        for item in out:
+            ordered.extend(self.notices.take(item.side, item.peer))
+            ordered.append(item)
+        return ordered + self.notices.flush()
 
     def start_draining(self) -> None:
         """Dispatch nothing more; what workers hold still completes."""
@@ -323,10 +391,18 @@ class BrokerState:
         return self.worker_book.in_flight
 
     def goodbye(self) -> list[Outgoing]:
-        message = Goodbye(instance=self.instance)
-        return [to_rank(peer, message) for peer in self.ranks] + [to_worker(peer, message) for peer in self.workers]
+        message = pack(Goodbye(instance=self.instance))
+        return [Outgoing("frontend", peer, message) for peer in self.ranks] + [Outgoing("backend", peer, message) for peer in self.workers]
 
-    def status(self) -> dict[str, Any]:
+    def status(self, query: StatusQuery | None = None) -> dict[str, Any]:
+        """The status document: whole (for the metrics endpoint, in process), or one page of it for ``query``, which
+        fits one reply however many peers there are (status.py)."""
+        broker = self._broker_status()
+        if query is None:
+            return status_document(broker, self.clock(), self.services, self.ranks)
+        return status_page(broker, self.clock(), self.services, self.ranks, query)
+
+    def _broker_status(self) -> dict[str, Any]:
         now = self.clock()
         broker = {
             "broker": self.name,
@@ -339,5 +415,7 @@ class BrokerState:
             "rejections": dict(self.rejections),
             "refusals": dict(self.refusals),
             "dispatched": self.scheduler.dispatched,
+            "rank_count": len(self.ranks),
+            "worker_count": len(self.workers),
         }
-        return status_document(broker, now, self.services, self.ranks)
+        return broker

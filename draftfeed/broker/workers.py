@@ -9,11 +9,13 @@ means for the requests it held is the handlers' (state.py); this module holds th
 
 from __future__ import annotations
 
+import itertools
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 
 from draftfeed.broker.forgotten import ForgottenPeers
-from draftfeed.broker.records import Outgoing, Pending, ServiceRecord, WorkerRecord, to_worker
+from draftfeed.broker.records import Outgoing, Pending, ServiceRecord, WorkerRecord, silent_peers, to_worker
 from draftfeed.schemas.messages import ErrorReply, ModelInfoReply, Register
 
 log = logging.getLogger("draftfeed.broker")
@@ -38,7 +40,8 @@ class WorkerBook:
         self.broker = broker
         self.instance = instance
         self.clock = clock
-        self.records: dict[bytes, WorkerRecord] = {}
+        self.records: OrderedDict[bytes, WorkerRecord] = OrderedDict()  # least recently heard first
+        self._order = itertools.count()  # registrations, in order (the scheduler's last tie-break)
         self.forgotten = ForgottenPeers()
         # Requests charged with a worker's death, by worker: a worker that comes back was frozen, not dead.
         self._death_charges: dict[bytes, list[Pending]] = {}
@@ -48,6 +51,7 @@ class WorkerBook:
         worker = self.records.get(peer)
         if worker is not None:
             worker.last_seen = self.clock()
+            self.records.move_to_end(peer)
             return worker, []
         why = self.forgotten.why(peer)
         if why is not None:
@@ -58,7 +62,7 @@ class WorkerBook:
 
     def add(self, peer: bytes, register: Register, key: str | None) -> WorkerRecord:
         """Record an admitted registration (the caller adds it to its service's workers)."""
-        worker = WorkerRecord(peer, register, self.clock(), key=key)
+        worker = WorkerRecord(peer, register, self.clock(), key=key, order=next(self._order))
         self.records[peer] = worker
         if self.forgotten.take(peer) is not None:
             self._uncharge_deaths(peer)
@@ -106,7 +110,7 @@ class WorkerBook:
 
     def silent(self, now: float, liveness_s: float) -> list[bytes]:
         """The workers not heard for longer than the liveness period."""
-        return [peer for peer, worker in self.records.items() if now - worker.last_seen > liveness_s]
+        return silent_peers(self.records, now, liveness_s)
 
     @property
     def in_flight(self) -> int:

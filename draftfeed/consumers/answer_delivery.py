@@ -6,7 +6,7 @@ the pair's own torch.distributed group, pair_group_plane.py, or written into a s
 nixl_plane.py). A pair that fails is torn down and the answer goes again as frames. A failure always goes as frames.
 
 Every wait is bounded. A send is tried until the rank takes it, the broker reports the rank gone (the broker
-link counts each ``forget_rank``: one that arrives mid-delivery ends the wait at once, before the compute loop
+link counts each ``forget_ranks``: one that arrives mid-delivery ends the wait at once, before the compute loop
 files it), the rank was never reached within --connect-timeout (it is not tried again), it took nothing for
 --send-timeout, or, once the worker is stopping, --drain-timeout has passed. A nixl grant is awaited at most
 --pair-timeout, and at most ``ARENAS`` nixl writes are in flight (a staged answer's arena must be free again:
@@ -84,7 +84,7 @@ class AnswerDelivery:
         forgets: Callable[[str], int],
         stopping_since: Callable[[], float | None],
     ) -> None:
-        """``forgets``: the broker link's count of ``forget_rank`` per data_endpoint; ``stopping_since``: when the worker
+        """``forgets``: the broker link's count of ``forget_ranks`` per data_endpoint; ``stopping_since``: when the worker
         was told to stop (time.monotonic), None while it serves."""
         self.worker = worker
         self.config = config
@@ -125,12 +125,12 @@ class AnswerDelivery:
 
     # ------------------------------------------------------------ one answer
     def forgets(self, data_endpoint: str) -> int:
-        """How many ``forget_rank`` for the rank at ``data_endpoint`` the link has passed on so far."""
+        """How many ``forget_ranks`` for the rank at ``data_endpoint`` the link has passed on so far."""
         return self._forgets(data_endpoint)
 
     def result(self, dispatch: Dispatch, tensors: dict[str, torch.Tensor], since: int) -> Outcome:
         """Send a result on the pair's plane when it has a ready one, else (or when that fails) as frames. ``since``:
-        ``forgets(data_endpoint)`` when the request was filed; a ``forget_rank`` after that, also one that came while
+        ``forgets(data_endpoint)`` when the request was filed; a ``forget_ranks`` after that, also one that came while
         the request was computed, ends every wait of this delivery at once."""
         request, data_endpoint = dispatch.request, dispatch.data_endpoint
         too_big = _over_limit(tensors, dispatch.max_result_bytes)
@@ -188,7 +188,7 @@ class AnswerDelivery:
 
     def _send(self, data_endpoint: str, frames: list[Any], since: int | None = None) -> Delivery:
         """Send to a rank, trying until it takes the message, the broker reports it gone (the link counts its
-        ``forget_rank``; ``since``: the count when this delivery began, default now), it was never reached within
+        ``forget_ranks``; ``since``: the count when this delivery began, default now), it was never reached within
         connect_timeout, or it took nothing for send_timeout (drain_timeout once stopping)."""
         started = time.monotonic()
         forgets = self._forgets(data_endpoint) if since is None else since
@@ -197,7 +197,7 @@ class AnswerDelivery:
             if delivery is not Delivery.BLOCKED:
                 return delivery
             if self._forgets(data_endpoint) != forgets:
-                return Delivery.FORGOTTEN  # the forget_rank itself is filed next, with the rest of the link's messages
+                return Delivery.FORGOTTEN  # the forget_ranks itself is filed next, with the rest of the link's messages
             waited = time.monotonic() - started
             if not self.ranks.ever_sent(data_endpoint) and waited > self.config.connect_timeout_s:
                 # Never reached: a wrong or firewalled data data_endpoint. Fail fast for it from now on.

@@ -37,6 +37,7 @@ class BrokerLink(threading.Thread):
         pipe_endpoint: str,
         stats: Callable[[], WorkerHeartbeat],
         inbox: Inbox,
+        on_register: Callable[[], None] | None = None,
         keys: PeerKeys | None = None,
         max_frame_bytes: int | None = None,
     ) -> None:
@@ -47,7 +48,7 @@ class BrokerLink(threading.Thread):
         self._pipe_endpoint = pipe_endpoint
         self._keys = keys
         self._max_frame_bytes = max_frame_bytes
-        self.session = WorkerSession(registration, broker, stats, inbox)
+        self.session = WorkerSession(registration, broker, stats, inbox, on_register=on_register)
         self.failure: BaseException | None = None
         self._bad_input = RateLimitedLog(log)
 

@@ -35,6 +35,7 @@ from draftfeed.consumers.config import WorkerConfig
 from draftfeed.consumers.engines.base import RETRYABLE_ERRORS, EngineLost, image_policy
 from draftfeed.consumers.mappings import MissingMapping, WorkerMappings
 from draftfeed.consumers.pair_planes import PairPlanes
+from draftfeed.consumers.pair_report import PairReport
 from draftfeed.consumers.rank_links import Delivery, RankLinks
 from draftfeed.consumers.tasks.base import Task
 from draftfeed.consumers.validation import image_tensors, validate_batch
@@ -45,7 +46,7 @@ from draftfeed.net import close_quietly, host_identity, send_to_thread
 from draftfeed.observe.worker_metrics import WorkerMetrics
 from draftfeed.schemas.errors import BadRequest, CannotServe, MalformedMessage
 from draftfeed.schemas.frames import pack
-from draftfeed.schemas.messages import Dispatch, Done, Draining, ForgetMapping, ForgetRank, Register, VocabMapping, WorkerHeartbeat
+from draftfeed.schemas.messages import Computing, Dispatch, Done, Draining, ForgetMapping, ForgetRanks, Register, VocabMapping, WorkerHeartbeat
 
 log = logging.getLogger("draftfeed.worker")
 
@@ -54,11 +55,11 @@ log = logging.getLogger("draftfeed.worker")
 class _Queued:
     dispatch: Dispatch
     frames: list[Any]
-    forgets: int  # the link's count of forget_rank for its rank when it was filed: a later one means the rank is gone
+    forgets: int  # the link's count of forget_ranks naming its rank when it was filed: a later one means the rank is gone
 
 
 class Worker:
-    """Serves one task (EAGLE-3 or DSpark) of one target for one service."""
+    """Serves one task of one target for one service."""
 
     def __init__(self, task: Task, config: WorkerConfig) -> None:
         self.task = task
@@ -69,7 +70,9 @@ class Worker:
         self._stop = threading.Event()
         self._delivery: AnswerDelivery | None = None
         self._link: BrokerLink | None = None
-        self._in_engine: int | None = None  # the ticket being computed (heartbeats say it)
+        self._in_engine: int | None = None  # the ticket being computed
+        self._announced: int | None = None  # the ticket the broker was last told comes next (a done's next_ticket)
+        self._pair_report = PairReport()  # which pairs the next heartbeat reports
         self._stopping_since = 0.0
         self.served = 0
         self.metrics = WorkerMetrics(self.name, config.service)
@@ -120,12 +123,14 @@ class Worker:
         self._stop.set()
 
     def _stats(self) -> WorkerHeartbeat:
+        """The heartbeat (the link's thread, once per interval): stats, and the pairs whose status changed."""
         delivery = self._delivery
+        pairs = delivery.pairs() if delivery else []
         return WorkerHeartbeat(
-            in_engine=self._in_engine,
             rank_links=delivery.links() if delivery else 0,
             mappings=len(self._mappings),
-            pairs=delivery.pairs() if delivery else [],
+            pair_count=len(pairs),
+            pairs=self._pair_report.changes(pairs),
         )
 
     def run(self, on_ready: Callable[[], None] | None = None) -> None:
@@ -150,6 +155,7 @@ class Worker:
             pipe_endpoint,
             self._stats,
             inbox,
+            on_register=self._pair_report.reset,
             keys=self.config.keys,
             max_frame_bytes=self.config.max_request_bytes,
         )
@@ -213,7 +219,10 @@ class Worker:
                 queued = self._queue.popleft()
                 done = self._serve_one(queued, pipe)
                 self.metrics.answered(done.outcome)
-                self._to_link(pipe, pack(done))
+                # The next request's ticket rides on this done: the broker knows what this worker computes next
+                # without a message of its own (``computing`` goes only after an idle spell).
+                self._announced = self._queue[0].dispatch.ticket if self._queue else None
+                self._to_link(pipe, pack(done.model_copy(update={"next_ticket": self._announced})))
         if self._stop.is_set():
             self._leave(pipe)
 
@@ -235,6 +244,7 @@ class Worker:
         assert self._delivery is not None
         if item == RESET:
             self._queue.clear()  # the broker has requeued all of it
+            self._announced = None
             self._mappings.clear()
             self._delivery.reset()  # the broker told the ranks this worker is gone: they closed their sides
             return
@@ -246,17 +256,21 @@ class Worker:
             self._mappings.load(message, tensor_frames)
         elif isinstance(message, ForgetMapping):
             self._mappings.forget(message.digest)
-        elif isinstance(message, ForgetRank):
+        elif isinstance(message, ForgetRanks):
             self._forget(message, pipe)
 
-    def _forget(self, message: ForgetRank, pipe: zmq.Socket) -> None:
+    def _forget(self, message: ForgetRanks, pipe: zmq.Socket) -> None:
         assert self._delivery is not None
-        self._delivery.forget(message.data_endpoint)
-        dropped = [q for q in self._queue if q.dispatch.rank == message.rank]
-        self._queue = deque(q for q in self._queue if q.dispatch.rank != message.rank)
+        for address in message.ranks:
+            self._delivery.forget(address.data_endpoint)
+        gone = {address.rank for address in message.ranks}
+        dropped = [q for q in self._queue if q.dispatch.rank in gone]
+        if dropped:
+            self._queue = deque(q for q in self._queue if q.dispatch.rank not in gone)
         for queued in dropped:
             self._to_link(pipe, pack(Done(ticket=queued.dispatch.ticket, outcome="undelivered", message="rank gone")))
-        log.info("worker %s: rank %s is gone; dropped %d of its queued requests", self.name, message.rank, len(dropped))
+        names = ", ".join(sorted(gone)[:4]) + (f" and {len(gone) - 4} more" if len(gone) > 4 else "")
+        log.info("worker %s: rank %s gone; dropped %d of their queued requests", self.name, names, len(dropped))
 
     def _hand_back(self, pipe: zmq.Socket, reason: str) -> None:
         while self._queue:
@@ -270,7 +284,9 @@ class Worker:
         dispatch, tensor_frames = queued.dispatch, queued.frames
         request = dispatch.request
         self._in_engine = dispatch.ticket
-        self._to_link(pipe, pack(self._stats()))
+        if self._announced != dispatch.ticket:  # the last done did not name it (the worker was idle): say it now
+            self._to_link(pipe, pack(Computing(ticket=dispatch.ticket)))
+        self._announced = None
         started = time.perf_counter()
         try:
             tensors = self._compute(dispatch, tensor_frames)

@@ -10,9 +10,10 @@ frames; it keeps time with the clock it is given, so its fault handling is teste
   compute loop to drop what it had queued (``RESET``): the broker has requeued it.
 - A refusal of its registration (another target than the service's, a refused handshake) ends the link: the
   worker exits with the reason.
-- On each beat it sends a heartbeat with the worker's stats; what the compute loop has for the broker (``done``,
-  ``draining``, stats) goes out in order; ``STOP`` from it says bye and ends the link.
-- Everything else the broker sends (dispatches, vocab mappings, forget_rank, forget_mapping) goes to the compute
+- On each beat, and only then, it sends a heartbeat with the worker's stats; what the compute loop has for the
+  broker (``done``, ``computing``, ``draining``) goes out in order; ``STOP`` from it says bye and ends the link.
+  Each registration calls ``on_register`` (the heartbeats report every pair again: pair_report.py).
+- Everything else the broker sends (dispatches, vocab mappings, forget_ranks, forget_mapping) goes to the compute
   loop through the ``Inbox``, parsed once, in the order it came.
 """
 
@@ -29,7 +30,7 @@ from typing import Any
 from draftfeed.broker_session import BrokerSession
 from draftfeed.peer_loop import Outbox
 from draftfeed.schemas.frames import pack
-from draftfeed.schemas.messages import Bye, ErrorReply, ForgetRank, Goodbye, Heartbeat, Register, Registered, WorkerHeartbeat
+from draftfeed.schemas.messages import Bye, ErrorReply, ForgetRanks, Goodbye, Heartbeat, Register, Registered, WorkerHeartbeat
 
 log = logging.getLogger("draftfeed.worker")
 
@@ -40,8 +41,8 @@ RESET = "reset"  # link -> compute loop, through the inbox: registered afresh; d
 class Inbox:
     """What the link hands the compute loop: each message with its tensor frames (or ``RESET``), in the order it came.
 
-    It also counts the ``forget_rank`` messages that went through it, per rank data endpoint (any thread): a delivery
-    stuck on a rank that is gone learns it from the count at once, while the compute loop is busy delivering."""
+    It also counts how often ``forget_ranks`` named each rank data endpoint (any thread): a delivery stuck on a rank
+    that is gone learns it from the count at once, while the compute loop is busy delivering."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[tuple[Any, list[Any]] | str] = queue.SimpleQueue()
@@ -49,9 +50,10 @@ class Inbox:
         self._forgets: Counter[str] = Counter()
 
     def put(self, message: Any, frames: list[Any]) -> None:
-        if isinstance(message, ForgetRank):
+        if isinstance(message, ForgetRanks):
             with self._lock:
-                self._forgets[message.data_endpoint] += 1
+                for address in message.ranks:
+                    self._forgets[address.data_endpoint] += 1
         self._queue.put((message, frames))
 
     def reset(self) -> None:
@@ -65,7 +67,7 @@ class Inbox:
             return None
 
     def forgets(self, data_endpoint: str) -> int:
-        """How many ``forget_rank`` messages for the rank at ``data_endpoint`` came so far."""
+        """How many times ``forget_ranks`` named the rank at ``data_endpoint`` so far."""
         with self._lock:
             return self._forgets[data_endpoint]
 
@@ -78,6 +80,7 @@ class WorkerSession:
         stats: Callable[[], WorkerHeartbeat],
         inbox: Inbox,
         clock: Callable[[], float] = time.monotonic,
+        on_register: Callable[[], None] | None = None,
     ) -> None:
         self.registration = registration
         self.worker = registration.worker
@@ -86,6 +89,7 @@ class WorkerSession:
         self.outbox = Outbox()
         self.inbox = inbox
         self._stats = stats
+        self._on_register = on_register
         self.registered = threading.Event()  # the first registration, or a refusal (``refused`` then says why)
         self.refused: str | None = None
         self.registrations = 0
@@ -111,6 +115,8 @@ class WorkerSession:
 
     # ------------------------------------------------------------ what it says
     def register(self) -> None:
+        if self._on_register is not None:
+            self._on_register()
         self.broker.introducing()
         self.outbox.clear()  # what waits went to a broker that requeues it all
         self.outbox.put(pack(self.registration))

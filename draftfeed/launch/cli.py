@@ -22,12 +22,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
 from draftfeed.bench import SCENARIO_NAMES
+from draftfeed.bench.cluster import Load as ClusterLoad
 from draftfeed.broker.settings import BrokerSettings
 from draftfeed.consumers.config import DEFAULT_DRAFT_LAYERS, DTYPES, ENGINES, LAYER_FLAGS, WorkerConfig, task_settings_problem
 from draftfeed.consumers.devices import placement_problem, tensor_parallel_devices
 from draftfeed.launch import flags
 from draftfeed.launch.config import apply_sources, effective
 from draftfeed.launch.ready import announce_ready
+from draftfeed.launch.status import LIST_AT_MOST
 from draftfeed.launch.store_commands import run_store
 from draftfeed.logs import LOG_FORMATS
 from draftfeed.logs import configure as configure_logging
@@ -115,10 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--report", action="store_true", help="render docs/performance.md and its plot from this run")
     bench.add_argument("--docs", default="docs", help="where --report writes")
     bench.add_argument("--from-json", default=None, help="measure nothing: render --report from the JSON of an earlier run")
+    flags.add_flags(bench.add_argument_group("the cluster scenario"), ClusterLoad)
 
     status = _parser(commands, "status", help="print the broker's services, workers, ranks and queues")
     status.add_argument("--broker", type=_endpoint, default=DEFAULT_STATUS_BROKER, help="the broker's rank (frontend) endpoint")
-    status.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    status.add_argument("--json", action="store_true", help="print the whole document as JSON instead of a table")
+    status.add_argument(
+        "--list", action="store_true", help=f"list every worker and rank (listed anyway when there are at most {LIST_AT_MOST} of each)"
+    )
+    status.add_argument("--pairs", action="store_true", help="list each worker's data plane to each rank")
     status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the broker")
     status.add_argument("--service", default=None, help="check this service: exit 1 unless it has a ready worker")
     status.add_argument("--wait", type=float, default=0.0, help="with --service: wait up to this many seconds for a ready worker")
@@ -366,16 +373,29 @@ def run_broker(args: argparse.Namespace) -> int:
     broker = Broker(args.frontend, args.backend, name=args.name, settings=settings, keys=_broker_keys(args))
     frontend, backend = broker.bind()
     registry = CollectorRegistry()
-    registry.register(BrokerCollector(lambda: broker.published_status))
+    registry.register(BrokerCollector(broker.fresh_status))
     observer = _observe(args, DEFAULT_BROKER_HTTP_PORT, broker.health, lambda: registry)
     _stop_on_signals(broker.stop, "broker")
     announce_ready(role="broker", frontend=frontend, backend=backend, http_port=observer.port if observer else None)
+    _tune_garbage_collection()
     try:
         broker.run()
     finally:
         if observer is not None:
             observer.close()
     return 0
+
+
+def _tune_garbage_collection() -> None:
+    """The broker process holds a record for every peer, request and pair, and allocates a few objects per message:
+    with Python's default thresholds its collector ran every 700 allocations, so often that it cost a fifth of the
+    broker's CPU at a thousand ranks (docs/performance.md, "One broker for a cluster"). What is loaded at start is
+    frozen out of collection, and the youngest generation is collected every 100,000 allocations instead."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(100_000, 50, 1000)
 
 
 def _observe(
@@ -581,7 +601,7 @@ def _bench(args: argparse.Namespace) -> int:
         note = None
         with tempfile.TemporaryDirectory(prefix="draftfeed-bench-") as workdir:
             try:
-                rows = run(args.scenario or SCENARIO_NAMES, args.quick, Path(workdir))
+                rows = run(args.scenario or SCENARIO_NAMES, args.quick, Path(workdir), settings=[flags.from_args(ClusterLoad, args)])
             finally:
                 children.stop_all()  # before its folder goes
     command = "draftfeed bench" + (" --quick" if args.quick else "")
@@ -599,7 +619,7 @@ def run_status(args: argparse.Namespace) -> int:
     """Print the status; with --service, exit 1 unless the service has a ready worker (within --wait seconds)."""
     import time
 
-    from draftfeed.launch.status import fetch_status, format_status, ready_workers
+    from draftfeed.launch.status import fetch_for_people, format_status, ready_workers
 
     if args.wait and args.service is None:
         raise UsageError("--wait goes with --service NAME: the service to wait for")
@@ -608,7 +628,7 @@ def run_status(args: argparse.Namespace) -> int:
         return _watch_status(args, keys)
     deadline = time.monotonic() + args.wait
     while True:
-        status = fetch_status(args.broker, args.timeout, keys=keys)
+        status = fetch_for_people(args.broker, args.timeout, keys, everything=args.list or args.json, pairs=args.pairs)
         ready = ready_workers(status, args.service) if args.service is not None else None
         if ready is None or ready > 0 or time.monotonic() >= deadline:
             break
@@ -628,7 +648,7 @@ def _watch_status(args: argparse.Namespace, keys: Any) -> int:
     each one follows the last after a separator line. A broker that stops answering is said, and watched for."""
     import time
 
-    from draftfeed.launch.status import fetch_status, format_status
+    from draftfeed.launch.status import fetch_for_people, format_status
 
     if args.watch <= 0:
         raise UsageError(f"--watch {args.watch:g}: give the seconds between refreshes, more than 0")
@@ -636,7 +656,7 @@ def _watch_status(args: argparse.Namespace, keys: Any) -> int:
     try:
         while True:
             try:
-                status = fetch_status(args.broker, args.timeout, keys=keys)
+                status = fetch_for_people(args.broker, args.timeout, keys, everything=args.list or args.json, pairs=args.pairs)
                 text = json.dumps(status, indent=2) if args.json else format_status(status)
             except DraftfeedError as exc:
                 text = f"draftfeed status: {exc}"

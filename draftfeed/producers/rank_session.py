@@ -43,8 +43,8 @@ from draftfeed.schemas.messages import (
     ServiceWorkers,
     StatusReply,
     Welcome,
-    WorkerGone,
     WorkerKeys,
+    WorkersGone,
 )
 
 log = logging.getLogger("draftfeed.producer")
@@ -158,8 +158,9 @@ class RankSession:
                 self._set_service_workers(message.workers)
         elif isinstance(message, WorkerKeys):
             self.worker_keys = frozenset(key.encode() for key in message.keys)
-        elif isinstance(message, WorkerGone):
-            self._on_worker_gone(message.worker)
+        elif isinstance(message, WorkersGone):
+            for worker in message.workers:
+                self._on_worker_gone(worker)
         elif isinstance(message, Goodbye):
             log.warning("draftfeed rank %s: broker %s is shutting down; waiting for its successor", self.rank_id, message.instance)
             self.goodbye_at = self.broker.clock()

@@ -13,6 +13,8 @@ from typing import Annotated, Any, ClassVar, Literal, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 from typing_extensions import Self
 
+from draftfeed.schemas.protocol import MAX_NOTICES, PAIRS_PER_BEAT
+
 Name = Annotated[str, Field(min_length=1, max_length=256)]
 RequestId = Annotated[int, Field(ge=0, lt=2**63)]
 # The supervision tasks (docs/contract.md has a section on each) and, as requests, the weights a rank may fetch.
@@ -224,8 +226,16 @@ class ModelInfoQuery(Strict):
 
 
 class StatusQuery(Strict):
+    """One page of the broker's status document: its totals and services always; its workers from ``workers_from``
+    and its ranks from ``ranks_from``, as many as fit one reply (``status["page"]`` says where the next page starts);
+    each worker's pairs when ``pairs``. ``summary``: the totals and services only."""
+
     type: Literal["status"] = "status"
     request_id: RequestId
+    workers_from: Annotated[int, Field(ge=0)] = 0
+    ranks_from: Annotated[int, Field(ge=0)] = 0
+    pairs: bool = False
+    summary: bool = False
 
 
 class Bye(Strict):
@@ -321,11 +331,12 @@ class ErrorReply(Strict):
     code: ErrorCode = "refused"
 
 
-class WorkerGone(Strict):
-    """A worker that served this rank left or was found dead: the rank releases its pair group with it."""
+class WorkersGone(Strict):
+    """Workers that served this rank left or were found dead: the rank releases its pair groups with them. The
+    broker gathers what it has to say to one rank and says it in one message (at most ``MAX_NOTICES`` names)."""
 
-    type: Literal["worker_gone"] = "worker_gone"
-    worker: Name
+    type: Literal["workers_gone"] = "workers_gone"
+    workers: list[Name] = Field(min_length=1, max_length=MAX_NOTICES)
 
 
 class Goodbye(Strict):
@@ -373,11 +384,13 @@ DoneOutcome = Literal["served", "failed", "undelivered", "retry", "draining", "m
 
 
 class Done(Strict):
-    """The worker is finished with this ticket and has room for another."""
+    """The worker is finished with this ticket and has room for another. ``next_ticket``: the one it computes next
+    (the head of its queue), which the broker charges if the worker dies now; None when its queue is empty."""
 
     type: Literal["done"] = "done"
     ticket: Annotated[int, Field(ge=0)]
     outcome: DoneOutcome
+    next_ticket: Annotated[int, Field(ge=0)] | None = None
     message: str | None = None
     rank_unreachable: bool = False  # undelivered: the rank's data socket never answered (a wrong data endpoint)
     missing_mapping: MappingDigest | None = None  # missing_mapping: which one
@@ -400,14 +413,24 @@ class PairStatus(Strict):
 
 
 class WorkerHeartbeat(Strict):
-    """Liveness and state. Sent every heartbeat interval and again as each request enters the engine, so that the
-    broker knows which request a worker was computing if it dies: only that one is charged with its death."""
+    """Liveness and state, once per heartbeat interval and never more often. Its size does not grow with the
+    cluster: ``pairs`` holds the pairs whose status changed since the last heartbeat (at most ``PAIRS_PER_BEAT``,
+    the rest in the next ones) and a few unchanged ones in turn, so a lost heartbeat heals; ``pair_count`` says how
+    many pairs the worker has."""
 
     type: Literal["heartbeat"] = "heartbeat"
-    in_engine: Annotated[int, Field(ge=0)] | None = None  # the ticket being computed now
     rank_links: Annotated[int, Field(ge=0)] = 0
     mappings: Annotated[int, Field(ge=0)] = 0
-    pairs: list[PairStatus] = Field(default_factory=list, max_length=4096)
+    pair_count: Annotated[int, Field(ge=0)] = 0
+    pairs: list[PairStatus] = Field(default_factory=list, max_length=PAIRS_PER_BEAT)
+
+
+class Computing(Strict):
+    """The ticket the worker starts computing, sent only when its last ``done`` did not name it as next (the worker
+    was idle): if the worker dies while computing, only that request is charged with its death."""
+
+    type: Literal["computing"] = "computing"
+    ticket: Annotated[int, Field(ge=0)]
 
 
 class Draining(Strict):
@@ -424,12 +447,17 @@ class Registered(Strict):
     liveness: Liveness
 
 
-class ForgetRank(Strict):
-    """A rank is gone: drop its queued work and close the link to it."""
-
-    type: Literal["forget_rank"] = "forget_rank"
+class RankAddress(Strict):
     rank: Name
     data_endpoint: Name
+
+
+class ForgetRanks(Strict):
+    """Ranks that are gone: drop their queued work and close the links to them. The broker gathers the ranks one
+    worker is to forget and says them in one message (at most ``MAX_NOTICES``)."""
+
+    type: Literal["forget_ranks"] = "forget_ranks"
+    ranks: list[RankAddress] = Field(min_length=1, max_length=MAX_NOTICES)
 
 
 class Dispatch(Strict):
@@ -579,12 +607,12 @@ class Failure(Strict):
 
 FrontendInbound = Annotated[Hello | Submit | SetVocabMapping | ModelInfoQuery | StatusQuery | Heartbeat | Bye, Field(discriminator="type")]
 FrontendOutbound = Annotated[
-    Welcome | Ack | ModelInfoReply | StatusReply | ErrorReply | Heartbeat | Goodbye | WorkerGone | WorkerKeys | ServiceWorkers,
+    Welcome | Ack | ModelInfoReply | StatusReply | ErrorReply | Heartbeat | Goodbye | WorkersGone | WorkerKeys | ServiceWorkers,
     Field(discriminator="type"),
 ]
-BackendInbound = Annotated[Register | Done | WorkerHeartbeat | Draining | Bye, Field(discriminator="type")]
+BackendInbound = Annotated[Register | Done | Computing | WorkerHeartbeat | Draining | Bye, Field(discriminator="type")]
 BackendOutbound = Annotated[
-    Registered | Dispatch | VocabMapping | ForgetMapping | ForgetRank | ErrorReply | Heartbeat | Goodbye,
+    Registered | Dispatch | VocabMapping | ForgetMapping | ForgetRanks | ErrorReply | Heartbeat | Goodbye,
     Field(discriminator="type"),
 ]
 DataInbound = Annotated[Result | Failure | PairOpen | PairClose | NixlOpen | NixlWant, Field(discriminator="type")]

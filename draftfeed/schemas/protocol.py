@@ -12,7 +12,7 @@ Peers with another protocol version are rejected with an error that names both v
 from __future__ import annotations
 
 PROTOCOL_NAME = b"draftfeed"
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 SIGNATURE = PROTOCOL_NAME + b"/" + str(PROTOCOL_VERSION).encode()
 
 # Frame positions in a message, after any ROUTER identity frame has been taken off.
@@ -31,6 +31,11 @@ DEFAULT_MAX_FRAME_BYTES = 256 << 20
 DEFAULT_MAX_REQUEST_BYTES = 256 << 20
 # Most tensors one message may carry.
 MAX_TENSORS_PER_MESSAGE = 64
+# What no message grows past, however large the cluster: the pairs one worker heartbeat reports (the changed ones,
+# the rest in the next heartbeats), and the ranks or workers one notice names (forget_ranks, workers_gone; more go
+# in more messages).
+PAIRS_PER_BEAT = 16
+MAX_NOTICES = 1024
 
 DEFAULT_FRONTEND = "tcp://*:5555"
 DEFAULT_BACKEND = "tcp://*:5556"

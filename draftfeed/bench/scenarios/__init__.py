@@ -1,5 +1,6 @@
 """The bench's scenarios by their CLI names, in the order the bench runs them. Each is a module defining
-``run(quick, workdir) -> list[Row]``, imported only when run: naming them loads no torch."""
+``run(quick, workdir) -> list[Row]``, imported only when run: naming them loads no torch. A scenario with settings of
+its own (flags of ``draftfeed bench``) names their class ``SETTINGS`` and takes them as ``run(..., settings=)``."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ _MODULES = {
     "nixl": "nixl_plane",
     "encryption": "encryption",
     "broker": "broker",
+    "cluster": "cluster",
     "overlap": "overlap",
     "scaling": "scaling",
     "real-target": "real_target",
