@@ -158,3 +158,33 @@ def test_requests_whose_frames_do_not_match_their_header_are_refused_before_queu
     )
     assert "over the limit" in huge.message
     assert state.ranks[b"r"].outstanding == 0 and not state.services["svc"].queue
+
+
+def test_a_stale_entry_of_a_workers_old_record_never_passes_for_its_new_record():
+    """A worker that registers again is a new record under the same peer. The free-worker heap keeps stale entries
+    of the old record; none may pass for the new one (a dispatch booked on the old record never completes: its done
+    finds no such ticket), whatever versions the two reach."""
+    from dataclasses import dataclass
+
+    from draftfeed.broker.free_workers import FreeWorkers
+
+    @dataclass(eq=False)
+    class Record:
+        peer: bytes
+        order: int
+        free_credits: int = 2
+        last_assigned: int = -1
+        version: int = 0
+        removed: bool = False
+
+    free = FreeWorkers()
+    old = Record(b"w1", order=0)
+    free.update(old)  # an entry at (2 free, never assigned): the best there can be
+    old.free_credits = 1
+    free.update(old)
+    free.update(old)
+    free.remove(old)
+    new = Record(b"w1", order=1, free_credits=1, last_assigned=9)
+    for _ in range(6):  # whatever version the new record reaches, the old record's entries stay stale
+        free.update(new)
+        assert free.pick() is new

@@ -122,7 +122,7 @@ def test_message_size_limit_is_checked_before_any_allocation():
     [
         ([SIGNATURE], MalformedMessage, "at least 2 frames"),
         ([b"HTTP/1.1", b"{}"], MalformedMessage, "not a draftfeed message"),
-        ([b"draftfeed/0", b"{}"], ProtocolVersionMismatch, "peer speaks draftfeed/0, this process speaks draftfeed/5"),
+        ([b"draftfeed/0", b"{}"], ProtocolVersionMismatch, f"peer speaks draftfeed/0, this process speaks {SIGNATURE.decode()}"),
         ([SIGNATURE, b"{not json"], MalformedMessage, "invalid header"),
         ([SIGNATURE, json.dumps({"type": "launch_missiles"}).encode()], MalformedMessage, "invalid header"),
         ([SIGNATURE, json.dumps({"type": "submit", "request_id": -1, "kind": "eagle3"}).encode()], MalformedMessage, "request_id"),

@@ -12,6 +12,7 @@ from draftfeed import RemoteEagle3Target, RemoteTargetError
 from draftfeed.launch import processes
 from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import FRONTEND_OUTBOUND, ErrorReply, StatusQuery, StatusReply
+from draftfeed.schemas.protocol import SIGNATURE
 
 pytestmark = pytest.mark.timeout(180)
 SERVICE = "tiny-errors"
@@ -83,18 +84,18 @@ def test_invalid_vocab_mapping_is_refused_at_the_rank(services, ids, mask, match
 
 def test_broker_answers_junk_with_an_error_and_serves_on(services, tiny_model):
     with raw_peer(services.frontend) as sock:
-        for junk in ([b"GET / HTTP/1.1"], [b"draftfeed/5", b"{oops"], [b"draftfeed/9", b"{}"]):
+        for junk in ([b"GET / HTTP/1.1"], [SIGNATURE, b"{oops"], [b"draftfeed/9", b"{}"]):
             sock.send_multipart(junk)
             assert sock.poll(10_000), f"no answer to {junk!r}"
             reply, _ = unpack(sock.recv_multipart(), FRONTEND_OUTBOUND)
             assert isinstance(reply, ErrorReply) and reply.message.startswith("rejected by the broker")
         # A worker's message at the ranks' port is told which port to use.
-        sock.send_multipart([b"draftfeed/5", b'{"type": "done", "ticket": 1, "outcome": "served"}'])
+        sock.send_multipart([SIGNATURE, b'{"type": "done", "ticket": 1, "outcome": "served"}'])
         assert sock.poll(10_000)
         reply, _ = unpack(sock.recv_multipart(), FRONTEND_OUTBOUND)
         assert reply.code == "wrong_port" and reply.message.startswith("this is the broker's rank port") and "--backend" in reply.message
         # Submitting before saying hello is refused with advice.
-        sock.send_multipart([b"draftfeed/5", b'{"type": "submit", "request_id": 4, "kind": "eagle3"}'])
+        sock.send_multipart([SIGNATURE, b'{"type": "submit", "request_id": 4, "kind": "eagle3"}'])
         assert sock.poll(10_000)
         reply, _ = unpack(sock.recv_multipart(), FRONTEND_OUTBOUND)
         assert isinstance(reply, ErrorReply) and reply.request_id == 4 and "hello" in reply.message

@@ -89,7 +89,9 @@ def test_nixl_equals_frames_and_the_in_process_computation(forms, tiny_model, se
         pair = pairs_of(forms, worker)[over_nixl.rank_id]
         assert pair["plane"] == "nixl" and pair["state"] == "ready"
         assert pair["reason"].startswith("the worker asked for nixl: both have NIXL, on one machine")
-        assert pairs_of(forms, worker)[over_frames.rank_id]["reason"] == "the rank asks for frames"
+        # A worker reports a new pair in its next heartbeat (once an interval): wait for it.
+        frames_pair = wait_until(lambda: pairs_of(forms, worker).get(over_frames.rank_id), what="the frames pair in status")
+        assert frames_pair["reason"] == "the rank asks for frames"
 
 
 def test_a_held_batch_is_never_overwritten_and_the_pool_keeps_its_bound(forms, tiny_model, caplog):

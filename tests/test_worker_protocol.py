@@ -29,6 +29,7 @@ from draftfeed.schemas.messages import (
     VocabMapping,
     WorkerHeartbeat,
 )
+from draftfeed.schemas.protocol import SIGNATURE
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -107,7 +108,7 @@ def test_worker_refuses_a_dispatch_for_another_service_and_serves_on(harness, ti
     assert isinstance(answer, Failure) and "serves 'svc', not 'someone-else'" in answer.message and done.outcome == "failed"
 
     # Junk from the "broker" is ignored; the next real dispatch is served exactly.
-    backend.send_multipart([peer, b"draftfeed/5", b"{garbage"])
+    backend.send_multipart([peer, SIGNATURE, b"{garbage"])
     backend.send_multipart([peer, b"nonsense"])
     dispatch(backend, peer, data_endpoint, 2, batch)
     answer, tensor_frames, done = receive(rank, backend)

@@ -10,6 +10,7 @@ stays within a constant factor of the service's workers.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Collection
 from typing import Protocol
 
@@ -34,6 +35,9 @@ class FreeWorkers:
     def __init__(self) -> None:
         self._heap: list[_Entry] = []
         self._live: dict[bytes, int] = {}  # worker -> the version of its one live entry
+        # Versions are unique across records: a worker that registers again is a new record under the same peer, and
+        # an entry of its old record must never pass for one of the new.
+        self._versions = itertools.count(1)
 
     def __len__(self) -> int:
         """How many workers have free credits."""
@@ -41,7 +45,7 @@ class FreeWorkers:
 
     def update(self, worker: WorkerRecord) -> None:
         """The worker's free credits or its last assignment changed (or it joined, or drains): file it afresh."""
-        worker.version += 1
+        worker.version = next(self._versions)
         free = worker.free_credits
         if free <= 0 or worker.removed:
             self._live.pop(worker.peer, None)
@@ -53,7 +57,7 @@ class FreeWorkers:
 
     def remove(self, worker: WorkerRecord) -> None:
         """The worker left the service."""
-        worker.version += 1
+        worker.version = next(self._versions)
         self._live.pop(worker.peer, None)
 
     def pick(self, excluded: Collection[bytes] = ()) -> WorkerRecord | None:

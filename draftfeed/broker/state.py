@@ -253,13 +253,18 @@ class BrokerState:
         return out + self.scheduler.dispatch(service)
 
     def on_worker_heartbeat(self, peer: bytes, heartbeat: WorkerHeartbeat) -> list[Outgoing]:
-        """Its stats, and the pairs whose status changed (a pair of a rank the broker forgot is not kept)."""
+        """Its stats, and the pairs whose status changed (a pair of a rank the broker does not know is not kept)."""
         worker, out = self.worker_book.known(peer)
         if worker is not None:
             worker.rank_links, worker.mappings_held, worker.pair_count = heartbeat.rank_links, heartbeat.mappings, heartbeat.pair_count
             for pair in heartbeat.pairs:
-                if pair.rank.encode() in worker.ranks_served:
-                    worker.pairs[sys.intern(pair.rank)] = PairRecord.of(pair)
+                rank = self.ranks.get(pair.rank.encode())
+                if rank is None:
+                    continue  # a rank the broker forgot: the worker hears so, and drops the pair
+                worker.pairs[sys.intern(pair.rank)] = PairRecord.of(pair)
+                if rank.peer not in worker.ranks_served:  # it holds a link to the rank: it hears when the rank goes
+                    worker.ranks_served.add(rank.peer)
+                    rank.workers_served.add(worker.peer)
         return out
 
     def on_computing(self, peer: bytes, computing: Computing) -> list[Outgoing]:

@@ -40,12 +40,12 @@ def fetch_status(broker: str, timeout_s: float = 10.0, keys: PeerKeys | None = N
         poller.register(watch.monitor, zmq.POLLIN)
         deadline = time.monotonic() + timeout_s
         query = StatusQuery(request_id=0, pairs=pairs, summary=summary)
-        document = _ask(sock, poller, watch, query, deadline, broker)
+        document = _ask(sock, poller, watch, query, deadline, broker, timeout_s)
         while (page := document["page"])["workers_next"] is not None or page["ranks_next"] is not None:
             workers_from = page["workers_next"] if page["workers_next"] is not None else page["workers_total"]
             ranks_from = page["ranks_next"] if page["ranks_next"] is not None else page["ranks_total"]
             query = StatusQuery(request_id=query.request_id + 1, workers_from=workers_from, ranks_from=ranks_from, pairs=pairs)
-            _merge(document, _ask(sock, poller, watch, query, deadline, broker))
+            _merge(document, _ask(sock, poller, watch, query, deadline, broker, timeout_s))
         return document
     finally:
         watch.close()
@@ -53,7 +53,9 @@ def fetch_status(broker: str, timeout_s: float = 10.0, keys: PeerKeys | None = N
         context.term()
 
 
-def _ask(sock: zmq.Socket, poller: zmq.Poller, watch: HandshakeWatch, query: StatusQuery, deadline: float, broker: str) -> dict[str, Any]:
+def _ask(
+    sock: zmq.Socket, poller: zmq.Poller, watch: HandshakeWatch, query: StatusQuery, deadline: float, broker: str, timeout_s: float
+) -> dict[str, Any]:
     """One page: the reply to ``query``, before ``deadline``."""
     sock.send_multipart(pack(query), flags=zmq.NOBLOCK)
     while (remaining := deadline - time.monotonic()) > 0:
@@ -68,7 +70,9 @@ def _ask(sock: zmq.Socket, poller: zmq.Poller, watch: HandshakeWatch, query: Sta
                 return message.status
             if isinstance(message, ErrorReply):
                 raise RemoteTargetTimeout(f"the broker at {broker} answered: {message.message}")
-    raise RemoteTargetTimeout(f"no status from a broker at {broker} within the --timeout: is it running, and is that its rank port (--frontend)?")
+    raise RemoteTargetTimeout(
+        f"no status from a broker at {broker} within {timeout_s:g} s (--timeout): is it running, and is that its rank port (--frontend)?"
+    )
 
 
 def _merge(document: dict[str, Any], page: dict[str, Any]) -> None:
