@@ -470,6 +470,13 @@ def resolve_port(port: int | str, container: dict) -> int | None:
     return named.get(port)
 
 
+def placeholder(variable: dict) -> str:
+    """What a variable from valueFrom holds here: a StatefulSet pod's index is 0 (its first pod), anything else a
+    placeholder whose presence alone counts (the pod's name, a Secret)."""
+    path = variable.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath", "")
+    return "0" if "apps.kubernetes.io/pod-index" in path else f"<{variable['name']}>"
+
+
 def check_manifests(docs: list[dict]) -> list[str]:
     """Every way the manifests disagree with the CLI, one line each (empty when they agree)."""
     problems: list[str] = []
@@ -495,7 +502,7 @@ def check_manifests(docs: list[dict]) -> list[str]:
                     problems.append(f"{where}: {problem}")
                     continue
                 # A variable from valueFrom (the pod's name, a Secret) is a placeholder here: only its presence counts.
-                environ = {e["name"]: e.get("value", f"<{e['name']}>") for e in container.get("env", [])}
+                environ = {e["name"]: e.get("value", placeholder(e)) for e in container.get("env", [])}
                 args, error = parse_launch(role, argv, environ)
                 if error is not None:
                     for local, path in copies.items():  # name the file as the container sees it
@@ -670,3 +677,36 @@ def test_manifest_mistakes_are_caught(mistake, message):
     assert any(message in problem for problem in problems), f"expected a problem with {message!r}, got {problems}"
     if mistake is _misspelled_flag:
         assert any("unrecognized arguments: --heartbeat-intervall 2" in problem for problem in problems), problems
+
+
+def test_node_script_runs_one_worker_over_a_group_of_nodes(tmp_path):
+    """DF_NODES_PER_WORKER=2: every two nodes of the serve step run one worker over all their GPUs, the first of the
+    two its node 0 (the worker command checked as the node runs it, through a stand-in Python that records it)."""
+    record = tmp_path / "argv.json"
+    fake_python = tmp_path / "FakePython"
+    fake_python.write_text(f"#!{sys.executable}\nimport json, sys\nopen({str(record)!r}, 'a').write(json.dumps(sys.argv[1:]) + chr(10))\n")
+    fake_python.chmod(0o755)
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(tmp_path),
+        "DF_ROLE": "serve",
+        "SLURM_NODEID": "3",
+        "DF_BROKER_HOST": "gpu01",
+        "DF_SERVICE": "kimi-k2-eagle3",
+        "DF_TARGET": "/shared/models/Kimi-K2",
+        "DF_PYTHON": str(fake_python),
+        "DF_NODES_PER_WORKER": "2",
+        "DF_SERVE_HOSTS": "gpu01,gpu02,gpu03,gpu04",
+        "DF_WORKER_ARGS": "--dtype bfloat16",
+    }
+    result = subprocess.run(["bash", str(SLURM / "node.sh")], env=env, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    (argv,) = [json.loads(line) for line in record.read_text().splitlines()]
+    assert argv[:3] == ["-m", "draftfeed", "launch"] and argv[3] == "worker"
+    flags = dict(zip(argv[4::2], argv[5::2]))
+    assert flags["--tensor-parallel"] == "16" and flags["--nnodes"] == "2" and flags["--node-rank"] == "1"
+    assert flags["--master-addr"] == "gpu03:29600" and flags["--broker"] == "tcp://gpu01:5556" and flags["--dtype"] == "bfloat16"
+    from draftfeed.launch.cli import build_parser
+
+    parsed = build_parser().parse_args(["launch", *argv[3:]])
+    assert (parsed.nnodes, parsed.node_rank, parsed.master_addr, parsed.tensor_parallel) == (2, 1, "gpu03:29600", 16)

@@ -21,6 +21,7 @@ import torch
 from conftest import TESTS_DIR, WORKER_ENV, Cluster, add_service, assert_supervision_equal, run_concurrently, wait_until
 from reference import reference_eagle3
 from support.metrics import metric
+from support.tensor_parallel import SERVED, TARGETS, expected, tensor_parallel_reference
 from tp_reference import AUX, DSPARK_IDS, batches
 
 from draftfeed import RemoteDSparkTarget, RemoteEagle3Target
@@ -33,49 +34,12 @@ from draftfeed.tiny import build_tiny_target
 pytestmark = pytest.mark.timeout(300)
 
 TP = ["--tensor-parallel", "2"]
-TARGETS = {"llama": 0, "qwen3-moe": 1}  # index of each target in the reference file
 FOLLOWER_LINE = r"started 1 tensor-parallel processes: rank 1 pid (\d+)"
 
 
 @pytest.fixture(scope="module")
-def moe_target(tmp_path_factory) -> Path:
-    return build_tiny_target(tmp_path_factory.mktemp("targets") / "tiny-qwen3-moe", arch="qwen3-moe")
-
-
-@pytest.fixture(scope="module")
-def targets(tiny_target, moe_target) -> dict[str, Path]:
-    return {"llama": tiny_target, "qwen3-moe": moe_target}
-
-
-@pytest.fixture(scope="module")
-def reference(targets, tmp_path_factory) -> dict[str, torch.Tensor]:
-    """Every batch's supervision, for the task each target is served for, from two processes of transformers' plan."""
-    from safetensors.torch import load_file
-
-    out = tmp_path_factory.mktemp("tp-reference") / "reference.safetensors"
-    port = free_port()
-    env = {**os.environ, **WORKER_ENV}
-    command = [sys.executable, str(Path(TESTS_DIR) / "tp_reference.py")]
-    paths = [f"{SERVED[name]}={targets[name]}" for name in TARGETS]
-    ranks = [subprocess.Popen([*command, str(rank), str(port), str(out), *paths], env=env, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
-    try:
-        for rank in ranks:
-            _out, err = rank.communicate(timeout=240)
-            assert rank.returncode == 0, f"the tensor-parallel reference failed:\n{err[-3000:]}"
-    finally:
-        for rank in ranks:
-            rank.kill()
-    return load_file(out)
-
-
-def expected(reference: dict[str, torch.Tensor], target: str, task: str, batch: str) -> dict[str, torch.Tensor]:
-    prefix = f"{TARGETS[target]}/{task}/{batch}/"
-    return {key[len(prefix) :]: value for key, value in reference.items() if key.startswith(prefix)}
-
-
-# The module's workers at --tensor-parallel 2: EAGLE-3 on the dense target, DSpark on the MoE one (the engine makes the
-# same calls for every task: a forward with a capture), started side by side.
-SERVED = {"llama": "eagle3", "qwen3-moe": "dspark"}
+def reference(tp_targets, tmp_path_factory) -> dict[str, torch.Tensor]:
+    return tensor_parallel_reference(tp_targets, tmp_path_factory.mktemp("tp-reference") / "reference.safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -84,10 +48,10 @@ def http_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def services(cluster, targets, http_port) -> Cluster:
+def services(cluster, tp_targets, http_port) -> Cluster:
     observed = {"llama": ["--http-port", str(http_port)], "qwen3-moe": []}
     starts = [
-        lambda name=name, task=task: add_service(cluster, targets[name], f"tp-{name}-{task}", "--task", task, *TP, *observed[name])
+        lambda name=name, task=task: add_service(cluster, tp_targets[name], f"tp-{name}-{task}", "--task", task, *TP, *observed[name])
         for name, task in SERVED.items()
     ]
     run_concurrently(*starts, timeout_s=240)

@@ -5,7 +5,9 @@
 # index within that step:
 #   DF_ROLE=serve  inference nodes. Node 0 of the step also runs the broker; every node runs DF_WORKERS_PER_NODE
 #                  workers of DF_TARGET, worker i on GPU i (cuda:i) and serving /health and /metrics on
-#                  DF_WORKER_HTTP_PORT + i.
+#                  DF_WORKER_HTTP_PORT + i. With DF_NODES_PER_WORKER=N above 1 (a target larger than one node), every
+#                  N nodes of the step run one worker together over all their GPUs: --tensor-parallel
+#                  N x DF_GPUS_PER_NODE --nnodes N, the first node of each group its node 0 (docs/engines.md).
 #   DF_ROLE=train  training nodes. Waits until the broker has a ready worker of DF_SERVICE (`draftfeed status
 #                  --service --wait`), then runs torchrun with DF_RANKS_PER_NODE ranks of DF_TRAIN_SCRIPT; node 0
 #                  of the step is torchrun's rendezvous host (DF_TRAIN_MASTER, exported by the sbatch script).
@@ -18,6 +20,8 @@
 #   DF_FRONTEND_PORT [5555], DF_BACKEND_PORT [5556]   the broker's rank and worker ports
 #   DF_BROKER_HTTP_PORT [8555], DF_WORKER_HTTP_PORT [8556]   /health and /metrics (0 turns them off)
 #   DF_WORKERS_PER_NODE [1], DF_DEVICE [cuda]   workers per inference node; cuda puts worker i on cuda:i, cpu on the CPU
+#   DF_NODES_PER_WORKER [1], DF_GPUS_PER_NODE [8], DF_SERVE_HOSTS (the serve step's hosts, comma-separated, in
+#                              SLURM_NODEID order), DF_WORKER_MASTER_PORT [29600]   one worker over several nodes
 #   DF_BROKER_ARGS, DF_WORKER_ARGS   more flags for `draftfeed launch broker` / `launch worker`, split on spaces,
 #                              e.g. "--config /shared/worker.toml" or "--dtype bfloat16 --supervision hidden"
 #   DF_TRAIN_SCRIPT (train), DF_TRAIN_ARGS   the training script torchrun runs, and its arguments
@@ -86,6 +90,11 @@ serve() {
         children+=($!)
     fi
     # Workers wait up to --register-timeout (60 s) for the broker, so they need not wait for its ready line.
+    local per_worker=${DF_NODES_PER_WORKER:-1}
+    if ((per_worker > 1)); then
+        serve_spanning "$target" "$per_worker" "${worker_args[@]}"
+        return
+    fi
     local index dev port
     for ((index = 0; index < workers; index++)); do
         case $device in
@@ -100,6 +109,24 @@ serve() {
             "${worker_args[@]}" &
         children+=($!)
     done
+    wait_children
+}
+
+# One worker over DF_NODES_PER_WORKER nodes: this node's place in its group, the group's first node its node 0.
+serve_spanning() {
+    local target=$1 per_worker=$2
+    shift 2
+    local -a hosts
+    IFS=, read -r -a hosts <<<"${DF_SERVE_HOSTS:?node.sh: set DF_SERVE_HOSTS to the hosts of the serve step (the sbatch script does)}"
+    local group=$((node / per_worker)) rank=$((node % per_worker))
+    local first=${hosts[$((group * per_worker))]:?node.sh: DF_SERVE_HOSTS names fewer hosts than node $node needs}
+    local gpus=${DF_GPUS_PER_NODE:-8} port=${DF_WORKER_HTTP_PORT:-8556}
+    "$python" -m draftfeed launch worker \
+        --broker "tcp://$broker_host:$backend_port" --target "$target" --service "$service" --device "${DF_DEVICE:-cuda}" \
+        --tensor-parallel $((per_worker * gpus)) --nnodes "$per_worker" --node-rank "$rank" \
+        --master-addr "$first:${DF_WORKER_MASTER_PORT:-29600}" --name "$first-group$group" --http-port "$port" \
+        "$@" &
+    children+=($!)
     wait_children
 }
 

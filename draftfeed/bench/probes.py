@@ -278,6 +278,17 @@ def raw_rank(frontend: str, count: int, window: int) -> None:
     context.term()
 
 
+def timed_rank(frontend: str, service: str, rows: int, tokens: int, vocab: int, count: int) -> None:
+    """One batch at a time (token_batch's), the mean seconds a call after one warm-up: a rank on another host."""
+    from draftfeed import RemoteEagle3Target
+    from draftfeed.bench.harness import seconds_per_call, token_batch
+
+    batch = token_batch(rows, tokens, vocab)
+    with RemoteEagle3Target(frontend, service, prefetch_depth=0, wait_for_workers=240) as target:
+        target.model_info()
+        print(json.dumps({"seconds": seconds_per_call(lambda: target.generate_batch(**batch), count)}), flush=True)
+
+
 def raw_forwarder(count: int) -> None:
     """A policy-free broker between ``raw-rank`` and ``raw-worker``: the same messages as the real broker's (a
     welcome for the hello, a dispatch for each submit, a done read for each), no parsing beyond the message type, no
@@ -362,6 +373,8 @@ def main(argv: list[str]) -> None:
         raw_rank(args[0], int(args[1]), int(args[2]))
     elif command == "raw-forwarder":
         raw_forwarder(int(args[0]))
+    elif command == "timed-rank":
+        timed_rank(args[0], args[1], *(int(a) for a in args[2:6]))
     else:
         raise SystemExit(f"unknown probe {command!r}")
 

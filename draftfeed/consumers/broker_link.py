@@ -4,18 +4,21 @@ It owns the DEALER to the broker and runs the worker's session (worker_session.p
 registering again, refusals) in the peers' loop (peer_loop.py), the same loop a rank's IO thread runs. It
 parses each message from the broker once: what concerns the link stays with the session, the rest goes to
 the compute loop through the session's inbox. What the compute loop has for the broker comes on an inproc
-pipe, which the loop polls beside the broker's socket.
+pipe, which the loop polls beside the broker's socket. ``leave_now`` (any thread) says bye at once, for a compute
+loop that is stuck (a tensor-parallel collective waiting for a machine that is gone): the broker requeues what
+the worker held, charging nothing to it.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import uuid
 from collections.abc import Callable
 
 import zmq
 
-from draftfeed.consumers.worker_session import Inbox, WorkerSession
+from draftfeed.consumers.worker_session import STOP, Inbox, WorkerSession
 from draftfeed.logs import RateLimitedLog
 from draftfeed.net import close_quietly
 from draftfeed.peer_loop import run_peer_loop
@@ -49,6 +52,7 @@ class BrokerLink(threading.Thread):
         self._keys = keys
         self._max_frame_bytes = max_frame_bytes
         self.session = WorkerSession(registration, broker, stats, inbox, on_register=on_register)
+        self._urgent_endpoint = f"inproc://draftfeed-leave-{uuid.uuid4().hex}"
         self.failure: BaseException | None = None
         self._bad_input = RateLimitedLog(log)
 
@@ -63,7 +67,10 @@ class BrokerLink(threading.Thread):
     def run(self) -> None:
         dealer = self._context.socket(zmq.DEALER)
         pipe = self._context.socket(zmq.PAIR)
+        urgent = self._context.socket(zmq.PULL)
         try:
+            urgent.setsockopt(zmq.LINGER, 0)
+            urgent.bind(self._urgent_endpoint)
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.ROUTING_ID, self._worker.encode())
             if self._keys is not None:
@@ -75,13 +82,26 @@ class BrokerLink(threading.Thread):
             pipe.setsockopt(zmq.LINGER, 0)
             pipe.connect(self._pipe_endpoint)
             self.session.register()
-            run_peer_loop(self.session, dealer, watch, [(pipe, lambda: self._read_pipe(pipe)), (dealer, lambda: self._read_broker(dealer))])
+            readers = [(pipe, lambda: self._read_pipe(pipe)), (dealer, lambda: self._read_broker(dealer)), (urgent, lambda: self._read_pipe(urgent))]
+            run_peer_loop(self.session, dealer, watch, readers)
         except BaseException as exc:  # reported to the compute loop, which exits with it
             self.failure = exc
             log.exception("worker: broker link failed")
             self.session.registered.set()
         finally:
-            close_quietly(dealer, pipe)
+            close_quietly(dealer, pipe, urgent)
+
+    def leave_now(self) -> None:
+        """Say bye to the broker now and end the link (any thread; the compute loop need not answer)."""
+        sock = self._context.socket(zmq.PUSH)
+        try:
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(self._urgent_endpoint)
+            sock.send(STOP, zmq.NOBLOCK)
+        except zmq.ZMQError:  # the link has ended already
+            pass
+        finally:
+            sock.close()
 
     def _read_pipe(self, pipe: zmq.Socket) -> bool:
         """What the compute loop has for the broker; False once it said stop."""

@@ -91,8 +91,40 @@ class WorkerConfig:
     devices: tuple[str, ...] = field(
         default=(),
         metadata={
-            "help": "with --tensor-parallel N or --device-map auto: the devices, e.g. cuda:4,cuda:5 (default: N devices from --device on)",
+            "help": "with --tensor-parallel N or --device-map auto: the devices, e.g. cuda:4,cuda:5 (default: N devices from --device on); "
+            "with --nnodes, this machine's",
             "parse": "devices",
             "metavar": "LIST",
+        },
+    )
+    # A worker over several machines: the same line on each, with its own --node-rank (consumers/nodes.py).
+    nnodes: int = field(
+        default=1,
+        metadata={"help": "machines the worker's --tensor-parallel processes span, as many on each; run this line on each of them", "metavar": "N"},
+    )
+    node_rank: int = field(
+        default=0,
+        metadata={"help": "this machine's place among --nnodes: 0 is the worker that serves the broker, the others only run processes"},
+    )
+    master_addr: str | None = field(
+        default=None,
+        metadata={"help": "with --nnodes: HOST:PORT where node 0 listens for the other nodes (node 0's address)", "metavar": "HOST:PORT"},
+    )
+    join_timeout_s: float = field(
+        default=120.0, metadata={"help": "with --nnodes: seconds the nodes wait for each other at start before each says who is missing"}
+    )
+    pipeline_parallel: int = field(
+        default=1,
+        metadata={
+            "help": "pipeline stages of the target's layers; no engine captures supervision over stages yet, and each says why in one line "
+            "(docs/engines.md)",
+            "metavar": "N",
+        },
+    )
+    expert_parallel: bool = field(
+        default=False,
+        metadata={
+            "help": "shard a mixture of experts' experts over the --tensor-parallel processes (hf: the model's expert-parallel plan; "
+            "vllm: enable_expert_parallel; sglang: ep_size)"
         },
     )

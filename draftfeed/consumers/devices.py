@@ -44,8 +44,40 @@ def tensor_parallel_devices(device: str, tensor_parallel: int, devices: Sequence
     return [f"{kind}:{index + rank}" for rank in range(tensor_parallel)]
 
 
-def placement_problem(engine: str, tensor_parallel: int, device_map: str | None) -> str | None:
-    """Why ``--engine``, ``--tensor-parallel`` and ``--device-map`` do not go together, or None."""
+# Why the vllm engine does not span machines (vLLM's own multi-node executor is what it would take: docs/engines.md).
+VLLM_NODES = (
+    "the vllm engine runs on one machine (its --tensor-parallel over that machine's devices); across machines serve the target "
+    "with --engine hf or sglang and --nnodes, or run one vllm worker a machine"
+)
+# Why an engine does not run a target's layers in pipeline stages (--pipeline-parallel), by engine.
+NO_PIPELINE = {
+    "hf": "the hf engine spreads a target by tensor parallelism (--tensor-parallel N, over machines with --nnodes) or its layers "
+    "over one process's devices (--device-map auto); for pipeline stages serve it with --engine vllm",
+    "sglang": "the sglang engine drives sglang's ModelRunner at pp_size 1 (it captures every layer on one stage); spread the target "
+    "with --tensor-parallel N, over machines with --nnodes",
+    "vllm": "vLLM's extract_hidden_states capture refuses pipeline parallelism (vLLM 0.32: 'Pipeline parallelism is not supported for "
+    "this model. Supported models implement the SupportsPP interface': its capture's draft model does not); spread the target "
+    "with --tensor-parallel N",
+}
+
+
+def placement_problem(
+    engine: str, tensor_parallel: int, device_map: str | None, pipeline_parallel: int = 1, expert_parallel: bool = False, nodes: bool = False
+) -> str | None:
+    """Why ``--engine``, ``--tensor-parallel``, ``--device-map``, ``--pipeline-parallel``, ``--expert-parallel`` and
+    ``--nnodes`` do not go together, or None."""
+    if pipeline_parallel < 1:
+        return f"--pipeline-parallel {pipeline_parallel}: give the number of pipeline stages, at least 1"
+    if pipeline_parallel > 1 and engine in NO_PIPELINE:
+        return f"--pipeline-parallel {pipeline_parallel}: {NO_PIPELINE[engine]}"
+    if expert_parallel and tensor_parallel * pipeline_parallel < 2:
+        return "--expert-parallel shards the experts over the worker's processes: give --tensor-parallel N (2 or more) with it"
+    if nodes and engine == "vllm":
+        return f"--engine vllm --nnodes: {VLLM_NODES}"
+    if nodes and ":" in engine:
+        return f"--engine {engine}: an engine of your own runs on one machine; --nnodes is for hf, sglang and vllm"
+    if nodes and device_map is not None:
+        return "--device-map auto spreads layers over one machine's devices; across machines use --tensor-parallel N with --nnodes"
     if device_map is not None and engine != "hf":
         return f"--device-map is the hf engine's; --engine {engine} spreads a target with --tensor-parallel N"
     if device_map is not None and tensor_parallel > 1:

@@ -161,6 +161,9 @@ class Worker:
         )
         stopping_since = lambda: self._stopping_since if self._stop.is_set() else None  # noqa: E731
         self._delivery = delivery = AnswerDelivery(self.name, self.config, ranks, planes, inbox.forgets, stopping_since)
+        hooks = getattr(self.task.engine, "lost_hooks", None)
+        if hooks is not None:  # an engine over several processes that can no longer compute: leave the broker at once
+            hooks.append(lambda _why: link.leave_now())
         link.start()
         log.info("worker %s: registering with the broker at %s for service %r", self.name, self.config.broker, self.config.service)
         try:

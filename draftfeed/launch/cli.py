@@ -26,6 +26,7 @@ from draftfeed.bench.cluster import Load as ClusterLoad
 from draftfeed.broker.settings import BrokerSettings
 from draftfeed.consumers.config import DEFAULT_DRAFT_LAYERS, DTYPES, ENGINES, LAYER_FLAGS, WorkerConfig, task_settings_problem
 from draftfeed.consumers.devices import placement_problem, tensor_parallel_devices
+from draftfeed.consumers.nodes import node_plan
 from draftfeed.launch import flags
 from draftfeed.launch.config import apply_sources, effective
 from draftfeed.launch.ready import announce_ready
@@ -245,7 +246,10 @@ def add_launch_commands(roles: argparse._SubParsersAction) -> None:
     )
     target.add_argument("--task", default="eagle3", choices=get_args(TaskName), help="which supervision to compute")
     target.add_argument("--device", default="cpu", help="torch device for the target, e.g. cuda:0")
-    placed += flags.add_flags(target, WorkerConfig, ["tensor_parallel", "devices"])
+    placed += flags.add_flags(target, WorkerConfig, ["tensor_parallel", "devices", "pipeline_parallel", "expert_parallel"])
+    placed += flags.add_flags(
+        worker.add_argument_group("across machines (docs/engines.md)"), WorkerConfig, ["nnodes", "node_rank", "master_addr", "join_timeout_s"]
+    )
     target.add_argument(
         "--device-map",
         default=None,
@@ -477,16 +481,24 @@ def run_worker(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-seq-len {args.max_seq_len}: give the longest row to take, at least 1 (or leave it out for the target's own limit)")
     if args.chunk_tokens < 0:
         raise UsageError(f"--chunk-tokens {args.chunk_tokens}: give positions per chunk, or 0 to compute every batch whole")
-    if (problem := placement_problem(args.engine, args.tensor_parallel, args.device_map)) is not None:
+    try:
+        args.nodes = node_plan(args.nnodes, args.node_rank, args.master_addr, args.tensor_parallel, len(args.devices or ()))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    problem = placement_problem(
+        args.engine, args.tensor_parallel, args.device_map, args.pipeline_parallel, args.expert_parallel, args.nodes is not None
+    )
+    if problem is not None:
         raise UsageError(problem)
     if args.devices and args.tensor_parallel == 1 and args.device_map is None:
         raise UsageError(f"--devices {','.join(args.devices)}: add --tensor-parallel {len(args.devices)} (or --device-map auto) to use them")
+    here = args.tensor_parallel // args.nnodes
     try:
-        args.devices = (
-            tensor_parallel_devices(args.device, args.tensor_parallel, args.devices) if args.device_map is None else args.devices or [args.device]
-        )
+        args.devices = tensor_parallel_devices(args.device, here, args.devices) if args.device_map is None else args.devices or [args.device]
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if args.nodes is not None and args.nodes.node_rank > 0:
+        return _serve_node_observed(args)
     # The flags above are checked before torch and transformers load: a mistake there is one line at once. Health
     # answers from now on: not ready while the engine loads.
     serving: list[Any] = []
@@ -529,7 +541,19 @@ def _serve_worker(args: argparse.Namespace, keys: Any, serving: list[Any], http_
         raise UsageError(_target_problem(args.target, exc)) from None
     try:
         engine = load_engine(
-            args.engine, args.target, args.device, args.dtype, dict(args.engine_option), args.tensor_parallel, args.devices, args.device_map
+            args.engine,
+            args.target,
+            args.device,
+            args.dtype,
+            dict(args.engine_option),
+            args.tensor_parallel,
+            args.devices,
+            args.device_map,
+            nodes=args.nodes,
+            plan=_node_plan_fingerprint(args) if args.nodes is not None else None,
+            pipeline_parallel=args.pipeline_parallel,
+            expert_parallel=args.expert_parallel,
+            join_timeout_s=args.join_timeout,
         )
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from None
@@ -555,6 +579,70 @@ def _serve_worker(args: argparse.Namespace, keys: Any, serving: list[Any], http_
     if (lost := getattr(engine, "lost", None)) is not None:
         raise CannotServe(f"worker {worker.name}: {lost}; its requests went back to the broker")
     return 0
+
+
+def _node_plan_fingerprint(args: argparse.Namespace) -> dict[str, Any]:
+    """What every node of a worker over machines must agree on (consumers/nodes.py)."""
+    from draftfeed.consumers.nodes import fingerprint
+
+    task_flags = {
+        "task": args.task,
+        "aux_layer_ids": args.aux_layer_ids,
+        "target_layer_ids": args.target_layer_ids,
+        "supervision": args.supervision,
+        "expert_parallel": args.expert_parallel,
+        "engine_options": dict(args.engine_option),
+    }
+    return fingerprint(args.target, args.engine, args.dtype, task_flags, args.tensor_parallel, args.nnodes)
+
+
+def _serve_node_observed(args: argparse.Namespace) -> int:
+    """A node other than node 0, with /health on --http-port: ready once its processes run (no metrics of its own:
+    node 0's are the worker's)."""
+    from prometheus_client import CollectorRegistry
+
+    joined: list[bool] = []
+    registry = CollectorRegistry()
+    observer = _observe(
+        args,
+        DEFAULT_WORKER_HTTP_PORT,
+        lambda: None if joined else f"node {args.node_rank} is joining node 0 at {args.master_addr}",
+        lambda: registry,
+        about=lambda: {"node_rank": args.node_rank, "nnodes": args.nnodes, "devices": args.devices},
+    )
+    try:
+        return _serve_node(args, lambda: joined.append(True))
+    finally:
+        if observer is not None:
+            observer.close()
+
+
+def _serve_node(args: argparse.Namespace, joined: Callable[[], None]) -> int:
+    """A node other than node 0: its share of the worker's processes, no broker (engines/parallel/node.py)."""
+    import transformers
+
+    from draftfeed.consumers.engines.parallel.node import serve_node
+
+    transformers.logging.set_verbosity_error()
+    _check_device(args.device)
+    plan = _node_plan_fingerprint(args)
+
+    def ready() -> None:
+        joined()
+        announce_ready(role="node", node_rank=args.node_rank, master_addr=args.master_addr)
+
+    return serve_node(
+        args.nodes,
+        args.engine,
+        args.target,
+        args.dtype,
+        dict(args.engine_option),
+        list(args.devices),
+        plan,
+        args.expert_parallel,
+        args.join_timeout,
+        ready,
+    )
 
 
 def _check_device(device: str) -> None:

@@ -51,6 +51,7 @@ class HFEngine:
         parallel: ParallelRank | None = None,
         device_map: str | None = None,
         devices: Sequence[str] = (),
+        expert_parallel: bool = False,
     ) -> None:
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -58,7 +59,10 @@ class HFEngine:
             from transformers.distributed import DistributedConfig
 
             self.device = join_process_group(parallel, timeout_s=LOAD_TIMEOUT_S)
-            placement: dict = {"distributed_config": DistributedConfig(tp_size=parallel.world_size)}
+            # Expert parallel: the experts sharded over the group by the model's own plan (each rank its share of
+            # whole experts), the rest by its tensor-parallel plan, as transformers lays them out.
+            sizes = {"tp_size": parallel.world_size} | ({"ep_size": parallel.world_size} if expert_parallel else {})
+            placement: dict = {"distributed_config": DistributedConfig(**sizes)}
         elif device_map == "auto":
             placement = _spread_over(devices or [device])
         elif device_map is not None:
@@ -215,14 +219,38 @@ def _spread_over(devices: Sequence[str]) -> dict:
     return {"device_map": "auto", "max_memory": {index: torch.cuda.mem_get_info(index)[0] for index in indices}}
 
 
-def tensor_parallel_problem(target: str) -> str | None:
-    """Why transformers cannot shard ``target`` by its tensor-parallel plan (it has none), or None."""
+def tensor_parallel_problem(target: str, expert_parallel: bool = False) -> str | None:
+    """Why transformers cannot shard ``target`` by its tensor-parallel plan (it has none), or by its expert-parallel
+    plan when ``expert_parallel`` (it has none: a dense model, or one transformers has no plan for), or None."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(target)
-    if config.get_text_config().base_model_tp_plan:
+    text = config.get_text_config()
+    if not text.base_model_tp_plan:
+        return (
+            f"{config.model_type} has no tensor-parallel plan in transformers; serve it with --device-map auto (its layers spread over "
+            "--devices in one process) or with --engine vllm or sglang"
+        )
+    if expert_parallel and not getattr(text, "base_model_ep_plan", None):
+        return (
+            f"--expert-parallel: {config.model_type} has no expert-parallel plan in transformers (a dense model, or one it has no plan for); "
+            "leave --expert-parallel out (its experts are then split by the tensor-parallel plan), or serve it with --engine vllm or sglang"
+        )
+    return None
+
+
+def quantization_problem(target: str, device: str) -> str | None:
+    """Why the hf engine cannot run ``target``'s quantized weights on ``device`` (FP8 and the other formats
+    transformers runs on accelerators only), or None."""
+    from transformers import AutoConfig
+
+    quantization = getattr(AutoConfig.from_pretrained(target), "quantization_config", None)
+    if not quantization or torch.device(device).type != "cpu":
         return None
+    settings = quantization if isinstance(quantization, dict) else quantization.to_dict()
+    shown = ", ".join(f"{key} {value}" for key, value in settings.items() if key in ("quant_method", "fmt", "weight_block_size", "bits"))
     return (
-        f"{config.model_type} has no tensor-parallel plan in transformers; serve it with --device-map auto (its layers spread over "
-        "--devices in one process) or with --engine vllm or sglang"
+        f"--target {target} is a quantized checkpoint (its quantization_config: {shown or settings}); the hf engine runs it on "
+        "GPUs only: serve it with --device cuda:N, with --engine vllm or sglang (their own quantization support), or from a "
+        "bfloat16 copy of the checkpoint"
     )

@@ -66,6 +66,7 @@ from torch import nn
 from draftfeed.consumers.engines.base import Capture, ForwardOutput, TargetShape, request_segments
 from draftfeed.consumers.engines.hf import resolve_dtype
 from draftfeed.consumers.engines.packages import EnginePackage, import_engine_package, refuse_own_options
+from draftfeed.consumers.engines.parallel.group import use_interface
 from draftfeed.consumers.engines.parallel.spec import ParallelRank
 from draftfeed.contract.packing import Documents
 from draftfeed.net import free_port
@@ -81,6 +82,9 @@ INSTEAD = "use --engine hf or vllm"
 PARALLEL_OPTIONS = {
     "tp_size": "set --tensor-parallel N instead (N processes, each an sglang ModelRunner at its tp_rank)",
     "pp_size": "the sglang engine does not run sglang's pipeline parallelism; spread the target with --tensor-parallel N",
+    "nnodes": "set --nnodes N instead (one `draftfeed launch worker` line on each machine)",
+    "node_rank": "set --node-rank instead",
+    "dist_init_addr": "set --master-addr HOST:PORT instead (node 0's address)",
 }
 
 
@@ -206,6 +210,17 @@ class SGLangEngine:
         from sglang.srt.model_executor.model_runner import ModelRunner
         from sglang.srt.server_args import ServerArgs
 
+        nodes: dict[str, Any] = {}
+        if self.parallel is not None:
+            use_interface(self.parallel)  # sglang's gloo or NCCL group binds to the interface towards node 0
+        if self.parallel is not None and self.parallel.nnodes > 1:
+            # Across machines sglang's group meets at node 0's address (as sglang's own --dist-init-addr, --nnodes and
+            # --node-rank place its ranks), on the port node 0's rank 0 chose there.
+            nodes = {
+                "dist_init_addr": f"{self.parallel.store_host}:{self.parallel.engine_port}",
+                "nnodes": self.parallel.nnodes,
+                "node_rank": self.parallel.node_rank,
+            }
         args = ServerArgs(
             model_path=self.target,
             dtype=str(self.dtype).removeprefix("torch."),
@@ -214,6 +229,7 @@ class SGLangEngine:
             disable_cuda_graph=True,  # one extend per request, of any length
             disable_radix_cache=True,  # no prefix sharing between requests
             tp_size=self.tp_size,
+            **nodes,
             **self.server_options,
         )
         tp_size = self.tp_size

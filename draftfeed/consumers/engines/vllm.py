@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from draftfeed.consumers.devices import NO_PIPELINE, VLLM_NODES
 from draftfeed.consumers.engines.base import Capture, ForwardOutput, request_segments
 from draftfeed.consumers.engines.hf import resolve_dtype
 from draftfeed.consumers.engines.packages import EnginePackage, import_engine_package, refuse_own_options
@@ -50,10 +51,8 @@ OWN_OPTIONS = ("model", "dtype", "speculative_config", "kv_transfer_config", "en
 # vllm.LLM options the engine does not pass on, and what to do instead.
 PARALLEL_OPTIONS = {
     "tensor_parallel_size": "set --tensor-parallel N instead",
-    "pipeline_parallel_size": (
-        "vLLM's extract_hidden_states capture does not run under pipeline parallelism (vLLM 0.32 refuses it: "
-        "'Pipeline parallelism is not supported for this model'); spread the target with --tensor-parallel N"
-    ),
+    "pipeline_parallel_size": NO_PIPELINE["vllm"],
+    "enable_expert_parallel": "set --expert-parallel instead",
 }
 THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
@@ -195,8 +194,15 @@ class VLLMEngine:
         dtype: str = "auto",
         tensor_parallel: int = 1,
         devices: Sequence[str] | None = None,
+        pipeline_parallel: int = 1,
+        expert_parallel: bool = False,
+        nodes: Any = None,
         **llm_options: Any,
     ) -> None:
+        if pipeline_parallel > 1:
+            raise ValueError(f"--pipeline-parallel {pipeline_parallel}: {PARALLEL_OPTIONS['pipeline_parallel_size']}")
+        if nodes is not None:
+            raise ValueError(f"--engine vllm --nnodes: {VLLM_NODES}")
         self._vllm = import_engine_package(VLLM)
         self.target = target
         self.device = torch.device(device)
@@ -213,7 +219,7 @@ class VLLMEngine:
         self._start_environment = cpu_start_environment(tensor_parallel) if self.device.type == "cpu" else {}
         self.tensor_parallel = tensor_parallel
         self.dtype = resolve_dtype(dtype, self.device)
-        self.llm_options = llm_options
+        self.llm_options = llm_options | ({"enable_expert_parallel": True} if expert_parallel else {})
         self.head = TargetHead(target, self.device, self.dtype)
         self.shape = self.head.shape
         self.logit_transform = self.head.logit_transform

@@ -48,6 +48,10 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     disable_radix_cache: bool = False
     trust_remote_code: bool = False
+    # Across machines (sglang's --dist-init-addr, --nnodes, --node-rank): the group meets at dist_init_addr.
+    dist_init_addr: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
 
 
 class ModelConfig:
@@ -357,7 +361,9 @@ class ModelRunner:
         assert moe_ep_size == server_args.ep_size and moe_ep_rank == tp_rank // (tp_size // moe_ep_size)
         self.gpu_id, self.tp_rank, self.tp_size, self.nccl_port = gpu_id, tp_rank, tp_size, nccl_port
         self.model_config, self.server_args = model_config, server_args
-        init_distributed_environment(world_size=tp_size, rank=tp_rank, distributed_init_method=f"tcp://127.0.0.1:{nccl_port}")
+        # As sglang's ModelRunner: at dist_init_addr when given (across machines), else on loopback at nccl_port.
+        where = server_args.dist_init_addr or f"127.0.0.1:{nccl_port}"
+        init_distributed_environment(world_size=tp_size, rank=tp_rank, distributed_init_method=f"tcp://{where}")
         initialize_model_parallel(tensor_model_parallel_size=tp_size)
         hf_model = AutoModelForCausalLM.from_pretrained(model_config.model_path, dtype=model_config.dtype)
         self.model = CausalLM(hf_model.eval().requires_grad_(False))

@@ -1,8 +1,8 @@
 """What the leader tells its followers, and the socket it tells them on.
 
 Frames are draftfeed's own (``[SIGNATURE, header JSON, *tensor frames]``, schemas/frames.py), over a ZeroMQ
-ROUTER the leader binds on an ``ipc://`` path of a folder of its own (reachable from a network namespace too) and one
-DEALER per follower. A follower says ``hello`` once its engine is built, then answers each call with an ``ack`` that
+ROUTER the leader binds on an ``ipc://`` path of a folder of its own (reachable from a network namespace too), or on
+``tcp://`` of node 0's address when the worker spans machines, and one DEALER per follower. A follower says ``hello`` once its engine is built, then answers each call with an ``ack`` that
 says whether the call raised, and what: the leader learns whether every rank ended the call the same way, and when
 they all raised, tells them to ``go_on``.
 """
@@ -89,16 +89,23 @@ TO_LEADER = Accepts(Annotated[Hello | Ack, Field(discriminator="type")])
 UNBOUNDED = 1 << 62
 
 
-class LeaderChannel:
-    """The leader's end: waits for every follower's hello, then sends each command to all of them."""
+def local_endpoint(folder: str, name: str) -> str:
+    """An ``ipc://`` endpoint in ``folder``, for the sockets of a worker on one machine."""
+    return f"ipc://{folder}/{name}"
 
-    def __init__(self) -> None:
+
+class LeaderChannel:
+    """The leader's end: waits for every follower's hello, then sends each command to all of them. ``bind``: where
+    to listen (``tcp://HOST:*`` across machines); by default an ``ipc://`` path of its own."""
+
+    def __init__(self, bind: str | None = None) -> None:
         self._folder = tempfile.mkdtemp(prefix="draftfeed-tp-")
-        self.endpoint = f"ipc://{self._folder}/commands"
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.bind(self.endpoint)
+        self._socket.bind(bind or local_endpoint(self._folder, "commands"))
+        self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.folder = self._folder  # for the worker's other local sockets (its watch)
         self._followers: list[bytes] = []
 
     def await_followers(self, count: int, timeout_s: float, failed: Callable[[], str | None]) -> None:

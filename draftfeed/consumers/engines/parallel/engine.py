@@ -1,34 +1,50 @@
 """The leader of a tensor-parallel worker: an Engine whose every call runs on all the worker's processes.
 
-It starts the followers (ranks 1..N-1), builds rank 0 of the engine in the worker's own process, and waits until
-every rank has loaded the target. Each call goes to the followers first, then runs here; the engine's collectives
-line up across the ranks and this process keeps what the call returns. A weight is gathered once and kept.
+It starts the followers of its machine (ranks 1 .. per node - 1), builds rank 0 of the engine in the worker's own
+process, and waits until every rank has loaded the target, those the other machines' nodes start included
+(node.py). Each call goes to the followers first, then runs here; the engine's collectives line up across the ranks
+and this process keeps what the call returns. A weight is gathered once and kept.
 
-A follower that ends while the worker runs leaves the group unable to compute: the worker is told to stop
-(``on_lost``, by default a SIGTERM to this process, which drains as a SIGTERM does), a call in progress raises
-EngineLost (its request goes back to the broker, not charged), and if this process is stuck in a collective
-that never returns, it exits after ``LOST_GRACE_S`` with its followers killed.
+Across machines (``nodes``) rank 0's store listens on node 0's --master-addr, and what the other nodes need to join
+is in it: the plan they check theirs against (a node that differs says why there, and rank 0 stops with that
+line), where the calls come from and where to say they are alive. Every follower says so once a second (watch.py).
+
+A follower that ends, or falls silent, while the worker runs leaves the group unable to compute: the worker is
+told to stop (``lost_hooks``, then ``on_lost``, by default a SIGTERM to this process, which drains as a SIGTERM
+does), a call in progress raises EngineLost (its request goes back to the broker, not charged), and if this
+process is stuck in a collective that never returns, it exits after ``LOST_GRACE_S`` with its followers killed.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
+import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
 
 from draftfeed.consumers.engines.base import Capture, Engine, EngineLost, ForwardOutput
-from draftfeed.consumers.engines.parallel.commands import Ack, CaptureSpec, Forward, GoOn, LeaderChannel, Prepare, Stop, Weight
+from draftfeed.consumers.engines.parallel.commands import Ack, CaptureSpec, Forward, GoOn, LeaderChannel, Prepare, Stop, Weight, local_endpoint
 from draftfeed.consumers.engines.parallel.followers import FollowerProcesses
-from draftfeed.consumers.engines.parallel.group import COLLECTIVE_TIMEOUT_S, LOAD_TIMEOUT_S, host_rendezvous
+from draftfeed.consumers.engines.parallel.group import COLLECTIVE_TIMEOUT_S, LOAD_TIMEOUT_S, host_rendezvous, interface_towards
 from draftfeed.consumers.engines.parallel.ranked import build_ranked
-from draftfeed.consumers.engines.parallel.spec import FollowerSpec, ParallelRank
+from draftfeed.consumers.engines.parallel.spec import LOOPBACK, FollowerSpec, Meeting, TargetSpec, place_at
+from draftfeed.consumers.engines.parallel.watch import LeaderWatch
+from draftfeed.consumers.nodes import NodePlan
 from draftfeed.contract.packing import Documents
-from draftfeed.net import free_port
+from draftfeed.schemas.errors import CannotServe
+
+# Keys of rank 0's store that the other nodes read (node.py) and write.
+PLAN_KEY, MEETING_KEY = "draftfeed/plan", "draftfeed/meeting"
+NODE_KEY, REFUSED_KEY = "draftfeed/node/{}", "draftfeed/refused/{}"
+# How long node 0 waits for every other node to join (each says so at once, before it loads anything).
+DEFAULT_JOIN_TIMEOUT_S = 120.0
 
 log = logging.getLogger("draftfeed.worker")
 
@@ -49,7 +65,8 @@ PARALLEL_IMAGES_REFUSAL = "a tensor-parallel worker (--tensor-parallel N) takes 
 
 
 class TensorParallelEngine:
-    """``engine`` over ``devices``, one process a device, this one rank 0."""
+    """``engine`` over ``devices``, one process a device, this one rank 0; with ``nodes``, ``devices`` are node 0's
+    and the other nodes start the rest (``plan``: what they must agree with, nodes.fingerprint)."""
 
     def __init__(
         self,
@@ -59,39 +76,56 @@ class TensorParallelEngine:
         dtype: str = "auto",
         options: dict[str, Any] | None = None,
         on_lost: Callable[[str], None] = _sigterm_self,
+        nodes: NodePlan | None = None,
+        plan: dict[str, Any] | None = None,
+        expert_parallel: bool = False,
+        join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
     ) -> None:
         options = options or {}
-        self.tensor_parallel = len(devices)
         self.devices = list(devices)
+        self.tensor_parallel = nodes.tensor_parallel if nodes is not None else len(devices)
+        self.nodes = nodes
         self.lost: str | None = None
+        self.lost_hooks: list[Callable[[str], None]] = []  # told first when the group cannot compute (the worker leaves its broker)
         self._on_lost = on_lost
         self._weights: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
         self._started = False
         self._calls = 0
-        store = host_rendezvous(self.tensor_parallel, LOAD_TIMEOUT_S)
-        engine_port = free_port()
-        self._channel = LeaderChannel()
-        specs = [
-            FollowerSpec(
-                engine=engine,
-                target=target,
-                dtype=dtype,
-                options=options,
-                rank=rank,
-                devices=self.devices,
-                rendezvous_port=store.port,
-                engine_port=engine_port,
-                channel=self._channel.endpoint,
-                leader_pid=os.getpid(),
-            )
-            for rank in range(1, self.tensor_parallel)
-        ]
+        host = nodes.master_host if nodes is not None else LOOPBACK
+        self._store = store = host_rendezvous(LOAD_TIMEOUT_S, host, nodes.master_port if nodes is not None else 0)
+        engine_port = _free_port(host)
+        self._channel = LeaderChannel(bind=f"tcp://{host}:*" if nodes is not None else None)
+        self._watch: LeaderWatch | None = None
         self._followers: FollowerProcesses | None = None
         try:
+            self._watch = LeaderWatch(f"tcp://{host}:*" if nodes is not None else local_endpoint(self._channel.folder, "watch"), self._follower_ended)
+            interface = interface_towards(host) if nodes is not None else None
+            meeting = Meeting(
+                world_size=self.tensor_parallel,
+                nnodes=nodes.nnodes if nodes is not None else 1,
+                store_host=host,
+                store_port=store.port,
+                engine_port=engine_port,
+                channel=self._channel.endpoint,
+                watch=self._watch.endpoint,
+            )
+            if nodes is not None:
+                store.set(MEETING_KEY, meeting.model_dump_json())
+                store.set(PLAN_KEY, json.dumps(plan or {}))
+            built = TargetSpec(engine=engine, target=target, dtype=dtype, options=options, expert_parallel=expert_parallel)
+            specs = [
+                FollowerSpec(
+                    target=built, meeting=meeting, rank=rank, local_rank=rank, device=self.devices[rank], interface=interface, parent_pid=os.getpid()
+                )
+                for rank in range(1, len(self.devices))
+            ]
             self._followers = FollowerProcesses(specs, self._follower_ended)
-            self.inner: Engine = build_ranked(engine, target, dtype, options, ParallelRank(0, tuple(self.devices), store.port, engine_port, store))
-            self._channel.await_followers(len(specs), LOAD_TIMEOUT_S, lambda: self.lost)
+            place = place_at(meeting, 0, self.devices[0], interface=interface, store=store)
+            if nodes is not None:
+                self._await_nodes(join_timeout_s)
+            self.inner: Engine = build_ranked(engine, target, dtype, options, place, expert_parallel)
+            self._channel.await_followers(self.tensor_parallel - 1, LOAD_TIMEOUT_S, lambda: self.lost or self._refused())
             if engine == "hf":
                 self._check_padded_batch(target)
         except BaseException:
@@ -107,6 +141,37 @@ class TensorParallelEngine:
         self.images_refusal = PARALLEL_IMAGES_REFUSAL
         log.info("worker: the target runs over %d processes on %s", self.tensor_parallel, ", ".join(self.devices))
 
+    def _await_nodes(self, timeout_s: float) -> None:
+        """Every other node joins (it says so at once, before it loads the target) within ``timeout_s``; one that
+        refused the plan, or that never comes, is one line: CannotServe."""
+        assert self.nodes is not None
+        missing = list(range(1, self.nodes.nnodes))
+        deadline = time.monotonic() + timeout_s
+        while missing:
+            if (why := self.lost or self._refused()) is not None:
+                raise CannotServe(why)
+            missing = [node for node in missing if not self._store.check([NODE_KEY.format(node)])]
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                nodes = ", ".join(str(node) for node in missing)
+                raise CannotServe(
+                    f"node {nodes} of --nnodes {self.nodes.nnodes} did not join at {self.nodes.master} within {timeout_s:.0f} s: run the same "
+                    f"`draftfeed launch worker` line there with --node-rank {missing[0]}, and check that it reaches --master-addr"
+                )
+            time.sleep(0.2)
+        log.info("worker: every node of %d joined at %s", self.nodes.nnodes, self.nodes.master)
+
+    def _refused(self) -> str | None:
+        """What a node that refused to join said (it runs another plan, or another node took its rank), or None."""
+        if self.nodes is None:
+            return None
+        for node in range(1, self.nodes.nnodes):
+            key = REFUSED_KEY.format(node)
+            if self._store.check([key]):
+                return self._store.get(key).decode()
+        return None
+
     @property
     def pids(self) -> list[int]:
         """The worker's own process first, then its followers'."""
@@ -118,6 +183,11 @@ class TensorParallelEngine:
             return
         self.lost = how
         log.error("worker: %s; the worker stops (its requests go back to the broker)", how)
+        for hook in self.lost_hooks:
+            try:
+                hook(how)
+            except Exception:  # a hook must not keep the worker from stopping
+                log.exception("worker: a hook on the lost engine failed")
         timer = threading.Timer(LOST_GRACE_S, self._end_now)
         timer.daemon = True
         timer.start()
@@ -231,6 +301,8 @@ class TensorParallelEngine:
         self._followers = None
         self.inner.close()
         self._channel.close()
+        if self._watch is not None:
+            self._watch.close()
         if torch.distributed.is_initialized() and self.lost is None:
             torch.distributed.destroy_process_group()
 
@@ -239,6 +311,15 @@ class TensorParallelEngine:
         if self._followers is not None:
             self._followers.kill()
             self._followers = None
+        if self._watch is not None:
+            self._watch.close()
         self._channel.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def _free_port(host: str) -> int:
+    """A port free on ``host`` now (sglang's own group meets there)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]

@@ -3,6 +3,9 @@
 It builds its rank of the engine, says hello, then makes each call the leader makes, in the same order, drops the
 results (the leader keeps them) and acknowledges each call with whether it raised: a call that fails the same way on
 every rank (a batch the model cannot take) leaves the group in step, and the leader decides whether it did.
+
+From its start it says it is alive to rank 0 once a second, and ends itself when rank 0 falls silent (watch.py): on
+another machine than rank 0 nothing else would end it when that machine goes.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import sys
 
 import torch
@@ -19,6 +23,7 @@ from draftfeed.consumers.engines.base import Capture, Engine
 from draftfeed.consumers.engines.parallel.commands import CaptureSpec, FollowerChannel, Forward, GoOn, Prepare, Stop, Weight
 from draftfeed.consumers.engines.parallel.ranked import build_ranked
 from draftfeed.consumers.engines.parallel.spec import FollowerSpec
+from draftfeed.consumers.engines.parallel.watch import FollowerWatch
 from draftfeed.contract.packing import Documents
 
 log = logging.getLogger("draftfeed.worker")
@@ -29,11 +34,11 @@ PR_SET_PDEATHSIG = 1
 GO_ON_TIMEOUT_S = 20.0
 
 
-def die_with(leader_pid: int) -> None:
-    """SIGKILL this process when the worker's process ends, however it ends (Linux)."""
+def die_with(parent_pid: int) -> None:
+    """SIGKILL this process when its parent (the worker's process, or its node's agent) ends, however it ends (Linux)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != leader_pid:  # it ended before the line above took effect
+    if os.getppid() != parent_pid:  # it ended before the line above took effect
         os._exit(1)
 
 
@@ -76,13 +81,15 @@ def call(engine: Engine, command: Prepare | Forward | Weight, tensors: dict[str,
 
 def main(argv: list[str]) -> int:
     spec = FollowerSpec.model_validate_json(argv[1])
-    die_with(spec.leader_pid)
+    die_with(spec.parent_pid)
+    built = spec.target
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the worker, which stops its followers itself
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # so does a SIGTERM sent to the worker's process group
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank-{spec.rank}: %(message)s")
+    FollowerWatch(spec.meeting.watch, spec.rank, spec.node_rank, socket.gethostname())
     _quiet_transformers()
-    engine = build_ranked(spec.engine, spec.target, spec.dtype, spec.options, spec.place())
-    channel = FollowerChannel(spec.channel, spec.rank)
+    engine = build_ranked(built.engine, built.target, built.dtype, built.options, spec.place(), built.expert_parallel)
+    channel = FollowerChannel(spec.meeting.channel, spec.rank)
     channel.hello()
     try:
         serve(engine, channel)

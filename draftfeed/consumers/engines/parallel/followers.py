@@ -1,8 +1,9 @@
 """The follower processes of a tensor-parallel worker: started with the worker, watched, stopped with it.
 
-Each follower is ``python -m draftfeed.consumers.engines.parallel.follower SPEC`` and dies with the worker's process
-(``PR_SET_PDEATHSIG``, set by the follower itself), so a SIGKILLed worker leaves none behind. A follower that exits
-while the worker runs is reported once, with its rank, pid and how it ended, to ``on_exit``.
+Each follower is ``python -m draftfeed.consumers.engines.parallel.follower SPEC`` and dies with the process that
+started it (``PR_SET_PDEATHSIG``, set by the follower itself), so a SIGKILLed worker leaves none behind. A follower
+that exits while the worker runs is reported once, with its rank, pid and how it ended, to ``on_exit``; on a node
+other than node 0 (``expected_exit``), a follower that exits 0 ended because the worker stopped, and is not.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ def how_it_ended(returncode: int) -> str:
 class FollowerProcesses:
     """Ranks 1..N-1 of one worker, each a child process of the worker."""
 
-    def __init__(self, specs: list[FollowerSpec], on_exit: Callable[[str], None]) -> None:
+    def __init__(self, specs: list[FollowerSpec], on_exit: Callable[[str], None], expected_exit: bool = False) -> None:
         self._stopping = threading.Event()
         self._on_exit = on_exit
+        self._expected_exit = expected_exit
         self.exited: str | None = None  # how the first follower to end ended, while the worker ran
         self._popens: list[tuple[int, subprocess.Popen]] = []
         try:
@@ -52,9 +54,12 @@ class FollowerProcesses:
     def pids(self) -> list[int]:
         return [popen.pid for _rank, popen in self._popens]
 
+    def all_ended(self) -> bool:
+        return all(popen.poll() is not None for _rank, popen in self._popens)
+
     def _watch(self, rank: int, popen: subprocess.Popen) -> None:
         returncode = popen.wait()
-        if self._stopping.is_set() or self.exited is not None:
+        if self._stopping.is_set() or self.exited is not None or (self._expected_exit and returncode == 0):
             return
         self.exited = f"its tensor-parallel process rank {rank} (pid {popen.pid}) {how_it_ended(returncode)}"
         self._on_exit(self.exited)

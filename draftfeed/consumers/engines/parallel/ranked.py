@@ -11,14 +11,16 @@ from draftfeed.consumers.engines.parallel.spec import ParallelRank
 RANKED_ENGINES = ("hf", "sglang")
 
 
-def build_ranked(engine: str, target: str, dtype: str, options: dict[str, Any], place: ParallelRank) -> Engine:
-    """``engine`` as rank ``place.rank`` of its group, on ``place.device``."""
+def build_ranked(engine: str, target: str, dtype: str, options: dict[str, Any], place: ParallelRank, expert_parallel: bool = False) -> Engine:
+    """``engine`` as rank ``place.rank`` of its group, on ``place.device``; ``expert_parallel``: a mixture-of-experts
+    target's experts sharded over the group (transformers' expert-parallel plan, sglang's ``ep_size``)."""
     if engine == "hf":
         from draftfeed.consumers.engines.hf import HFEngine
 
-        return HFEngine(target, device=place.device, dtype=dtype, parallel=place)
+        return HFEngine(target, device=place.device, dtype=dtype, parallel=place, expert_parallel=expert_parallel)
     if engine == "sglang":
         from draftfeed.consumers.engines.sglang import SGLangEngine
 
-        return SGLangEngine(target, device=place.device, dtype=dtype, parallel=place, **options)
+        ep = {"ep_size": place.world_size} if expert_parallel else {}
+        return SGLangEngine(target, device=place.device, dtype=dtype, parallel=place, **ep, **options)
     raise ValueError(f"--engine {engine} does not run at --tensor-parallel above 1; use {', '.join(RANKED_ENGINES)} or vllm")

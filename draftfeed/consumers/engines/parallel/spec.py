@@ -1,4 +1,5 @@
-"""Where one process of a tensor-parallel worker stands: its rank among the worker's processes and their devices."""
+"""Where one process of a tensor-parallel worker stands: its rank among the worker's processes, on which machine and
+device, and where they all meet."""
 
 from __future__ import annotations
 
@@ -7,43 +8,88 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
-from draftfeed.schemas.messages import Strict
+from draftfeed.schemas.messages import Name, Strict
+
+LOOPBACK = "127.0.0.1"
 
 
 @dataclass(frozen=True)
 class ParallelRank:
-    """Rank ``rank`` of ``len(devices)`` processes, on ``devices[rank]``; the group meets at a TCPStore on
-    127.0.0.1:``rendezvous_port`` that rank 0 hosts (``store``, rank 0's alone). An engine that sets up its own
-    group instead (sglang's ModelRunner) meets on ``engine_port``, free on 127.0.0.1 when the worker started."""
+    """Rank ``rank`` of ``world_size`` processes, on ``device`` (``local_rank`` among its machine's). The group meets
+    at the TCPStore rank 0 hosts (``store``, rank 0's alone) on ``store_host:store_port``: 127.0.0.1 on one machine,
+    node 0's --master-addr across several. An engine that sets up its own group instead (sglang's ModelRunner) meets
+    on ``engine_port`` of ``store_host``. ``interface``: the network interface towards ``store_host`` across
+    machines (gloo and NCCL bind to it), None on one."""
 
     rank: int
-    devices: tuple[str, ...]
-    rendezvous_port: int
+    world_size: int
+    device: str
+    store_port: int
     engine_port: int
+    store_host: str = LOOPBACK
+    local_rank: int = 0
+    nnodes: int = 1
+    node_rank: int = 0
+    interface: str | None = None
     store: Any = None
 
-    @property
-    def world_size(self) -> int:
-        return len(self.devices)
 
-    @property
-    def device(self) -> str:
-        return self.devices[self.rank]
-
-
-class FollowerSpec(Strict):
-    """What a follower process is started with (one JSON argument): the engine to build and its place."""
+class TargetSpec(Strict):
+    """What every rank builds: the engine and target, the same on every process of the worker."""
 
     engine: str
     target: str
     dtype: str
     options: dict[str, Any] = {}
-    rank: Annotated[int, Field(ge=1)]
-    devices: list[str]
-    rendezvous_port: Annotated[int, Field(gt=0, lt=65536)]
+    expert_parallel: bool = False
+
+
+class Meeting(Strict):
+    """Where the worker's processes meet, as rank 0 hosts it: its store, sglang's port, where its calls come from
+    (``channel``) and where each process says it is alive (``watch``). Across machines rank 0 publishes it in its
+    store, for the other nodes (node.py)."""
+
+    world_size: Annotated[int, Field(ge=2)]
+    nnodes: Annotated[int, Field(ge=1)] = 1
+    store_host: Name = LOOPBACK
+    store_port: Annotated[int, Field(gt=0, lt=65536)]
     engine_port: Annotated[int, Field(gt=0, lt=65536)]
-    channel: str
-    leader_pid: Annotated[int, Field(gt=0)]
+    channel: Name
+    watch: Name
+
+
+class FollowerSpec(Strict):
+    """What a follower process is started with (one JSON argument): what to build, where to meet, and its place there.
+    ``interface``: its machine's interface towards node 0 (None on one machine); ``parent_pid``: the process it dies
+    with (the worker, or its node's agent on the other machines)."""
+
+    target: TargetSpec
+    meeting: Meeting
+    rank: Annotated[int, Field(ge=1)]
+    local_rank: Annotated[int, Field(ge=0)]
+    node_rank: Annotated[int, Field(ge=0)] = 0
+    device: Name
+    interface: Name | None = None
+    parent_pid: Annotated[int, Field(gt=0)]
 
     def place(self) -> ParallelRank:
-        return ParallelRank(rank=self.rank, devices=tuple(self.devices), rendezvous_port=self.rendezvous_port, engine_port=self.engine_port)
+        return place_at(self.meeting, self.rank, self.device, self.local_rank, self.node_rank, self.interface)
+
+
+def place_at(
+    meeting: Meeting, rank: int, device: str, local_rank: int = 0, node_rank: int = 0, interface: str | None = None, store: Any = None
+) -> ParallelRank:
+    """Rank ``rank``'s place at ``meeting`` (rank 0 passes the ``store`` it hosts)."""
+    return ParallelRank(
+        rank=rank,
+        world_size=meeting.world_size,
+        device=device,
+        store_port=meeting.store_port,
+        engine_port=meeting.engine_port,
+        store_host=meeting.store_host,
+        local_rank=local_rank,
+        nnodes=meeting.nnodes,
+        node_rank=node_rank,
+        interface=interface,
+        store=store,
+    )

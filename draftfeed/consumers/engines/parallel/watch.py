@@ -1,0 +1,115 @@
+"""The liveness of a tensor-parallel worker's processes, apart from their collectives.
+
+A collective waits for every rank, and a rank on a machine that is gone never comes: without a watch of its own,
+each side would wait for the collective's timeout (minutes). So every follower says it is alive to rank 0 once a
+``WATCH_INTERVAL_S`` on a socket of their own, and rank 0 answers each time, on a thread of each side that no
+collective blocks:
+
+- rank 0 (``LeaderWatch``) calls ``on_silent`` once, naming the rank, its node and how long it was silent, when a
+  follower it heard from is silent for ``WATCH_SILENCE_S``: the worker stops (engine.py);
+- a follower (``FollowerWatch``) that does not hear rank 0 for ``WATCH_SILENCE_S`` logs one line and ends its
+  process at once, whatever it is blocked in: rank 0's machine is gone, its link cut, or its process killed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import zmq
+
+log = logging.getLogger("draftfeed.worker")
+
+WATCH_INTERVAL_S = 1.0
+WATCH_SILENCE_S = 5.0
+
+
+class LeaderWatch:
+    """Rank 0's end: a ROUTER on ``bind`` (tcp://HOST:* across machines, ipc:// on one) answering each beat."""
+
+    def __init__(self, bind: str, on_silent: Callable[[str], None]) -> None:
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(bind)
+        self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._on_silent = on_silent
+        self._heard: dict[bytes, tuple[float, dict]] = {}  # identity -> (when heard last, what it said it is)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="draftfeed-tp-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        fired = False
+        while not self._stop.is_set():
+            if self._socket.poll(int(WATCH_INTERVAL_S * 500)):
+                identity, body = self._socket.recv_multipart()
+                self._heard[identity] = (time.monotonic(), json.loads(body))
+                self._socket.send_multipart([identity, b"alive"])
+                continue
+            now = time.monotonic()
+            for when, who in list(self._heard.values()):
+                if not fired and now - when > WATCH_SILENCE_S:
+                    fired = True
+                    self._on_silent(
+                        f"its tensor-parallel process rank {who['rank']} (pid {who['pid']} on node {who['node']}, host {who['host']}) "
+                        f"has been silent for {now - when:.1f} s (its machine or the link to it is down, or the process hangs)"
+                    )
+        self._socket.close(0)
+        self._context.term()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class FollowerWatch:
+    """A follower's end: beats to rank 0's watch at ``endpoint``; ends this process when rank 0 is silent."""
+
+    def __init__(self, endpoint: str, rank: int, node: int, host: str, exit_code: int = 75) -> None:
+        self._endpoint = endpoint
+        self._about = json.dumps({"rank": rank, "node": node, "host": host, "pid": os.getpid()}).encode()
+        self._rank = rank
+        self._exit_code = exit_code
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="draftfeed-tp-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        context = zmq.Context()
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self._endpoint)
+        heard = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                try:
+                    sock.send(self._about, zmq.NOBLOCK)
+                except zmq.Again:  # not connected (yet, or any more): the silence below counts
+                    pass
+                deadline = time.monotonic() + WATCH_INTERVAL_S
+                while (left := deadline - time.monotonic()) > 0 and not self._stop.is_set():
+                    if sock.poll(int(left * 1000) + 1):
+                        sock.recv()
+                        heard = time.monotonic()
+                if time.monotonic() - heard > WATCH_SILENCE_S and not self._stop.is_set():
+                    log.error(
+                        "rank %d: rank 0 of this worker at %s has been silent for %.1f s (its machine or the link to it is down, or it "
+                        "was killed): this process exits",
+                        self._rank,
+                        self._endpoint,
+                        time.monotonic() - heard,
+                    )
+                    logging.shutdown()
+                    os._exit(self._exit_code)
+        finally:
+            sock.close(0)
+            context.term()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

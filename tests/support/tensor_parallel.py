@@ -1,0 +1,43 @@
+"""The tensor-parallel reference (tests/tp_reference.py run in two processes of the test's own) that workers at
+--tensor-parallel 2 are compared with, on one machine (test_tensor_parallel.py) and over two (test_nodes.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from conftest import TESTS_DIR, WORKER_ENV
+
+from draftfeed.net import free_port
+
+# Each target's task, the targets in the reference file's order: EAGLE-3 on the dense target, DSpark on the MoE one
+# (the engine makes the same calls for every task: a forward with a capture).
+SERVED = {"llama": "eagle3", "qwen3-moe": "dspark"}
+TARGETS = {name: index for index, name in enumerate(SERVED)}
+
+
+def tensor_parallel_reference(targets: dict[str, Path], out: Path) -> dict[str, torch.Tensor]:
+    """Every batch's supervision, for the task each target is served for, from two processes of transformers' plan."""
+    from safetensors.torch import load_file
+
+    port = free_port()
+    env = {**os.environ, **WORKER_ENV}
+    command = [sys.executable, str(Path(TESTS_DIR) / "tp_reference.py")]
+    paths = [f"{SERVED[name]}={targets[name]}" for name in TARGETS]
+    ranks = [subprocess.Popen([*command, str(rank), str(port), str(out), *paths], env=env, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        for rank in ranks:
+            _out, err = rank.communicate(timeout=240)
+            assert rank.returncode == 0, f"the tensor-parallel reference failed:\n{err[-3000:]}"
+    finally:
+        for rank in ranks:
+            rank.kill()
+    return load_file(out)
+
+
+def expected(reference: dict[str, torch.Tensor], target: str, task: str, batch: str) -> dict[str, torch.Tensor]:
+    prefix = f"{TARGETS[target]}/{task}/{batch}/"
+    return {key[len(prefix) :]: value for key, value in reference.items() if key.startswith(prefix)}

@@ -1,0 +1,333 @@
+"""One worker over two machines (issue 36): `--tensor-parallel 2 --nnodes 2`, node 0 and node 1 each on a host of its
+own (network namespaces on one bridge, draftfeed/bench/hosts.py), the broker and the rank on a third.
+
+- The supervision equals transformers' plan over two processes on one machine (tests/tp_reference.py), bit for bit:
+  EAGLE-3 on the tiny Llama, DSpark on the tiny Qwen3-MoE (the engine makes the same calls for every task).
+- A node lost mid-run (its link cut for good, or its processes SIGKILLed): the worker ends, the run completes on
+  another worker, every batch once, in order, each equal to the reference; nothing of the two-node worker is left
+  running on either host.
+- A node started with another plan (degree, target), or that never comes: one line on both nodes, within seconds.
+- Mistakes in the node flags: one line before anything loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TESTS_DIR, WORKER_ENV, assert_supervision_equal, run_concurrently, wait_until
+from support.tensor_parallel import SERVED, expected, tensor_parallel_reference
+
+from draftfeed.bench.hosts import Hosts
+from draftfeed.consumers.nodes import describe_difference, fingerprint, node_plan
+from draftfeed.launch import processes
+from draftfeed.tiny import build_tiny_target
+
+pytestmark = pytest.mark.timeout(300)
+
+PORT = 29517  # node 0's --master-addr port: the namespaces' addresses are the tests' own, so any port does
+LIVENESS = ["--heartbeat-interval", "0.25", "--liveness", "8"]  # the broker finds a silent worker in 2 s
+RUN = [f"run-{i}" for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def reference(tp_targets, tmp_path_factory) -> dict[str, torch.Tensor]:
+    return tensor_parallel_reference(tp_targets, tmp_path_factory.mktemp("tp-reference") / "reference.safetensors")
+
+
+def start_all(*starts) -> list[processes.Process]:
+    """Each start on its own thread (node 0 is ready only once node 1 has joined); the processes in the same order."""
+    out: list = [None] * len(starts)
+
+    def each(index: int) -> None:
+        out[index] = starts[index]()
+
+    run_concurrently(*[lambda index=index: each(index) for index in range(len(starts))], timeout_s=240)
+    return out
+
+
+def node_flags(hosts: Hosts, node: int, *extra: str) -> list[str]:
+    return ["--tensor-parallel", "2", "--nnodes", "2", "--node-rank", str(node), "--master-addr", f"{hosts.address('node-0')}:{PORT}", *extra]
+
+
+def start_node(hosts: Hosts, broker: processes.Process, target: Path, node: int, *extra: str, env: dict[str, str] | None = None) -> processes.Process:
+    """Node ``node`` of a two-node worker (node 0 registers with the broker; node 1 says it is ready once its process runs)."""
+    return processes.start_worker(
+        broker.ready["backend"], str(target), *node_flags(hosts, node, *extra), env=env or WORKER_ENV, prefix=hosts.command(f"node-{node}")
+    )
+
+
+def start_rank(hosts: Hosts, broker: processes.Process, service: str, task: str, names: list[str], out: Path) -> processes.Process:
+    return processes.start(
+        ["--broker", broker.ready["frontend"], "--service", service, "--task", task, "--names", ",".join(names), "--out", str(out)],
+        module="tp_rank",
+        env=WORKER_ENV,
+        prefix=hosts.command("head"),
+    )
+
+
+def result_of(rank: processes.Process, out: Path) -> tuple[list[str], dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    result = json.loads(rank.wait_for_line("^RESULT ", timeout_s=180)[len("RESULT ") :])
+    assert result["error"] is None, result["error"]
+    return result["order"], load_file(out)
+
+
+def received(tensors: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    return {key.split("/", 1)[1]: value for key, value in tensors.items() if key.startswith(f"{name}/")}
+
+
+class Supervision:
+    """A rank's supervision as assert_supervision_equal reads it."""
+
+    def __init__(self, fields: dict[str, torch.Tensor]) -> None:
+        self._fields = fields
+
+    def as_dict(self) -> dict[str, torch.Tensor]:
+        return self._fields
+
+
+def pids_on(hosts: Hosts, host: str) -> list[int]:
+    out = subprocess.run(["ip", "netns", "pids", hosts.namespace(host)], capture_output=True, text=True, timeout=10).stdout
+    return [int(pid) for pid in out.split()]
+
+
+def show(started: list[processes.Process]) -> None:
+    for process in started:  # shown by pytest when the test fails
+        print(
+            f"---- {' '.join(str(a) for a in process.popen.args[-10:])}\n"
+            + "\n".join(line for line in process.log_tail if not line.startswith("batch "))
+        )
+
+
+# ---------------------------------------------------------------- exact over two machines
+def test_two_nodes_equal_the_same_plan_on_one_machine(hosts_available, tp_targets, reference, tmp_path):
+    with Hosts(["head", "node-0", "node-1"]) as hosts:
+        started: list[processes.Process] = []
+        try:
+            broker = processes.start_broker(hosts.address("head"), prefix=hosts.command("head"))
+            started.append(broker)
+            # One worker at a time on the two nodes (each node 0 listens on the same --master-addr port).
+            for name, task in SERVED.items():
+                service = f"nodes-{name}"
+                args = ["--service", service, "--task", task]
+                nodes = start_all(
+                    lambda target=tp_targets[name], args=args: start_node(hosts, broker, target, 0, *args),
+                    lambda target=tp_targets[name], args=args: start_node(hosts, broker, target, 1, *args),
+                )
+                started += nodes
+                names = ["plain-0", "plain-1", "full", "packed-0", "packed-1"]
+                out = tmp_path / f"{name}.safetensors"
+                rank = start_rank(hosts, broker, service, task, names, out)
+                started.append(rank)
+                order, tensors = result_of(rank, out)
+                assert order == names
+                for batch in names:
+                    assert_supervision_equal(Supervision(received(tensors, batch)), expected(reference, name, task, batch))
+                for node in reversed(nodes):  # SIGTERM on node 0 stops node 1 too
+                    assert node.stop(timeout_s=30) == 0, "\n".join(node.log_tail[-20:])
+        finally:
+            for process in started:
+                process.stop(timeout_s=5)
+            show(started)
+
+
+def test_sglang_over_two_nodes_meets_at_node_0(hosts_available, tiny_target, tiny_model, tmp_path):
+    """The sglang engine across machines, against the FAKE sglang (tests/fake_sglang: sglang cannot be installed here):
+    each node's ModelRunner gets --nnodes, --node-rank and dist_init_addr at node 0, as sglang's own flags place
+    ranks, and the group meets there. What comes back equals the fake at one rank, which equals hf within 1e-6."""
+    from reference import reference_eagle3
+    from tp_reference import AUX, batches
+
+    fake = {"PYTHONPATH": os.pathsep.join([str(Path(TESTS_DIR) / "fake_sglang"), WORKER_ENV["PYTHONPATH"]])}
+    with Hosts(["head", "node-0", "node-1"]) as hosts:
+        started: list[processes.Process] = []
+        try:
+            broker = processes.start_broker(hosts.address("head"), prefix=hosts.command("head"))
+            started.append(broker)
+            args = ["--service", "nodes-sglang", "--engine", "sglang", "--aux-layer-ids", ",".join(map(str, AUX))]
+            started += start_all(
+                lambda: start_node(hosts, broker, tiny_target, 0, *args, env={**WORKER_ENV, **fake}),
+                lambda: start_node(hosts, broker, tiny_target, 1, *args, env={**WORKER_ENV, **fake}),
+            )
+            names = ["plain-0", "plain-1"]
+            out = tmp_path / "sglang.safetensors"
+            rank = start_rank(hosts, broker, "nodes-sglang", "eagle3", names, out)
+            started.append(rank)
+            order, tensors = result_of(rank, out)
+            assert order == names
+            for name in names:
+                want = reference_eagle3(tiny_model, batches()[name], AUX)
+                for field in ("aux_hidden_states", "target_probs"):
+                    gap = (received(tensors, name)[field].double() - want[field].double()).abs().max().item()
+                    assert gap < 1e-5, f"{name} {field}: {gap:.3g} from hf"
+            assert any("joined the worker at" in line for line in started[2].log_tail)
+        finally:
+            for process in started:
+                process.stop(timeout_s=5)
+            show(started)
+
+
+# ---------------------------------------------------------------- a node lost mid-run
+@pytest.mark.parametrize("fault", ["link-down", "sigkill"])
+def test_a_lost_node_ends_its_worker_and_the_run_completes_elsewhere(hosts_available, tiny_target, reference, tmp_path, fault):
+    with Hosts(["head", "node-0", "node-1"]) as hosts:
+        started: list[processes.Process] = []
+        try:
+            broker = processes.start_broker(hosts.address("head"), extra=LIVENESS, prefix=hosts.command("head"))
+            started.append(broker)
+            args = ["--service", "nodes-run", "--name", "two-nodes"]
+            spare_args = ["--service", "nodes-run", "--tensor-parallel", "2", "--name", "spare"]
+            started += start_all(
+                lambda: start_node(hosts, broker, tiny_target, 0, *args),
+                lambda: start_node(hosts, broker, tiny_target, 1, *args),
+                lambda: processes.start_worker(broker.ready["backend"], str(tiny_target), *spare_args, env=WORKER_ENV, prefix=hosts.command("head")),
+            )
+            node0 = started[1]
+            out = tmp_path / "run.safetensors"
+            rank = start_rank(hosts, broker, "nodes-run", "eagle3", RUN, out)
+            started.append(rank)
+            rank.wait_for_line(r"^batch 3$", timeout_s=120)
+            struck = time.monotonic()
+            if fault == "link-down":
+                hosts.cut("node-1")  # for good
+            else:
+                for pid in pids_on(hosts, "node-1"):
+                    subprocess.run(["kill", "-9", str(pid)], check=False)
+            order, tensors = result_of(rank, out)
+            assert order == RUN, "a batch missing, repeated or out of order"
+            for name in RUN:
+                assert_supervision_equal(Supervision(received(tensors, name)), expected(reference, "llama", "eagle3", name))
+            assert node0.popen.wait(60) != 0, "node 0 ends when node 1 is lost"
+            node0.wait_for_line(r"rank 1 .*(silent for|on node 1)|tensor-parallel process rank 1", timeout_s=5)
+            status_lines = broker.log_tail
+            assert any("forgot worker two-nodes" in line for line in status_lines), "node 0 left the broker"
+            # Nothing of the two-node worker is left on either host (node 1's processes end when node 0 falls silent).
+            wait_until(lambda: not pids_on(hosts, "node-0") and not pids_on(hosts, "node-1"), timeout_s=60, what="no process on the two hosts")
+            print(f"{fault}: the two hosts were empty {time.monotonic() - struck:.1f} s after the fault")
+        finally:
+            for process in started:
+                process.stop(timeout_s=5)
+            show(started)
+
+
+# ---------------------------------------------------------------- nodes that do not go together
+@pytest.mark.parametrize(
+    "node1_extra, said",
+    [
+        (["--task", "dspark"], 'task "dspark" on node 1, "eagle3" on node 0'),
+        (["--target", "OTHER"], "target_config"),
+    ],
+    ids=["another-task", "another-target"],
+)
+def test_a_node_with_another_plan_is_one_line_on_both(hosts_available, tiny_target, moe_target, node1_extra, said):
+    extra = [str(moe_target) if item == "OTHER" else item for item in node1_extra]
+    with Hosts(["head", "node-0", "node-1"]) as hosts:
+        started: list[processes.Process] = []
+        try:
+            broker = processes.start_broker(hosts.address("head"), prefix=hosts.command("head"))
+            started.append(broker)
+            base = [sys.executable, "-m", "draftfeed", "launch", "worker", "--broker", broker.ready["backend"], "--http-port", "0", "--target"]
+            commands = [
+                [*hosts.command("node-0"), *base, str(tiny_target), *node_flags(hosts, 0, "--join-timeout", "30")],
+                [*hosts.command("node-1"), *base, str(tiny_target), *node_flags(hosts, 1, "--join-timeout", "30"), *extra],
+            ]
+            began = time.monotonic()
+            popens = [
+                subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**WORKER_ENV, **_env()})
+                for command in commands
+            ]
+            try:
+                outputs = [popen.communicate(timeout=60) for popen in popens]
+            finally:
+                for popen in popens:
+                    popen.kill()
+            took = time.monotonic() - began
+            for (_out, err), popen, node in zip(outputs, popens, (0, 1)):
+                last = err.strip().splitlines()[-1] if err.strip() else ""
+                assert popen.returncode != 0 and "Traceback" not in err, f"node {node}:\n{err[-2000:]}"
+                assert said in last and "runs another plan than node 0" in last, f"node {node} said: {last}"
+            assert took < 30, f"the nodes took {took:.0f} s to say so"
+        finally:
+            for process in started:
+                process.stop(timeout_s=5)
+
+
+def _env() -> dict[str, str]:
+    return {key: value for key, value in os.environ.items() if key in ("PATH", "HOME", "LANG")}
+
+
+def test_a_missing_node_is_one_line_after_the_join_timeout(hosts_available, tiny_target):
+    with Hosts(["head", "node-0"]) as hosts:
+        broker = processes.start_broker(hosts.address("head"), prefix=hosts.command("head"))
+        try:
+            command = [*hosts.command("node-0"), sys.executable, "-m", "draftfeed", "launch", "worker", "--broker", broker.ready["backend"]]
+            command += ["--http-port", "0", "--target", str(tiny_target), *node_flags(hosts, 0, "--join-timeout", "3")]
+            done = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**_env(), **WORKER_ENV})
+            last = done.stderr.strip().splitlines()[-1]
+            assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+            assert "node 1 of --nnodes 2 did not join at" in last and "--node-rank 1" in last, last
+        finally:
+            broker.stop()
+
+
+# ---------------------------------------------------------------- mistakes, before anything loads
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--nnodes", "2", "--tensor-parallel", "2"], "--nnodes 2 needs --master-addr HOST:PORT"),
+        (["--nnodes", "2", "--tensor-parallel", "3", "--master-addr", "10.0.0.5:29500"], "--tensor-parallel 3 does not split over --nnodes 2"),
+        (["--nnodes", "2", "--tensor-parallel", "2", "--master-addr", "127.0.0.1:29500"], "the other nodes cannot reach a loopback address"),
+        (["--nnodes", "2", "--node-rank", "2", "--tensor-parallel", "2", "--master-addr", "10.0.0.5:1"], "--node-rank 2: give this machine's place"),
+        (["--master-addr", "10.0.0.5:29500"], "--master-addr goes with --nnodes 2 or more"),
+        (["--nnodes", "2", "--tensor-parallel", "2", "--master-addr", "10.0.0.5:29500", "--engine", "vllm"], "the vllm engine runs on one machine"),
+        (["--pipeline-parallel", "2"], "--pipeline-parallel 2: the hf engine spreads a target by tensor parallelism"),
+        (["--pipeline-parallel", "2", "--engine", "vllm"], "vLLM's extract_hidden_states capture refuses pipeline parallelism"),
+        (["--pipeline-parallel", "2", "--engine", "sglang"], "the sglang engine drives sglang's ModelRunner at pp_size 1"),
+        (["--expert-parallel"], "--expert-parallel shards the experts over the worker's processes"),
+    ],
+)
+def test_node_and_parallel_mistakes_are_one_line(tiny_target, flags, message):
+    command = [sys.executable, "-m", "draftfeed", "launch", "worker", "--broker", "tcp://127.0.0.1:9", "--target", str(tiny_target), *flags]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert message in done.stderr.strip().splitlines()[-1], done.stderr
+
+
+def test_expert_parallel_on_a_dense_target_is_refused_naming_what_to_do(tiny_target):
+    command = [sys.executable, "-m", "draftfeed", "launch", "worker", "--broker", "tcp://127.0.0.1:9", "--target", str(tiny_target)]
+    done = subprocess.run([*command, "--tensor-parallel", "2", "--expert-parallel"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "llama has no expert-parallel plan in transformers" in done.stderr.strip().splitlines()[-1], done.stderr
+
+
+def test_a_quantized_checkpoint_on_cpu_names_its_quantization_config(tmp_path):
+    target = build_tiny_target(tmp_path / "fp8-llama")
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+    (target / "config.json").write_text(json.dumps(config))
+    command = [sys.executable, "-m", "draftfeed", "launch", "worker", "--broker", "tcp://127.0.0.1:9", "--target", str(target)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "is a quantized checkpoint (its quantization_config: quant_method fp8, fmt e4m3, weight_block_size [128, 128])" in last, last
+    assert "--device cuda:N" in last
+
+
+def test_the_node_plan_and_its_differences():
+    plan = node_plan(2, 1, "10.0.0.5:29500", 4, 0)
+    assert plan is not None and plan.per_node == 2 and list(plan.ranks()) == [2, 3] and plan.master == "10.0.0.5:29500"
+    assert node_plan(1, 0, None, 4, 0) is None
+    with pytest.raises(ValueError, match="--devices names 3 devices; across --nnodes 2 each node runs 2"):
+        node_plan(2, 0, "10.0.0.5:1", 4, 3)
+    ours = fingerprint("/a/model", "hf", "auto", {"task": "eagle3"}, 2, 2)
+    assert describe_difference(ours, ours | {"target": "/b/model"}, "node 1", "node 0") is None  # the same model at another path
+    difference = describe_difference(ours, ours | {"tensor_parallel": 4}, "node 1", "node 0")
+    assert difference == "tensor_parallel 2 on node 1, 4 on node 0"
