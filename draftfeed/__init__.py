@@ -34,7 +34,7 @@ _PUBLIC = {
     "RemoteTargetError": "draftfeed.schemas.errors",
     "RemoteTargetTimeout": "draftfeed.schemas.errors",
     "TargetClosed": "draftfeed.schemas.errors",
-    "reexec_with_hugepage_malloc": "draftfeed.producers.fast_receive",
+    "reexec_with_hugepage_malloc": "draftfeed.dataplane.frames.rank",
 }
 __all__ = [
     "DFlashSupervision",
@@ -63,7 +63,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from draftfeed.contract.supervision import DFlashSupervision, DSparkSupervision, Eagle3Supervision, EagleSupervision, VispecSupervision
-    from draftfeed.producers.fast_receive import reexec_with_hugepage_malloc
+    from draftfeed.dataplane.frames.rank import reexec_with_hugepage_malloc
     from draftfeed.producers.remote_target import RemoteDSparkTarget, RemoteEagle3Target, RemoteTarget
     from draftfeed.producers.remote_tasks import RemoteDFlashTarget, RemoteEagleTarget, RemoteVispecTarget
     from draftfeed.schemas.errors import DraftfeedError, MalformedMessage, RemoteTargetError, RemoteTargetTimeout, TargetClosed

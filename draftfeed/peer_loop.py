@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import zmq
 
-from draftfeed.broker_session import BrokerSession
+from draftfeed.broker_view import BrokerView
 from draftfeed.security.handshake import HandshakeWatch
 
 
@@ -56,7 +56,7 @@ class Outbox:
 class BrokerPeer(Protocol):
     """What the loop needs of a session."""
 
-    broker: BrokerSession
+    broker: BrokerView
     outbox: Outbox
 
     @property

@@ -21,7 +21,7 @@ import os
 import sys
 import time
 
-from draftfeed.dataplane.pair_group import DataPlaneError, PairGroup
+from draftfeed.dataplane.pair_group.transport import DataPlaneError, PairGroup
 from draftfeed.launch.cli import launch_main
 
 EXIT_CODE = 17

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from draftfeed.dataplane.pair_group import SENDER, PairGroup, join_store
+from draftfeed.dataplane.pair_group.transport import SENDER, PairGroup, join_store
 
 
 def sample_tensors() -> dict[str, torch.Tensor]:

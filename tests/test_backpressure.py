@@ -9,7 +9,7 @@ import torch
 from conftest import FAST_LIVENESS, Cluster, assert_supervision_equal, make_batch, raw_peer, reference_eagle3, wait_until
 
 from draftfeed import RemoteEagle3Target
-from draftfeed.dataplane.tensor_codec import pack_tensors
+from draftfeed.dataplane.frames.codec import pack_tensors
 from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import FRONTEND_OUTBOUND, ErrorReply, Heartbeat, Hello, Submit, Welcome
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import zmq
 
-from draftfeed.dataplane.tensor_codec import DTYPES, decode_tensors, encode_tensors, pack_tensors
+from draftfeed.dataplane.frames.codec import DTYPES, decode_tensors, encode_tensors, pack_tensors
 from draftfeed.schemas.errors import MalformedMessage, ProtocolVersionMismatch
 from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import DATA_INBOUND, FRONTEND_INBOUND, Result, TensorSpec

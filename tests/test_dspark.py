@@ -10,7 +10,7 @@ from conftest import add_service, assert_supervision_equal, make_batch, raw_peer
 
 from draftfeed import DSparkTargetInfo, Eagle3TargetInfo, RemoteDSparkTarget, RemoteEagle3Target
 from draftfeed.consumers.tasks.dspark import check_target_layer_ids, default_target_layer_ids
-from draftfeed.dataplane.tensor_codec import pack_tensors
+from draftfeed.dataplane.frames.codec import pack_tensors
 from draftfeed.launch import processes
 from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import FRONTEND_OUTBOUND, ErrorReply, Hello, Submit

@@ -95,8 +95,42 @@ GRAPH = {module_name(p): imports_of(p) for p in PACKAGE.rglob("*.py")}
 
 @pytest.mark.parametrize("side, other", [("draftfeed.producers", "draftfeed.consumers"), ("draftfeed.consumers", "draftfeed.producers")])
 def test_the_rank_side_and_the_worker_side_never_import_each_other(side, other):
-    crossing = sorted(f"{m} -> {i}" for m, imported in GRAPH.items() if m.startswith(side) for i in imported if i.startswith(other))
+    theirs = "worker" if side == "draftfeed.producers" else "rank"
+    crossing = sorted(f"{m} -> {i}" for m, imported in GRAPH.items() if m.startswith(side) for i in imported if side_of(i) == theirs)
     assert not crossing, "\n".join(crossing)
+
+
+def side_of(module: str) -> str | None:
+    """Which side a module is: the rank's (producers/, and each data plane's rank half), the worker's (consumers/,
+    and each data plane's worker half), or neither (what both share)."""
+    if module.startswith("draftfeed.producers"):
+        return "rank"
+    if module.startswith("draftfeed.consumers"):
+        return "worker"
+    if module.startswith("draftfeed.dataplane."):
+        leaf = module.rsplit(".", 1)[1]
+        if leaf.startswith("rank"):
+            return "rank"
+        if leaf.startswith("worker"):
+            return "worker"
+    return None
+
+
+def test_each_data_planes_rank_half_and_worker_half_never_import_each_other():
+    """A data plane lives in one folder (dataplane/<plane>/): what both sides share, the rank's half (rank*.py) and
+    the worker's half (worker*.py); neither half, nor what both share, imports the other side's."""
+    crossing = []
+    for module, imported in GRAPH.items():
+        if not module.startswith("draftfeed.dataplane"):
+            continue
+        mine = side_of(module)
+        for name in imported:
+            theirs = side_of(name)
+            if theirs is not None and theirs != mine:
+                crossing.append(f"{module} ({mine or 'shared'}) -> {name} ({theirs})")
+    assert not crossing, "\n".join(sorted(crossing))
+    sides = {side_of(module) for module in GRAPH if module.startswith("draftfeed.dataplane")}
+    assert sides == {None, "rank", "worker"}
 
 
 def test_the_store_imports_neither_side():

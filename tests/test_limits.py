@@ -67,13 +67,13 @@ def test_a_frame_over_the_workers_limit_from_a_rank_is_dropped_before_it_is_read
     import zmq
     from conftest import raw_router, wait_until
 
-    from draftfeed.consumers.rank_links import Delivery, RankLinks
+    from draftfeed.dataplane.frames.worker import RankLinks, SendResult
 
     context = zmq.Context()
     links = RankLinks(context, max_frame_bytes=1 << 10)
     try:
         with raw_router() as (rank, endpoint):
-            wait_until(lambda: links.try_send(endpoint, [b"hello"]) is Delivery.SENT, timeout_s=10, what="the link to connect")
+            wait_until(lambda: links.try_send(endpoint, [b"hello"]) is SendResult.SENT, timeout_s=10, what="the link to connect")
             assert rank.poll(10_000)
             worker, _hello = rank.recv_multipart()
             rank.send_multipart([worker, bytes(512)])

@@ -21,8 +21,8 @@ from reference import draft_vocab
 from support.planes import VOCAB, add_faulty_worker, check_batches, pairs_of
 
 from draftfeed import RemoteDSparkTarget, RemoteEagle3Target
-from draftfeed.consumers.nixl_senders import ARENAS
 from draftfeed.dataplane.nixl.transport import unavailable
+from draftfeed.dataplane.nixl.worker_writes import ARENAS
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.skipif(unavailable() is not None, reason=f"NIXL: {unavailable()}")]
 AUX = [1, 3, 4]

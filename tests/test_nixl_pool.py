@@ -1,4 +1,4 @@
-"""The rank's NIXL receive pool as a policy (producers/nixl_pool.py): its bound, reuse, quarantine and the release of
+"""The rank's NIXL receive pool as a policy (dataplane/nixl/rank_slots.py): its bound, reuse, quarantine and the release of
 a slot with the last tensor over it. No NIXL here: registration is recorded by plain functions."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from support.clock import Clock
 
 from draftfeed.dataplane.nixl.memory import HOST_ALIGNMENT, host_memory
-from draftfeed.producers.nixl_pool import PoolFull, ReceivePool
+from draftfeed.dataplane.nixl.rank_slots import PoolFull, ReceivePool
 from draftfeed.schemas.messages import TensorSpec
 
 KIB = 1 << 10

@@ -1,4 +1,4 @@
-"""Where the worker writes a nixl answer from (consumers/nixl_senders.py): the choice as a pure function, and direct
+"""Where the worker writes a nixl answer from (dataplane/nixl/worker_writes.py): the choice as a pure function, and direct
 writes from an answer's own tensors with real NIXL agents in this process: the bytes land at the layout's offsets,
 memory shared by answers in flight is registered once and let go when the last write from it lands."""
 
@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 
-from draftfeed.consumers.nixl_senders import HOST_COPY_BYTES_PER_S, MEASURED_REGISTRATION_BYTES, NixlSender, choose_source
 from draftfeed.dataplane.nixl.layout import packed_layout
 from draftfeed.dataplane.nixl.memory import Region
 from draftfeed.dataplane.nixl.transport import NixlAgent, NixlError, unavailable
-from draftfeed.dataplane.pair_group import describe
+from draftfeed.dataplane.nixl.worker_writes import HOST_COPY_BYTES_PER_S, MEASURED_REGISTRATION_BYTES, NixlSender, choose_source
+from draftfeed.dataplane.pair_group.transport import describe
 
 needs_nixl = pytest.mark.skipif(unavailable() is not None, reason=f"NIXL: {unavailable()}")
 

@@ -12,7 +12,7 @@ import torch
 from conftest import WORKER_ENV
 from pair_sender import sample_tensors
 
-from draftfeed.dataplane.pair_group import RECEIVER, DataPlaneError, PairGroup, describe, host_store
+from draftfeed.dataplane.pair_group.transport import RECEIVER, DataPlaneError, PairGroup, describe, host_store
 
 SENDER_SCRIPT = str(Path(__file__).parent / "pair_sender.py")
 pytestmark = pytest.mark.timeout(120)

@@ -10,7 +10,7 @@ import torch
 from conftest import add_service, make_batch, raw_peer, wait_until
 
 from draftfeed import RemoteEagle3Target, RemoteTargetTimeout
-from draftfeed.dataplane.tensor_codec import pack_tensors
+from draftfeed.dataplane.frames.codec import pack_tensors
 from draftfeed.producers.connection import Connection
 from draftfeed.producers.prefetch import prefetch
 from draftfeed.producers.requests import RequestKind

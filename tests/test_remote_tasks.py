@@ -30,7 +30,7 @@ from draftfeed import (
     RemoteVispecTarget,
     VispecSupervision,
 )
-from draftfeed.dataplane.tensor_codec import pack_tensors
+from draftfeed.dataplane.frames.codec import pack_tensors
 from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import FRONTEND_OUTBOUND, ErrorReply, Hello, Submit
 from draftfeed.store.inspect import info_lines

@@ -6,7 +6,7 @@ import threading
 
 from support.clock import Clock
 
-from draftfeed.broker_session import BrokerSession
+from draftfeed.broker_view import BrokerView
 from draftfeed.producers.requests import RequestKind, RequestTable
 from draftfeed.schemas.errors import RemoteTargetError
 from draftfeed.schemas.messages import Liveness
@@ -120,7 +120,7 @@ def test_adding_from_many_threads_keeps_ids_unique_and_the_count_exact():
 
 def test_a_broker_session_introduces_itself_again_once_per_window():
     clock = Clock(100.0)
-    session = BrokerSession(clock)
+    session = BrokerView(clock)
     session.introducing()
     assert not session.may_introduce()  # a hello is on its way
     assert session.welcomed("i1", Liveness(heartbeat_interval_s=0.5, liveness=4))  # a new instance

@@ -12,7 +12,7 @@ from conftest import WORKER_ENV, make_batch, raw_router, reference_eagle3
 from reference import difference, draft_vocab
 
 from draftfeed.contract.vocab import mapping_digest
-from draftfeed.dataplane.tensor_codec import decode_tensors, encode_tensors, pack_tensors
+from draftfeed.dataplane.frames.codec import decode_tensors, encode_tensors, pack_tensors
 from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import (
     BACKEND_INBOUND,

@@ -115,7 +115,7 @@ def rank(frontend: str, service: str, tokens: int, count: int, depth: int, data_
 
 
 def raw_gloo_recv(nbytes: int, count: int) -> None:
-    from draftfeed.dataplane.pair_group import RECEIVER, PairGroup, host_store
+    from draftfeed.dataplane.pair_group.transport import RECEIVER, PairGroup, host_store
     from draftfeed.schemas.messages import TensorSpec
 
     store = host_store()
@@ -134,7 +134,7 @@ def raw_gloo_recv(nbytes: int, count: int) -> None:
 def raw_gloo_send(port: int, nbytes: int, count: int) -> None:
     import torch
 
-    from draftfeed.dataplane.pair_group import SENDER, PairGroup, join_store
+    from draftfeed.dataplane.pair_group.transport import SENDER, PairGroup, join_store
 
     group = PairGroup(join_store("127.0.0.1", port), SENDER, "gloo")
     payload = {"payload": torch.zeros(nbytes, dtype=torch.uint8)}

@@ -28,10 +28,10 @@ import torch
 import zmq
 
 from draftfeed.consumers.config import WorkerConfig
-from draftfeed.consumers.pair_plane import Answer
 from draftfeed.consumers.pair_planes import PairPlanes, PlaneRefused
-from draftfeed.consumers.rank_links import Delivery, RankLinks
-from draftfeed.dataplane.tensor_codec import pack_tensors, tensor_bytes
+from draftfeed.dataplane.frames.codec import pack_tensors, tensor_bytes
+from draftfeed.dataplane.frames.worker import RankLinks, SendResult
+from draftfeed.dataplane.worker_plane import OutgoingAnswer
 from draftfeed.schemas.errors import MalformedMessage
 from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import DATA_OUTBOUND, Dispatch, Failure, PairClose, PairStatus, Result
@@ -54,11 +54,11 @@ class Undelivered:
     data socket never answered within --connect-timeout) or STALLED (it took nothing for --send-timeout, or
     for --drain-timeout once the worker is stopping)."""
 
-    why: Delivery
+    why: SendResult
 
     @property
     def rank_unreachable(self) -> bool:
-        return self.why is Delivery.UNREACHABLE
+        return self.why is SendResult.UNREACHABLE
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ class AnswerDelivery:
             return Refused(f"the data plane asked for cannot be had: {exc}; use data_plane='auto' (frames where a pair group cannot be had)")
         nbytes = tensor_bytes(tensors)
         if plane is not None:
-            answer = Answer(
+            answer = OutgoingAnswer(
                 tensors,
                 fields,
                 dispatch.rank,
@@ -153,7 +153,7 @@ class AnswerDelivery:
                 await_rank=lambda ms: self.ranks.socket(data_endpoint).poll(ms, zmq.POLLIN),
             )
             delivery = plane.deliver(answer)
-            if delivery is Delivery.SENT:
+            if delivery is SendResult.SENT:
                 self.planes.sent(data_endpoint)
             if delivery is not None:
                 return _outcome(delivery, plane.name, nbytes)
@@ -186,7 +186,7 @@ class AnswerDelivery:
             else:
                 self.planes.receive(data_endpoint, message, extra)
 
-    def _send(self, data_endpoint: str, frames: list[Any], since: int | None = None) -> Delivery:
+    def _send(self, data_endpoint: str, frames: list[Any], since: int | None = None) -> SendResult:
         """Send to a rank, trying until it takes the message, the broker reports it gone (the link counts its
         ``forget_ranks``; ``since``: the count when this delivery began, default now), it was never reached within
         connect_timeout, or it took nothing for send_timeout (drain_timeout once stopping)."""
@@ -194,16 +194,16 @@ class AnswerDelivery:
         forgets = self._forgets(data_endpoint) if since is None else since
         while True:
             delivery = self.ranks.try_send(data_endpoint, frames)
-            if delivery is not Delivery.BLOCKED:
+            if delivery is not SendResult.BLOCKED:
                 return delivery
             if self._forgets(data_endpoint) != forgets:
-                return Delivery.FORGOTTEN  # the forget_ranks itself is filed next, with the rest of the link's messages
+                return SendResult.FORGOTTEN  # the forget_ranks itself is filed next, with the rest of the link's messages
             waited = time.monotonic() - started
             if not self.ranks.ever_sent(data_endpoint) and waited > self.config.connect_timeout_s:
                 # Never reached: a wrong or firewalled data data_endpoint. Fail fast for it from now on.
                 log.error("worker %s: cannot reach rank data data_endpoint %s within %.0f s; not trying it again", self.worker, data_endpoint, waited)
                 self.forget(data_endpoint)
-                return Delivery.UNREACHABLE
+                return SendResult.UNREACHABLE
             stopping_since = self._stopping_since()
             if stopping_since is not None and time.monotonic() - stopping_since > self.config.drain_timeout_s:
                 log.error(
@@ -212,17 +212,17 @@ class AnswerDelivery:
                     data_endpoint,
                     waited,
                 )
-                return Delivery.STALLED
+                return SendResult.STALLED
             if waited > self.config.send_timeout_s:
                 log.error("worker %s: rank at %s took nothing for %.0f s; dropping its link", self.worker, data_endpoint, waited)
                 self.planes.forget(data_endpoint)
                 self.ranks.drop(data_endpoint)
-                return Delivery.STALLED
+                return SendResult.STALLED
             self.ranks.socket(data_endpoint).poll(100, zmq.POLLOUT)
 
 
-def _outcome(delivery: Delivery, plane: str, nbytes: int) -> Outcome:
-    return Delivered(plane, nbytes) if delivery is Delivery.SENT else Undelivered(delivery)
+def _outcome(delivery: SendResult, plane: str, nbytes: int) -> Outcome:
+    return Delivered(plane, nbytes) if delivery is SendResult.SENT else Undelivered(delivery)
 
 
 def _over_limit(tensors: dict[str, torch.Tensor], limit: int | None) -> str | None:

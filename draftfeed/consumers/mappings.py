@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from draftfeed.contract.vocab import VocabMap, mapping_digest, validate_vocab_mapping
-from draftfeed.dataplane.tensor_codec import decode_tensors
+from draftfeed.dataplane.frames.codec import decode_tensors
 from draftfeed.schemas.errors import BadRequest, MalformedMessage
 from draftfeed.schemas.messages import VocabMapping
 

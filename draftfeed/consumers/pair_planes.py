@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from draftfeed.consumers.nixl_plane import NixlPlane
-from draftfeed.consumers.nixl_senders import NixlSender
-from draftfeed.consumers.pair_group_plane import PairGroupPlane
-from draftfeed.consumers.pair_plane import FromRank, PairPlane, PlaneFailed
 from draftfeed.dataplane.choice import PlaneChoice, choose_plane
+from draftfeed.dataplane.nixl.worker import NixlPlane
+from draftfeed.dataplane.nixl.worker_writes import NixlSender
+from draftfeed.dataplane.pair_group.worker import PairGroupPlane
+from draftfeed.dataplane.worker_plane import FromRank, PairPlane, PlaneFailed
 from draftfeed.schemas.frames import pack
 from draftfeed.schemas.messages import DataPlaneOffer, PairClose, PairStatus
 

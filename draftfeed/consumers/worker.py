@@ -36,12 +36,12 @@ from draftfeed.consumers.engines.base import RETRYABLE_ERRORS, EngineLost, image
 from draftfeed.consumers.mappings import MissingMapping, WorkerMappings
 from draftfeed.consumers.pair_planes import PairPlanes
 from draftfeed.consumers.pair_report import PairReport
-from draftfeed.consumers.rank_links import Delivery, RankLinks
 from draftfeed.consumers.tasks.base import Task
 from draftfeed.consumers.validation import image_tensors, validate_batch
 from draftfeed.consumers.worker_session import RESET, STOP, Inbox
 from draftfeed.dataplane.choice import local_offer
-from draftfeed.dataplane.tensor_codec import decode_tensors
+from draftfeed.dataplane.frames.codec import decode_tensors
+from draftfeed.dataplane.frames.worker import RankLinks, SendResult
 from draftfeed.net import close_quietly, host_identity, send_to_thread
 from draftfeed.observe.worker_metrics import WorkerMetrics
 from draftfeed.schemas.errors import BadRequest, CannotServe, MalformedMessage
@@ -143,7 +143,7 @@ class Worker:
         planes = PairPlanes(
             self.name,
             local_offer(self.config.data_plane, self.task.engine.device, encrypted=self.config.keys is not None),
-            send=lambda data_endpoint, frames: ranks.try_send(data_endpoint, frames) is Delivery.SENT,
+            send=lambda data_endpoint, frames: ranks.try_send(data_endpoint, frames) is SendResult.SENT,
             timeout_s=self.config.pair_timeout_s,
             nixl_min_bytes=self.config.nixl_min_bytes,
         )

@@ -6,7 +6,7 @@ frames; it keeps time with the clock it is given, so its fault handling is teste
 
 - It registers when the loop starts, and again when the broker falls silent for its liveness period, restarts
   (a heartbeat from another instance), says it does not know or has forgotten this worker, or says goodbye
-  (broker_session.py decides when; one registration on its way at a time). Each registration afresh tells the
+  (broker_view.py decides when; one registration on its way at a time). Each registration afresh tells the
   compute loop to drop what it had queued (``RESET``): the broker has requeued it.
 - A refusal of its registration (another target than the service's, a refused handshake) ends the link: the
   worker exits with the reason.
@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from draftfeed.broker_session import BrokerSession
+from draftfeed.broker_view import BrokerView
 from draftfeed.peer_loop import Outbox
 from draftfeed.schemas.frames import pack
 from draftfeed.schemas.messages import Bye, ErrorReply, ForgetRanks, Goodbye, Heartbeat, Register, Registered, WorkerHeartbeat
@@ -85,7 +85,7 @@ class WorkerSession:
         self.registration = registration
         self.worker = registration.worker
         self.broker_endpoint = broker_endpoint
-        self.broker = BrokerSession(clock)
+        self.broker = BrokerView(clock)
         self.outbox = Outbox()
         self.inbox = inbox
         self._stats = stats

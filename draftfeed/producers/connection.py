@@ -28,12 +28,12 @@ from typing import Any
 
 import zmq
 
-from draftfeed.dataplane.tensor_codec import decode_tensors
+from draftfeed.dataplane.frames.codec import decode_tensors
+from draftfeed.dataplane.nixl.rank import NixlReceivers
+from draftfeed.dataplane.pair_group.rank import PairReceivers
 from draftfeed.net import bind, close_quietly, host_identity, is_loopback, local_address_towards, send_to_thread
 from draftfeed.peer_loop import run_peer_loop
 from draftfeed.producers.answers import Answer, Finish
-from draftfeed.producers.nixl_receivers import NixlReceivers
-from draftfeed.producers.pair_receivers import PairReceivers
 from draftfeed.producers.rank_session import RankSession
 from draftfeed.producers.requests import RequestKind, RequestTable
 from draftfeed.producers.settings import RankSettings

@@ -14,7 +14,7 @@ import torch
 from draftfeed.contract.images import IMAGE_INPUTS, PACKED_WITH_IMAGES
 from draftfeed.contract.packing import PACKING_KEYS, SENT_KEYS, check_packing
 from draftfeed.contract.supervision import BATCH_KEYS
-from draftfeed.dataplane.tensor_codec import dtype_name
+from draftfeed.dataplane.frames.codec import dtype_name
 from draftfeed.schemas.errors import BadRequest
 
 

@@ -6,7 +6,7 @@ the clock it is given, so its fault handling is tested under a hand-turned clock
 
 - It says hello when the loop starts, and again when the broker restarts (a heartbeat from another instance),
   says it does not know or has forgotten this rank, says goodbye, or falls silent for its liveness period
-  (broker_session.py decides when; one hello on its way at a time).
+  (broker_view.py decides when; one hello on its way at a time).
 - A welcome that says the broker holds nothing of this rank (``resumed`` false) makes it send its vocab
   mappings, then every unanswered request, in order. A request refused because the broker lacks its mapping
   (``unknown_mapping``) goes again behind that mapping; one the broker called busy goes again after a backoff.
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from draftfeed.broker_session import BrokerSession
+from draftfeed.broker_view import BrokerView
 from draftfeed.logs import RateLimitedLog
 from draftfeed.peer_loop import Outbox
 from draftfeed.producers.requests import RequestTable
@@ -77,7 +77,7 @@ class RankSession:
     ) -> None:
         self.rank_id, self.broker_endpoint, self.service = rank_id, broker, service
         self.requests = requests
-        self.broker = BrokerSession(clock)
+        self.broker = BrokerView(clock)
         self.outbox = Outbox()
         self.stats = ConnectionStats()
         # Set once the rank's data socket is bound, before the loop starts; replaced (one assignment) by the caller's

@@ -20,7 +20,7 @@ from torch import nn
 from draftfeed.contract.compact import CompactEagle3
 from draftfeed.contract.supervision import DSparkSupervision, Eagle3Supervision, Supervision
 from draftfeed.contract.vocab import mapping_digest, validate_vocab_mapping
-from draftfeed.dataplane.tensor_codec import tensor_bytes
+from draftfeed.dataplane.frames.codec import tensor_bytes
 from draftfeed.observe.http import ObserveServer
 from draftfeed.observe.rank_metrics import RankMetrics
 from draftfeed.producers.outgoing import batch_arguments, outgoing_batch

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from draftfeed.dataplane.choice import local_offer
-from draftfeed.dataplane.tensor_codec import pack_tensors
+from draftfeed.dataplane.frames.codec import pack_tensors
 from draftfeed.net import host_identity
 from draftfeed.producers.answers import Finish
 from draftfeed.producers.connection import Connection

@@ -1,5 +1,5 @@
 """Tensor frames described by their specs, checked without torch: what the broker needs of them, and the first
-step of every decode (dataplane/tensor_codec.py builds the tensors).
+step of every decode (dataplane/frames/codec.py builds the tensors).
 
 A tensor travels as one frame of its raw bytes in C order; its spec (name, dtype, shape) is in the header.
 """

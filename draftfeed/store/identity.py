@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from draftfeed.dataplane.tensor_codec import dtype_name
+from draftfeed.dataplane.frames.codec import dtype_name
 from draftfeed.schemas.messages import LogitTransform, MappingDigest, SupervisionForm, TargetInfo, TaskName
 
 STORE_FORMAT = 1  # the on-disk layout's version; a store of another version is refused at open

@@ -19,7 +19,7 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
-from draftfeed.dataplane.tensor_codec import dtype_name
+from draftfeed.dataplane.frames.codec import dtype_name
 from draftfeed.store.errors import BatchNotInStore, StoreError, StoreWriteError
 from draftfeed.store.identity import STORE_FORMAT, StoreIdentity, batch_key
 from draftfeed.store.index import BatchRecord, IndexFile, ShardRecord

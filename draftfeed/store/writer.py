@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from draftfeed.dataplane.tensor_codec import dtype_name, tensor_bytes
+from draftfeed.dataplane.frames.codec import dtype_name, tensor_bytes
 from draftfeed.store.errors import StoreWriteError
 from draftfeed.store.index import BatchRecord, FieldSpec, IndexFile, ShardRecord
 from draftfeed.store.shards import SHARD_SUFFIX, tensor_name, write_shard

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import torch
 
 from draftfeed.broker.state import BrokerState
-from draftfeed.dataplane.tensor_codec import encode_tensors
+from draftfeed.dataplane.frames.codec import encode_tensors
 from draftfeed.schemas.frames import unpack
 from draftfeed.schemas.messages import (
     BACKEND_OUTBOUND,

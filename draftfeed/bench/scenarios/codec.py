@@ -9,7 +9,7 @@ import torch
 
 from draftfeed.bench.harness import MB, Row, best_of
 from draftfeed.bench.synthetic import DRAFT_VOCAB, HIDDEN
-from draftfeed.dataplane.tensor_codec import DTYPES, decode_tensors, encode_tensors, pack_tensors, tensor_bytes
+from draftfeed.dataplane.frames.codec import DTYPES, decode_tensors, encode_tensors, pack_tensors, tensor_bytes
 from draftfeed.schemas.messages import Result
 
 

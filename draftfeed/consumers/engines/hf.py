@@ -14,7 +14,7 @@ from draftfeed.consumers.engines.base import Capture, ForwardOutput, TargetShape
 from draftfeed.consumers.engines.images import accepted_image_inputs, check_image_rows, forward_images, image_forward
 from draftfeed.consumers.engines.loading import load_target, text_decoder, text_forward
 from draftfeed.consumers.engines.parallel.group import LOAD_TIMEOUT_S, join_process_group
-from draftfeed.consumers.engines.parallel.spec import ParallelRank
+from draftfeed.consumers.engines.parallel.spec import ProcessPlace
 from draftfeed.contract.images import PACKED_WITH_IMAGES
 from draftfeed.contract.packing import Documents
 from draftfeed.schemas.errors import BadRequest
@@ -48,7 +48,7 @@ class HFEngine:
         target: str,
         device: str = "cpu",
         dtype: str = "auto",
-        parallel: ParallelRank | None = None,
+        parallel: ProcessPlace | None = None,
         device_map: str | None = None,
         devices: Sequence[str] = (),
         expert_parallel: bool = False,

@@ -27,7 +27,7 @@ DRAFTFEED_SKIP_ENGINE_VERSION_CHECK=1 to try anyway). What it uses, and nothing 
   dim)``, to put the vocab shards of ``embed_tokens`` / ``lm_head`` back together.
 
 Tensor parallel (``--tensor-parallel N``, ``parallel``): sglang's own ranks are draftfeed's processes. The worker's
-process and the N - 1 it starts (engines/parallel/) each build this engine with their ``ParallelRank``; each starts a
+process and the N - 1 it starts (engines/parallel/) each build this engine with their ``ProcessPlace``; each starts a
 ``ModelRunner`` at ``tp_rank`` = its rank, ``tp_size`` = N, ``gpu_id`` = the index of its device and ``nccl_port`` =
 the port every rank shares (``engine_port``), so the N runners form sglang's own group; draftfeed joins no process
 group itself. Every call (prepare, each forward, each weight) is made on every rank in the same order, so sglang's
@@ -67,7 +67,7 @@ from draftfeed.consumers.engines.base import Capture, ForwardOutput, TargetShape
 from draftfeed.consumers.engines.hf import resolve_dtype
 from draftfeed.consumers.engines.packages import EnginePackage, import_engine_package, refuse_own_options
 from draftfeed.consumers.engines.parallel.group import use_interface
-from draftfeed.consumers.engines.parallel.spec import ParallelRank
+from draftfeed.consumers.engines.parallel.spec import ProcessPlace
 from draftfeed.contract.packing import Documents
 from draftfeed.net import free_port
 from draftfeed.schemas.messages import LogitTransform
@@ -166,7 +166,7 @@ class SGLangEngine:
     image_inputs: frozenset[str] = frozenset()
     images_refusal = SGLANG_IMAGES_REFUSAL
 
-    def __init__(self, target: str, device: str = "cuda", dtype: str = "auto", parallel: ParallelRank | None = None, **server_options: Any) -> None:
+    def __init__(self, target: str, device: str = "cuda", dtype: str = "auto", parallel: ProcessPlace | None = None, **server_options: Any) -> None:
         self._sglang = import_engine_package(SGLANG)
         from transformers import AutoConfig
 

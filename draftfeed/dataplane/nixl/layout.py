@@ -2,8 +2,8 @@
 notification a write carries to the rank when it lands.
 
 An answer's tensors lie end to end in one slot, each starting at a multiple of ``PACKED_ALIGNMENT``, so that every
-dtype can be viewed in place; the worker writes them there (consumers/nixl_plane.py) and the rank views them back
-(producers/nixl_pool.py), both from the header's specs alone. The notification ``generation:slot:want`` names the
+dtype can be viewed in place; the worker writes them there (dataplane/nixl/worker.py) and the rank views them back
+(dataplane/nixl/rank_slots.py), both from the header's specs alone. The notification ``generation:slot:want`` names the
 grant the write fills.
 """
 

@@ -19,7 +19,7 @@ import torch
 import zmq
 from pydantic import Field
 
-from draftfeed.dataplane.tensor_codec import decode_tensors, encode_tensors
+from draftfeed.dataplane.frames.codec import decode_tensors, encode_tensors
 from draftfeed.schemas.errors import CannotServe
 from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import Accepts, Strict, TensorSpec

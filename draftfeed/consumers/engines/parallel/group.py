@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from draftfeed.consumers.engines.parallel.spec import LOOPBACK, ParallelRank
+from draftfeed.consumers.engines.parallel.spec import LOOPBACK, ProcessPlace
 
 # A collective that waits longer than this for a peer fails (a dead follower usually fails it at once, by a closed
 # connection). It bounds a forward of the longest row, so it is generous; a node that is lost is found sooner by the
@@ -72,14 +72,14 @@ def interface_towards(host: str) -> str | None:
     return None
 
 
-def use_interface(place: ParallelRank) -> None:
+def use_interface(place: ProcessPlace) -> None:
     """gloo and NCCL bind to the interface towards node 0 (unless the user named one already)."""
     if place.interface is not None:
         for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             os.environ.setdefault(variable, place.interface)
 
 
-def join_process_group(place: ParallelRank, timeout_s: float) -> torch.device:
+def join_process_group(place: ProcessPlace, timeout_s: float) -> torch.device:
     """Make this process rank ``place.rank`` of the default process group, bound to its device, which it returns.
 
     transformers binds a process to the accelerator ``LOCAL_RANK`` names: that is the device's index here.

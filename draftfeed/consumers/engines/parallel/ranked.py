@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from draftfeed.consumers.engines.base import Engine
-from draftfeed.consumers.engines.parallel.spec import ParallelRank
+from draftfeed.consumers.engines.parallel.spec import ProcessPlace
 
 # Engines whose tensor parallelism is draftfeed's: N processes in step (vllm starts its own ranks).
 RANKED_ENGINES = ("hf", "sglang")
 
 
-def build_ranked(engine: str, target: str, dtype: str, options: dict[str, Any], place: ParallelRank, expert_parallel: bool = False) -> Engine:
+def build_ranked(engine: str, target: str, dtype: str, options: dict[str, Any], place: ProcessPlace, expert_parallel: bool = False) -> Engine:
     """``engine`` as rank ``place.rank`` of its group, on ``place.device``; ``expert_parallel``: a mixture-of-experts
     target's experts sharded over the group (transformers' expert-parallel plan, sglang's ``ep_size``)."""
     if engine == "hf":

@@ -1,5 +1,5 @@
-"""Where one process of a tensor-parallel worker stands: its rank among the worker's processes, on which machine and
-device, and where they all meet."""
+"""Where one process of a tensor-parallel worker stands: its rank in the worker's process group (torch.distributed's
+rank, never a training rank), on which machine and device, and where they all meet."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ LOOPBACK = "127.0.0.1"
 
 
 @dataclass(frozen=True)
-class ParallelRank:
-    """Rank ``rank`` of ``world_size`` processes, on ``device`` (``local_rank`` among its machine's). The group meets
+class ProcessPlace:
+    """Process-group rank ``rank`` (torch.distributed's) of ``world_size`` processes, on ``device`` (``local_rank`` among its machine's). The group meets
     at the TCPStore rank 0 hosts (``store``, rank 0's alone) on ``store_host:store_port``: 127.0.0.1 on one machine,
     node 0's --master-addr across several. An engine that sets up its own group instead (sglang's ModelRunner) meets
     on ``engine_port`` of ``store_host``. ``interface``: the network interface towards ``store_host`` across
@@ -72,15 +72,15 @@ class FollowerSpec(Strict):
     interface: Name | None = None
     parent_pid: Annotated[int, Field(gt=0)]
 
-    def place(self) -> ParallelRank:
+    def place(self) -> ProcessPlace:
         return place_at(self.meeting, self.rank, self.device, self.local_rank, self.node_rank, self.interface)
 
 
 def place_at(
     meeting: Meeting, rank: int, device: str, local_rank: int = 0, node_rank: int = 0, interface: str | None = None, store: Any = None
-) -> ParallelRank:
+) -> ProcessPlace:
     """Rank ``rank``'s place at ``meeting`` (rank 0 passes the ``store`` it hosts)."""
-    return ParallelRank(
+    return ProcessPlace(
         rank=rank,
         world_size=meeting.world_size,
         device=device,

@@ -1,5 +1,5 @@
 """A nixl pair as the worker's plane to one rank: one generation, from ``nixl_open`` to its close, and the delivery of
-one answer on it (docs/data-planes.md, "The nixl plane"; the rank's side is producers/nixl_receivers.py):
+one answer on it (docs/data-planes.md, "The nixl plane"; the rank's side is dataplane/nixl/rank.py):
 
     worker -> rank   nixl_open    generation, the worker's agent name
     rank -> worker   nixl_ready   + one frame: the rank's agent metadata, loaded here
@@ -20,13 +20,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from draftfeed.consumers.nixl_senders import NixlSender
-from draftfeed.consumers.pair_plane import Answer, FromRank, PlaneFailed, PlaneState
-from draftfeed.consumers.rank_links import Delivery
+from draftfeed.dataplane.frames.worker import SendResult
 from draftfeed.dataplane.nixl.layout import notification, packed_layout
 from draftfeed.dataplane.nixl.memory import MemoryKind, Region
 from draftfeed.dataplane.nixl.transport import NixlError
-from draftfeed.dataplane.pair_group import describe
+from draftfeed.dataplane.nixl.worker_writes import NixlSender
+from draftfeed.dataplane.pair_group.transport import describe
+from draftfeed.dataplane.worker_plane import FromRank, OutgoingAnswer, PlaneFailed, PlaneState
 from draftfeed.schemas.frames import frame_bytes, pack
 from draftfeed.schemas.messages import NixlGrant, NixlOpen, NixlReady, NixlWant, Result
 
@@ -111,7 +111,7 @@ class NixlPlane:
                 raise PlaneFailed(f"a new slot's metadata could not be loaded: {exc}") from exc
         self._grants[message.want] = message
 
-    def deliver(self, answer: Answer) -> Delivery | None:
+    def deliver(self, answer: OutgoingAnswer) -> SendResult | None:
         """Ask the rank for a slot, write the answer into it, then send the header; None: send it as frames (too small,
         no slot was granted, or the pair failed and was torn down)."""
         specs = describe(answer.tensors)
@@ -120,7 +120,7 @@ class NixlPlane:
             return None
         want = self.sender.next_want()
         delivery = answer.send(pack(NixlWant(worker=self.worker, generation=self.generation, want=want, nbytes=total)))
-        if delivery is not Delivery.SENT:
+        if delivery is not SendResult.SENT:
             return delivery
         grant = self._await_grant(want, answer)
         if grant is None:
@@ -143,7 +143,7 @@ class NixlPlane:
         # The header goes now; the rank uses the slot only once the write's notification is there too.
         return answer.send(pack(Result(tensors=specs, plane="nixl", generation=self.generation, slot=grant.slot, **answer.fields)))
 
-    def _await_grant(self, want: int, answer: Answer) -> NixlGrant | None:
+    def _await_grant(self, want: int, answer: OutgoingAnswer) -> NixlGrant | None:
         """The rank's grant for ``want``, or None when the pair closes, the rank is gone, or the timeout passes (the
         pair is then torn down: a grant that comes later is never written to)."""
         deadline = time.monotonic() + self.timeout_s

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from draftfeed.dataplane.pair_group import RECEIVER, PairGroup, join_store
+from draftfeed.dataplane.pair_group.transport import RECEIVER, PairGroup, join_store
 from draftfeed.schemas.messages import PairClose, PairOpen, Result
 from draftfeed.schemas.protocol import DEFAULT_MAX_MESSAGE_BYTES
 from draftfeed.schemas.tensor_specs import declared_bytes

@@ -17,7 +17,7 @@ _FORGOTTEN_KEPT = 4096
 log = logging.getLogger("draftfeed.worker")
 
 
-class Delivery(enum.Enum):
+class SendResult(enum.Enum):
     """What became of an answer for a rank."""
 
     SENT = "sent"
@@ -68,21 +68,21 @@ class RankLinks:
             self._sockets[data_endpoint] = sock
         return sock
 
-    def try_send(self, data_endpoint: str, frames: list[Any]) -> Delivery:
+    def try_send(self, data_endpoint: str, frames: list[Any]) -> SendResult:
         """One non-blocking attempt: SENT, BLOCKED (its pipe is full, or not connected yet) or FORGOTTEN."""
         if data_endpoint in self._forgotten:
-            return Delivery.FORGOTTEN
+            return SendResult.FORGOTTEN
         try:
             sock = self.socket(data_endpoint)
         except ValueError as exc:
             log.error("%s; not sending to it", exc)
-            return Delivery.FORGOTTEN
+            return SendResult.FORGOTTEN
         try:
             sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             self._reached.add(data_endpoint)
-            return Delivery.SENT
+            return SendResult.SENT
         except zmq.Again:
-            return Delivery.BLOCKED
+            return SendResult.BLOCKED
 
     def incoming(self) -> list[tuple[str, list[Any]]]:
         """Messages ranks sent back on these links (data-plane control), without blocking."""

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from draftfeed.dataplane.frames.codec import DTYPES
 from draftfeed.dataplane.nixl.layout import packed_layout
 from draftfeed.dataplane.nixl.memory import Region, host_memory
-from draftfeed.dataplane.tensor_codec import DTYPES
 from draftfeed.schemas.messages import TensorSpec
 
 log = logging.getLogger("draftfeed.producer")

@@ -22,7 +22,9 @@ from draftfeed.schemas.messages import Liveness
 DEFAULT_LIVENESS = Liveness(heartbeat_interval_s=1.0, liveness=5)  # until the broker's own arrives
 
 
-class BrokerSession:
+class BrokerView:
+    """What one peer (a rank or a worker) knows of its broker, and when it introduces itself again."""
+
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.instance: str | None = None

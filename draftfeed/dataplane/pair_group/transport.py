@@ -9,8 +9,8 @@ dtypes a backend does not carry (bool, bfloat16 on some) arrive bit for bit.
 
 A send or receive that fails or passes its timeout leaves the group out of step: the caller must
 ``close()`` it (which aborts the group) and never send on it again; a new group, with a new generation,
-is built for the next attempt. The worker's side of the protocol is consumers/pair_group_plane.py, the rank's
-producers/pair_receivers.py; this module is the transport alone.
+is built for the next attempt. The worker's side of the protocol is dataplane/pair_group/worker.py, the rank's
+dataplane/pair_group/rank.py; this module is the transport alone.
 
 gloo carries CPU tensors: on gloo the sender copies CUDA tensors to the host first and the receiver
 allocates on the CPU. On NCCL both sides use CUDA tensors and a wait ends when the device has finished.
@@ -26,7 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from draftfeed.dataplane.tensor_codec import DTYPES, dtype_name
+from draftfeed.dataplane.frames.codec import DTYPES, dtype_name
 from draftfeed.schemas.messages import TensorSpec
 
 BACKENDS = ("gloo", "nccl")

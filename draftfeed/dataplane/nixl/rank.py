@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from draftfeed.dataplane.nixl.layout import packed_layout, parse_notification
+from draftfeed.dataplane.nixl.rank_slots import PoolFull, ReceivePool
 from draftfeed.dataplane.nixl.transport import NixlAgent, NixlError
 from draftfeed.logs import RateLimitedLog
-from draftfeed.producers.nixl_pool import PoolFull, ReceivePool
 from draftfeed.schemas.errors import MalformedMessage
 from draftfeed.schemas.frames import pack
 from draftfeed.schemas.messages import NixlGrant, NixlOpen, NixlReady, NixlWant, PairClose, Result

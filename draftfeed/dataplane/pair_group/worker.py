@@ -1,7 +1,7 @@
 """A pair group as the worker's plane to one rank (gloo or nccl): one generation, from ``pair_open`` to its close.
 
 The worker hosts a one-off TCPStore on its interface towards the rank, tells the rank to join it (``pair_open`` on
-the rank's data socket) and builds its side of the group on a thread (dataplane/pair_group.py is the transport).
+the rank's data socket) and builds its side of the group on a thread (dataplane/pair_group/transport.py is the transport).
 Once built, each answer goes as a ``result`` header with ``plane: "pair"`` on the socket and its tensors on the
 group. A send that fails leaves the group out of step: it is reported (``failed``) and never used again.
 """
@@ -16,9 +16,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from draftfeed.consumers.pair_plane import Answer, FromRank, PlaneFailed, PlaneState
-from draftfeed.consumers.rank_links import Delivery
-from draftfeed.dataplane.pair_group import SENDER, DataPlaneError, PairGroup, describe, host_store, join_store
+from draftfeed.dataplane.frames.worker import SendResult
+from draftfeed.dataplane.pair_group.transport import SENDER, DataPlaneError, PairGroup, describe, host_store, join_store
+from draftfeed.dataplane.worker_plane import FromRank, OutgoingAnswer, PlaneFailed, PlaneState
 from draftfeed.net import local_address_towards
 from draftfeed.schemas.frames import pack
 from draftfeed.schemas.messages import PairOpen, Result
@@ -99,7 +99,7 @@ class PairGroupPlane:
     def receive(self, message: FromRank, frames: list[Any]) -> None:
         """A pair group takes nothing from the rank but its pair_close (the pair's)."""
 
-    def deliver(self, answer: Answer) -> Delivery | None:
+    def deliver(self, answer: OutgoingAnswer) -> SendResult | None:
         """The header on the socket, then the tensors on the group; None: the group failed and was torn down (the
         rank drops what it got), send it as frames."""
         group = self._group
@@ -107,11 +107,11 @@ class PairGroupPlane:
             return None
         header = Result(tensors=describe(answer.tensors), plane="pair", generation=self.generation, **answer.fields)
         delivery = answer.send(pack(header))
-        if delivery is not Delivery.SENT:
+        if delivery is not SendResult.SENT:
             return delivery  # the rank is gone or unreachable: its pair was released with it
         try:
             group.send(answer.tensors)
-            return Delivery.SENT
+            return SendResult.SENT
         except DataPlaneError as exc:
             self._failed(str(exc))  # the rank drops what it got; frames follow
         except Exception as exc:  # e.g. a device error copying the tensors: the group is out of step too

@@ -24,7 +24,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from draftfeed.consumers.rank_links import Delivery
+from draftfeed.dataplane.frames.worker import SendResult
 from draftfeed.schemas.messages import NixlGrant, NixlReady
 
 PlaneState = Literal["opening", "ready", "closed"]
@@ -37,13 +37,13 @@ class PlaneFailed(Exception):
 
 
 @dataclass(frozen=True)
-class Answer:
+class OutgoingAnswer:
     """One result on its way to a rank, as a plane delivers it, with the delivery's bounded waits."""
 
     tensors: dict[str, torch.Tensor]
     fields: dict[str, Any]  # the result header's fields: request id, token, kind, worker
     rank: str
-    send: Callable[[list[Any]], Delivery]  # to the rank's data socket, until it takes it or the delivery's bounds pass
+    send: Callable[[list[Any]], SendResult]  # to the rank's data socket, until it takes it or the delivery's bounds pass
     gone: Callable[[], bool]  # whether the broker reported the rank gone since the delivery began
     take_from_ranks: Callable[[], None]  # file what ranks sent back (grants, readiness, closes) with their planes
     await_rank: Callable[[int], None]  # wait up to so many milliseconds for this rank to send something back
@@ -69,7 +69,7 @@ class PairPlane(Protocol):
         """A message of this generation from the rank; raises PlaneFailed when it makes the plane unusable."""
         ...
 
-    def deliver(self, answer: Answer) -> Delivery | None:
+    def deliver(self, answer: OutgoingAnswer) -> SendResult | None:
         """Carry the answer when ready: what became of it, or None to send it as frames (the plane declined it, or
         failed and reported so)."""
         ...

@@ -1,0 +1,1 @@
+"""Supervision as ZeroMQ frames: the codec both sides use, the worker's links to ranks (worker.py), the rank's receive tuning (rank.py)."""
