@@ -13,12 +13,12 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _PUBLIC = {
-    "RemoteTarget": "draftfeed.producers.remote_target",
-    "RemoteEagle3Target": "draftfeed.producers.remote_target",
-    "RemoteDSparkTarget": "draftfeed.producers.remote_target",
-    "RemoteDFlashTarget": "draftfeed.producers.remote_tasks",
-    "RemoteEagleTarget": "draftfeed.producers.remote_tasks",
-    "RemoteVispecTarget": "draftfeed.producers.remote_tasks",
+    "RemoteTarget": "draftfeed.producers.tasks.base",
+    "RemoteEagle3Target": "draftfeed.producers.tasks.eagle3",
+    "RemoteDSparkTarget": "draftfeed.producers.tasks.dspark",
+    "RemoteDFlashTarget": "draftfeed.producers.tasks.dflash",
+    "RemoteEagleTarget": "draftfeed.producers.tasks.eagle",
+    "RemoteVispecTarget": "draftfeed.producers.tasks.vispec",
     "Eagle3Supervision": "draftfeed.contract.supervision",
     "DSparkSupervision": "draftfeed.contract.supervision",
     "DFlashSupervision": "draftfeed.contract.supervision",
@@ -64,8 +64,14 @@ __all__ = [
 if TYPE_CHECKING:
     from draftfeed.contract.supervision import DFlashSupervision, DSparkSupervision, Eagle3Supervision, EagleSupervision, VispecSupervision
     from draftfeed.dataplane.frames.rank import reexec_with_hugepage_malloc
-    from draftfeed.producers.remote_target import RemoteDSparkTarget, RemoteEagle3Target, RemoteTarget
-    from draftfeed.producers.remote_tasks import RemoteDFlashTarget, RemoteEagleTarget, RemoteVispecTarget
+    from draftfeed.producers.tasks import (
+        RemoteDFlashTarget,
+        RemoteDSparkTarget,
+        RemoteEagle3Target,
+        RemoteEagleTarget,
+        RemoteTarget,
+        RemoteVispecTarget,
+    )
     from draftfeed.schemas.errors import DraftfeedError, MalformedMessage, RemoteTargetError, RemoteTargetTimeout, TargetClosed
     from draftfeed.schemas.messages import DFlashTargetInfo, DSparkTargetInfo, Eagle3TargetInfo, EagleTargetInfo, VispecTargetInfo
 

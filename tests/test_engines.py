@@ -314,7 +314,7 @@ def test_missing_vllm_says_what_to_install(vllm_target):
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed here (make test runs it in .venv-vllm)")
 def test_vllm_worker_serves_a_training_loop_end_to_end(vllm_target, hf_engine):
     """A real broker, a worker process with --engine vllm, and a training loop reading supervision in order."""
-    from draftfeed.producers.remote_target import RemoteEagle3Target
+    from draftfeed.producers.tasks.eagle3 import RemoteEagle3Target
 
     cluster = Cluster()
     try:

@@ -49,7 +49,7 @@ def test_loads_no_torch(what, code):
 
 def test_the_public_names_load_on_first_use():
     loaded = modules_after("import draftfeed\nassert draftfeed.RemoteEagle3Target.__name__ == 'RemoteEagle3Target'")
-    assert "torch" in loaded and "draftfeed.producers.remote_target" in loaded
+    assert "torch" in loaded and "draftfeed.producers.tasks.base" in loaded
     with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
         import draftfeed
 

@@ -142,8 +142,8 @@ def test_every_rank_setting_is_a_remote_target_parameter_with_the_settings_defau
     """RemoteTarget passes its parameters to RankSettings by name: a setting it lacks would silently keep its default."""
     import inspect
 
-    from draftfeed.producers.remote_target import RemoteTarget
     from draftfeed.producers.settings import RankSettings
+    from draftfeed.producers.tasks.base import RemoteTarget
 
     parameters = inspect.signature(RemoteTarget.__init__).parameters
     for name, field in RankSettings.model_fields.items():

@@ -12,7 +12,7 @@ import torch
 
 from draftfeed.launch import children, processes
 from draftfeed.launch.progress import Progress
-from draftfeed.producers.remote_target import RemoteEagle3Target
+from draftfeed.producers.tasks.eagle3 import RemoteEagle3Target
 from draftfeed.tiny import build_tiny_target
 
 SERVICE = "tiny-llama-eagle3"

@@ -42,7 +42,7 @@ PRELOADED_MODULES = (
     "draftfeed.launch.cli",
     "draftfeed.consumers.worker",
     "draftfeed.consumers.engines.hf",
-    "draftfeed.producers.remote_target",
+    "draftfeed.producers.tasks.base",
 )
 READY = "draftfeed-preloader ready"
 START_TIMEOUT_S = 120.0  # for its imports, on a loaded machine

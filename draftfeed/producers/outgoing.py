@@ -6,7 +6,8 @@ names of ``generate_batch``), not later by a worker.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -59,3 +60,15 @@ def batch_arguments(batch: Mapping[str, Any]) -> dict[str, Any]:
         raise KeyError(f"batch has no {', '.join(missing)}; iterate() needs {', '.join(BATCH_KEYS)} in every batch")
     optional = (*PACKING_KEYS, *IMAGE_INPUTS)
     return {**{key: batch[key] for key in BATCH_KEYS}, **{key: batch[key] for key in optional if batch.get(key) is not None}}
+
+
+def takes_arguments_of(original: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Give the decorated ``(*args, **kwargs)`` forwarder the parameters of ``original`` in its signature (what
+    ``help()`` and editors show), so that a batch's arguments are written once: on ``generate_batch_async``."""
+
+    def decorate(forwarder: Callable[..., Any]) -> Callable[..., Any]:
+        returns = inspect.signature(forwarder).return_annotation
+        forwarder.__signature__ = inspect.signature(original).replace(return_annotation=returns)  # type: ignore[attr-defined]
+        return forwarder
+
+    return decorate

@@ -10,10 +10,9 @@ from __future__ import annotations
 import torch
 
 from draftfeed.consumers.config import DEFAULT_DRAFT_LAYERS, task_settings_problem
-from draftfeed.consumers.engines.base import Capture, Engine, TargetShape, fill_padding, forward_batch
+from draftfeed.consumers.engines.base import Capture, Engine
+from draftfeed.consumers.tasks.base import Task, TaskBatch, chosen_layer_ids
 from draftfeed.consumers.tasks.eagle3 import verified_logit_transform
-from draftfeed.contract.packing import Documents
-from draftfeed.contract.vocab import VocabMap
 from draftfeed.schemas.messages import DFlashTargetInfo, SupervisionForm, default_supervision
 
 
@@ -40,7 +39,7 @@ def check_dflash_layer_ids(layer_ids: list[int], num_hidden_layers: int, *, defa
     return list(layer_ids)
 
 
-class DFlashTask:
+class DFlashTask(Task):
     """DFlash supervision on top of any engine.
 
     Without ``capture_logits`` it sends the layers' outputs only (its one form, "logits" in name). With it, also the
@@ -49,6 +48,7 @@ class DFlashTask:
     """
 
     name = "dflash"
+    INFO = DFlashTargetInfo
 
     def __init__(
         self,
@@ -58,47 +58,27 @@ class DFlashTask:
         capture_logits: bool = False,
         supervision: SupervisionForm | None = None,
     ) -> None:
-        self.engine = engine
+        super().__init__(engine)
         layers = engine.shape.num_hidden_layers
-        if target_layer_ids is None:
-            self.target_layer_ids = check_dflash_layer_ids(default_dflash_layer_ids(layers, draft_layers), layers, default=True)
-        else:
-            self.target_layer_ids = check_dflash_layer_ids(list(target_layer_ids), layers, default=False)
+        self.target_layer_ids = chosen_layer_ids(
+            target_layer_ids, layers, lambda: default_dflash_layer_ids(layers, draft_layers), check_dflash_layer_ids
+        )
         self.capture_logits = capture_logits
         if (problem := task_settings_problem("dflash", supervision, capture_logits)) is not None:
             raise ValueError(problem)
         self.supervision: SupervisionForm = supervision or default_supervision("dflash")
         compact = capture_logits and self.supervision == "hidden"
-        self._capture = Capture(layer_ids=tuple(self.target_layer_ids), logits=capture_logits and not compact, final_hidden=compact)
-        engine.prepare([self._capture, Capture(final_hidden=True, logits=True)] if compact else [self._capture])
+        self.capture = Capture(layer_ids=tuple(self.target_layer_ids), logits=capture_logits and not compact, final_hidden=compact)
+        engine.prepare([self.capture, Capture(final_hidden=True, logits=True)] if compact else [self.capture])
         self.logit_transform = verified_logit_transform(engine) if compact else engine.logit_transform
 
-    @property
-    def shape(self) -> TargetShape:
-        return self.engine.shape
+    def info_fields(self) -> dict[str, object]:
+        return {"target_layer_ids": self.target_layer_ids, "capture_logits": self.capture_logits}
 
-    def info(self) -> DFlashTargetInfo:
-        return DFlashTargetInfo(
-            num_hidden_layers=self.shape.num_hidden_layers,
-            hidden_size=self.shape.hidden_size,
-            vocab_size=self.shape.vocab_size,
-            target_layer_ids=self.target_layer_ids,
-            capture_logits=self.capture_logits,
-        )
-
-    @torch.inference_mode()
-    def compute(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        loss_mask: torch.Tensor,
-        vocab: VocabMap | None = None,
-        documents: Documents | None = None,
-        images: dict[str, torch.Tensor] | None = None,
-    ) -> dict[str, torch.Tensor]:
+    def supervise(self, batch: TaskBatch) -> dict[str, torch.Tensor]:
         """hidden_states [B, S, len(ids) * H]; with logits captured, logits [B, S, V] or (compact) final_hidden_states
-        [B, S, H]; nothing shifted. The rank keeps its own input_ids, loss_mask and packing fields; ``vocab`` is not used."""
-        out = fill_padding(forward_batch(self.engine, input_ids, attention_mask, self._capture, documents, images), attention_mask)
+        [B, S, H]; nothing shifted. The rank keeps its own input_ids, loss_mask and packing fields; the vocab is not used."""
+        out = self.forward(batch)
         result = {"hidden_states": torch.cat([out.layer_outputs[i] for i in self.target_layer_ids], dim=-1)}
         if out.logits is not None:
             result["logits"] = out.logits

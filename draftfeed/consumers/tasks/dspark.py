@@ -9,9 +9,8 @@ from __future__ import annotations
 import torch
 
 from draftfeed.consumers.config import DEFAULT_DRAFT_LAYERS
-from draftfeed.consumers.engines.base import Capture, Engine, TargetShape, fill_padding, forward_batch
-from draftfeed.contract.packing import Documents
-from draftfeed.contract.vocab import VocabMap
+from draftfeed.consumers.engines.base import Capture, Engine
+from draftfeed.consumers.tasks.base import Task, TaskBatch, chosen_layer_ids
 from draftfeed.schemas.messages import DSparkTargetInfo
 
 
@@ -37,56 +36,38 @@ def check_target_layer_ids(layer_ids: list[int], num_hidden_layers: int, *, defa
     return list(layer_ids)
 
 
-class DSparkTask:
+class DSparkTask(Task):
     """DSpark supervision on top of any engine."""
 
     name = "dspark"
+    INFO = DSparkTargetInfo
     supervision = "probs"  # DSpark has one form
 
     def __init__(self, engine: Engine, target_layer_ids: list[int] | None = None, draft_layers: int = DEFAULT_DRAFT_LAYERS) -> None:
-        self.engine = engine
+        super().__init__(engine)
         self.logit_transform = engine.logit_transform
         layers = engine.shape.num_hidden_layers
-        if target_layer_ids is None:
-            self.target_layer_ids = check_target_layer_ids(default_target_layer_ids(layers, draft_layers), layers, default=True)
-        else:
-            self.target_layer_ids = check_target_layer_ids(list(target_layer_ids), layers, default=False)
+        self.target_layer_ids = chosen_layer_ids(
+            target_layer_ids, layers, lambda: default_target_layer_ids(layers, draft_layers), check_target_layer_ids
+        )
         last = layers - 1
-        self._capture = Capture(
+        self.capture = Capture(
             layer_ids=tuple(i for i in self.target_layer_ids if 0 <= i < last),
             embeddings=-1 in self.target_layer_ids,
             final_hidden=True,
         )
-        engine.prepare([self._capture])
+        engine.prepare([self.capture])
 
-    @property
-    def shape(self) -> TargetShape:
-        return self.engine.shape
+    def info_fields(self) -> dict[str, object]:
+        return {"target_layer_ids": self.target_layer_ids}
 
-    def info(self) -> DSparkTargetInfo:
-        return DSparkTargetInfo(
-            num_hidden_layers=self.shape.num_hidden_layers,
-            hidden_size=self.shape.hidden_size,
-            vocab_size=self.shape.vocab_size,
-            target_layer_ids=self.target_layer_ids,
-        )
-
-    @torch.inference_mode()
-    def compute(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        loss_mask: torch.Tensor,
-        vocab: VocabMap | None = None,
-        documents: Documents | None = None,
-        images: dict[str, torch.Tensor] | None = None,
-    ) -> dict[str, torch.Tensor]:
+    def supervise(self, batch: TaskBatch) -> dict[str, torch.Tensor]:
         """target_hidden_states [B, S, len(ids) * H] and target_last_hidden_states [B, S, H].
 
-        input_ids and loss_mask are not shifted for DSpark, so the rank keeps its own copies; ``vocab``
-        is not used (DSpark has no draft-vocab mapping).
+        input_ids and loss_mask are not shifted for DSpark, so the rank keeps its own copies; the vocab is not used
+        (DSpark has no draft-vocab mapping).
         """
-        out = fill_padding(forward_batch(self.engine, input_ids, attention_mask, self._capture, documents, images), attention_mask)
+        out = self.forward(batch)
         assert out.final_hidden is not None
         last = self.shape.num_hidden_layers - 1
 

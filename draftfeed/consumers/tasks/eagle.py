@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from draftfeed.consumers.engines.base import Capture, Engine, TargetShape, fill_padding, forward_batch
+from draftfeed.consumers.engines.base import Capture, Engine
+from draftfeed.consumers.tasks.base import Task, TaskBatch
 from draftfeed.contract.compact import logit_transform_of, task_logits
-from draftfeed.contract.packing import Documents
-from draftfeed.contract.vocab import VocabMap
 from draftfeed.schemas.messages import EagleTargetInfo, SupervisionForm, default_supervision
 
 
@@ -37,39 +36,24 @@ class LastHiddenLogits:
         return result
 
 
-class EagleTask:
+class EagleTask(Task):
     """EAGLE-1/2 supervision on top of any engine: the logits as they are ("logits"), or only the last hidden state,
     from which ranks rebuild them with the lm_head fetched once ("hidden", compact)."""
 
     name = "eagle"
+    INFO = EagleTargetInfo
 
     def __init__(self, engine: Engine, supervision: SupervisionForm | None = None) -> None:
-        self.engine = engine
+        super().__init__(engine)
         self.supervision: SupervisionForm = supervision or default_supervision("eagle")
         self._head = LastHiddenLogits(self.name, engine, self.supervision)
         self.logit_transform = self._head.logit_transform
-        self._capture = Capture(final_hidden=True)
-        engine.prepare([self._capture])
+        self.capture = Capture(final_hidden=True)
+        engine.prepare([self.capture])
 
-    @property
-    def shape(self) -> TargetShape:
-        return self.engine.shape
-
-    def info(self) -> EagleTargetInfo:
-        return EagleTargetInfo(num_hidden_layers=self.shape.num_hidden_layers, hidden_size=self.shape.hidden_size, vocab_size=self.shape.vocab_size)
-
-    @torch.inference_mode()
-    def compute(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        loss_mask: torch.Tensor,
-        vocab: VocabMap | None = None,
-        documents: Documents | None = None,
-        images: dict[str, torch.Tensor] | None = None,
-    ) -> dict[str, torch.Tensor]:
+    def supervise(self, batch: TaskBatch) -> dict[str, torch.Tensor]:
         """input_hidden_states [B, S, H] not shifted, and unless compact target_logits [B, S, V] shifted left. The rank
-        shifts its own input_ids and loss_mask and the hidden states for target_hidden_states; ``vocab`` is not used."""
-        out = fill_padding(forward_batch(self.engine, input_ids, attention_mask, self._capture, documents, images), attention_mask)
+        shifts its own input_ids and loss_mask and the hidden states for target_hidden_states; the vocab is not used."""
+        out = self.forward(batch)
         assert out.final_hidden is not None
         return self._head.with_logits({"input_hidden_states": out.final_hidden}, out.final_hidden)

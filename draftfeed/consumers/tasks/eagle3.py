@@ -6,10 +6,10 @@ import logging
 
 import torch
 
-from draftfeed.consumers.engines.base import Capture, Engine, TargetShape, fill_padding, forward_batch
+from draftfeed.consumers.engines.base import Capture, Engine
+from draftfeed.consumers.tasks.base import Task, TaskBatch, chosen_layer_ids
 from draftfeed.consumers.tasks.chunked_head import argmax_in_chunks, probs_in_chunks
 from draftfeed.contract.ops import lm_head_logits, shift_left
-from draftfeed.contract.packing import Documents
 from draftfeed.contract.vocab import VocabMap
 from draftfeed.schemas.messages import DEFAULT_SUPERVISION, Eagle3TargetInfo, LogitTransform, SupervisionForm
 
@@ -82,7 +82,7 @@ def eagle3_from_forward(
     }
 
 
-class Eagle3Task:
+class Eagle3Task(Task):
     """EAGLE-3 supervision on top of any engine, sent in one of three forms (see SupervisionForm).
 
     A batch of more than ``chunk_tokens`` positions (0: never) takes its logits from the final norm's output a
@@ -93,80 +93,61 @@ class Eagle3Task:
     """
 
     name = "eagle3"
+    INFO = Eagle3TargetInfo
 
     def __init__(
         self, engine: Engine, aux_layer_ids: list[int] | None = None, supervision: SupervisionForm = DEFAULT_SUPERVISION, chunk_tokens: int = 0
     ) -> None:
-        self.engine = engine
+        super().__init__(engine)
         self.supervision = supervision
         layers = engine.shape.num_hidden_layers
-        if aux_layer_ids is None:
-            self.aux_layer_ids = check_aux_layer_ids(default_aux_layer_ids(layers), layers, default=True)
-        else:
-            self.aux_layer_ids = check_aux_layer_ids(list(aux_layer_ids), layers, default=False)
+        self.aux_layer_ids = chosen_layer_ids(aux_layer_ids, layers, lambda: default_aux_layer_ids(layers), check_aux_layer_ids)
         self._identity: VocabMap | None = None
-        self._capture = Capture(layer_ids=tuple(self.aux_layer_ids), logits=True, final_hidden=supervision == "hidden")
+        self.capture = Capture(layer_ids=tuple(self.aux_layer_ids), logits=True, final_hidden=supervision == "hidden")
         self._chunk_capture = Capture(layer_ids=tuple(self.aux_layer_ids), final_hidden=True)
         self.chunk_tokens = chunk_tokens
         if chunk_tokens:
             try:
-                engine.prepare([self._capture, self._chunk_capture, Capture(final_hidden=True, logits=True)])
+                engine.prepare([self.capture, self._chunk_capture, Capture(final_hidden=True, logits=True)])
             except ValueError as exc:
                 log.warning(
                     "worker: --chunk-tokens off: engine %s cannot give the final norm's output (%s); every batch is computed whole", engine.name, exc
                 )
                 self.chunk_tokens = 0
         if not self.chunk_tokens:
-            engine.prepare([self._capture])
+            engine.prepare([self.capture])
         self.logit_transform = verified_logit_transform(engine) if supervision == "hidden" else engine.logit_transform
         # The transform chunks are computed with: the verified one; checked at the first batch that needs chunks (a
         # probe forward at start would cost every worker a forward that most never need).
         self._chunk_transform: LogitTransform | None = self.logit_transform if supervision == "hidden" else None
 
-    @property
-    def shape(self) -> TargetShape:
-        return self.engine.shape
-
-    def info(self) -> Eagle3TargetInfo:
-        return Eagle3TargetInfo(
-            num_hidden_layers=self.shape.num_hidden_layers,
-            hidden_size=self.shape.hidden_size,
-            vocab_size=self.shape.vocab_size,
-            aux_layer_ids=self.aux_layer_ids,
-        )
+    def info_fields(self) -> dict[str, object]:
+        return {"aux_layer_ids": self.aux_layer_ids}
 
     def identity_vocab(self) -> VocabMap:
         if self._identity is None:
             self._identity = VocabMap.identity(self.shape.vocab_size, self.engine.device)
         return self._identity
 
-    @torch.inference_mode()
-    def compute(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        loss_mask: torch.Tensor,
-        vocab: VocabMap | None,
-        documents: Documents | None = None,
-        images: dict[str, torch.Tensor] | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """Supervision tensors on the engine's device; the batch must already be validated."""
-        if self.chunk_tokens and input_ids.numel() > self.chunk_tokens and self._chunks_possible():
-            return self._compute_in_chunks(input_ids, attention_mask, loss_mask, vocab, documents, images)
-        out = fill_padding(forward_batch(self.engine, input_ids, attention_mask, self._capture, documents, images), attention_mask)
+    def supervise(self, batch: TaskBatch) -> dict[str, torch.Tensor]:
+        """The contract's tensors of the batch, in the service's form; a long batch computes its logits in chunks."""
+        if self.chunk_tokens and batch.input_ids.numel() > self.chunk_tokens and self._chunks_possible():
+            return self._supervise_in_chunks(batch)
+        out = self.forward(batch)
         assert out.logits is not None
         device = out.logits.device
         aux = [out.layer_outputs[i] for i in self.aux_layer_ids]
+        input_ids, loss_mask = batch.input_ids.to(device), batch.loss_mask.to(device)
         if self.supervision == "hidden":
             assert out.final_hidden is not None
             return {
                 "aux_hidden_states": torch.cat(aux, dim=-1),
                 "final_hidden_states": out.final_hidden,  # post-norm, not shifted
                 "target_argmax": out.logits.argmax(-1),  # over the full vocab, not shifted
-                "input_ids": shift_left(input_ids.to(device)),
-                "loss_mask": shift_left(loss_mask.to(device)),
+                "input_ids": shift_left(input_ids),
+                "loss_mask": shift_left(loss_mask),
             }
-        result = eagle3_from_forward(aux, out.logits, input_ids.to(device), loss_mask.to(device), vocab or self.identity_vocab())
+        result = eagle3_from_forward(aux, out.logits, input_ids, loss_mask, batch.vocab or self.identity_vocab())
         if self.supervision == "probs-bf16":
             result["target_probs"] = result["target_probs"].to(torch.bfloat16)
         return result
@@ -185,16 +166,8 @@ class Eagle3Task:
                 return False
         return True
 
-    def _compute_in_chunks(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        loss_mask: torch.Tensor,
-        vocab: VocabMap | None,
-        documents: Documents | None,
-        images: dict[str, torch.Tensor] | None = None,
-    ) -> dict[str, torch.Tensor]:
-        out = fill_padding(forward_batch(self.engine, input_ids, attention_mask, self._chunk_capture, documents, images), attention_mask)
+    def _supervise_in_chunks(self, batch: TaskBatch) -> dict[str, torch.Tensor]:
+        out = self.forward(batch, self._chunk_capture)
         final = out.final_hidden
         assert final is not None
         device = final.device
@@ -202,20 +175,20 @@ class Eagle3Task:
         out = None  # type: ignore[assignment]  # the layer outputs are in aux now
         weight, transform = self.engine.output_embeddings(), self._chunk_transform
         assert transform is not None  # _chunks_possible() set it
-        loss_mask = loss_mask.to(device)
+        input_ids, loss_mask = batch.input_ids.to(device), batch.loss_mask.to(device)
         if self.supervision == "hidden":
             return {
                 "aux_hidden_states": aux,
                 "final_hidden_states": final,
                 "target_argmax": argmax_in_chunks(final, weight, transform, self.chunk_tokens),
-                "input_ids": shift_left(input_ids.to(device)),
+                "input_ids": shift_left(input_ids),
                 "loss_mask": shift_left(loss_mask),
             }
-        probs, position_mask = probs_in_chunks(final, weight, transform, vocab or self.identity_vocab(), loss_mask, self.chunk_tokens)
+        probs, position_mask = probs_in_chunks(final, weight, transform, batch.vocab or self.identity_vocab(), loss_mask, self.chunk_tokens)
         return {
             "aux_hidden_states": aux,
             "target_probs": probs.to(torch.bfloat16) if self.supervision == "probs-bf16" else probs,
             "position_mask": position_mask,
-            "input_ids": shift_left(input_ids.to(device)),
+            "input_ids": shift_left(input_ids),
             "loss_mask": shift_left(loss_mask),
         }

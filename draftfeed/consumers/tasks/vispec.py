@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from draftfeed.consumers.engines.base import Capture, Engine, TargetShape, fill_padding, forward_batch
+from draftfeed.consumers.engines.base import Capture, Engine
+from draftfeed.consumers.tasks.base import Task, TaskBatch
 from draftfeed.consumers.tasks.eagle import LastHiddenLogits
 from draftfeed.contract.ops import shift_left
-from draftfeed.contract.packing import Documents
-from draftfeed.contract.vocab import VocabMap
 from draftfeed.schemas.errors import BadRequest
 from draftfeed.schemas.messages import SupervisionForm, VispecTargetInfo, default_supervision
 
@@ -34,47 +33,30 @@ def image_token_id(config: object) -> int:
     )
 
 
-class VispecTask:
+class VispecTask(Task):
     """ViSpec supervision on top of any engine that takes images (hf); others serve its text-only batches."""
 
     name = "vispec"
+    INFO = VispecTargetInfo
 
     def __init__(self, engine: Engine, image_token_id: int, supervision: SupervisionForm | None = None) -> None:
-        self.engine = engine
+        super().__init__(engine)
         self.image_token_id = image_token_id
         self.supervision: SupervisionForm = supervision or default_supervision("vispec")
         self._head = LastHiddenLogits(self.name, engine, self.supervision)
         self.logit_transform = self._head.logit_transform
-        self._capture = Capture(embeddings=True, final_hidden=True)
-        engine.prepare([self._capture])
+        self.capture = Capture(embeddings=True, final_hidden=True)
+        engine.prepare([self.capture])
 
-    @property
-    def shape(self) -> TargetShape:
-        return self.engine.shape
+    def info_fields(self) -> dict[str, object]:
+        return {"image_token_id": self.image_token_id}
 
-    def info(self) -> VispecTargetInfo:
-        return VispecTargetInfo(
-            num_hidden_layers=self.shape.num_hidden_layers,
-            hidden_size=self.shape.hidden_size,
-            vocab_size=self.shape.vocab_size,
-            image_token_id=self.image_token_id,
-        )
-
-    @torch.inference_mode()
-    def compute(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        loss_mask: torch.Tensor,
-        vocab: VocabMap | None = None,
-        documents: Documents | None = None,
-        images: dict[str, torch.Tensor] | None = None,
-    ) -> dict[str, torch.Tensor]:
+    def supervise(self, batch: TaskBatch) -> dict[str, torch.Tensor]:
         """inputs_embeds [B, S, H] shifted left, input_hidden_states [B, S, H] not shifted and, unless compact,
         target_logits [B, S, V] shifted left. Packed rows are refused: ViSpec's draft takes none."""
-        if documents is not None:
+        if batch.documents is not None:
             raise BadRequest("ViSpec takes no packed rows (seq_lens): send one sequence a row")
-        out = fill_padding(forward_batch(self.engine, input_ids, attention_mask, self._capture, None, images), attention_mask)
+        out = self.forward(batch)
         assert out.embeddings is not None and out.final_hidden is not None
         result = {"inputs_embeds": shift_left(out.embeddings), "input_hidden_states": out.final_hidden}
         return self._head.with_logits(result, out.final_hidden)

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from draftfeed.integrations.nemo.url import SCHEME, is_draftfeed_url, one_url
-from draftfeed.producers.remote_target import RemoteEagle3Target
+from draftfeed.producers.outgoing import takes_arguments_of
 from draftfeed.producers.settings import RankSettings
+from draftfeed.producers.tasks.eagle3 import RemoteEagle3Target
 
 log = logging.getLogger("draftfeed.nemo")
 _DEFAULTS = RankSettings()
@@ -124,35 +125,21 @@ class DraftfeedEagle3TargetModel:
         self.target.set_vocab_mapping(selected_token_ids, selected_token_mask)
 
     # ------------------------------------------------------------ supervision
-    def generate_batch(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        loss_mask: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        seq_lens: torch.Tensor | None = None,
-        doc_remaining: torch.Tensor | None = None,
-    ) -> Any:
+    @takes_arguments_of(RemoteEagle3Target.generate_batch_async)
+    def generate_batch(self, *args: Any, **kwargs: Any) -> Any:
         """The batch's supervision as NeMo's ``Eagle3TargetBatch`` (``target_probs`` and ``position_mask``, no logits);
         a packed batch (``seq_lens``) keeps attention within each document and carries its packing fields back."""
-        return self._to_nemo(self.target.generate_batch(input_ids, attention_mask, loss_mask, position_ids, seq_lens, doc_remaining))
+        return self._to_nemo(self.target.generate_batch(*args, **kwargs))
 
-    def generate_batch_async(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        loss_mask: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        seq_lens: torch.Tensor | None = None,
-        doc_remaining: torch.Tensor | None = None,
-    ) -> PendingSupervision:
+    @takes_arguments_of(RemoteEagle3Target.generate_batch_async)
+    def generate_batch_async(self, *args: Any, **kwargs: Any) -> PendingSupervision:
         """Send one batch; ``result()`` of what comes back is its ``Eagle3TargetBatch``. Blocks while ``prefetch_depth``
         batches are in flight (the URL's option)."""
         with self._lock:
             self._pending += 1
             self._peak = max(self._peak, self._pending)
         try:
-            future = self.target.generate_batch_async(input_ids, attention_mask, loss_mask, position_ids, seq_lens, doc_remaining)
+            future = self.target.generate_batch_async(*args, **kwargs)
         except BaseException:
             self._collected()
             raise

@@ -11,8 +11,8 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from draftfeed.producers.remote_target import RemoteEagle3Target
 from draftfeed.producers.settings import RankSettings
+from draftfeed.producers.tasks.eagle3 import RemoteEagle3Target
 from draftfeed.schemas.messages import Name
 from draftfeed.schemas.protocol import DEFAULT_FRONTEND
 

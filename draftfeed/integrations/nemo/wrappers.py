@@ -12,10 +12,11 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-import torch
 from torch import nn
 
 from draftfeed.integrations.nemo.standin import DraftfeedTargetModel
+from draftfeed.producers.outgoing import takes_arguments_of
+from draftfeed.producers.tasks.base import RemoteTarget
 
 
 class DraftfeedWrapper:
@@ -44,18 +45,11 @@ class DraftfeedWrapper:
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.get_input_embeddings()
 
-    def generate_batch(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        loss_mask: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        seq_lens: torch.Tensor | None = None,
-        doc_remaining: torch.Tensor | None = None,
-    ) -> Any:
-        """NeMo's batch of this wrapper's task, with the packing arguments of a packed batch, as NeMo's DFlash and
-        EAGLE-1/2 wrappers take them (the ViSpec and DSpark wrappers take image inputs too: their own below)."""
-        return self._to_nemo(self.target.generate_batch(input_ids, attention_mask, loss_mask, position_ids, seq_lens, doc_remaining))
+    @takes_arguments_of(RemoteTarget.generate_batch_async)
+    def generate_batch(self, *args: Any, **kwargs: Any) -> Any:
+        """NeMo's batch of this wrapper's task, with the packing arguments of a packed batch and the image inputs of an
+        image-text one, as NeMo's wrappers take them (the client's ``generate_batch``: ViSpec refuses packed rows)."""
+        return self._to_nemo(self.target.generate_batch(*args, **kwargs))
 
     def _to_nemo(self, supervision: Any) -> Any:
         given = supervision.as_dict()
@@ -128,11 +122,6 @@ class DraftfeedVispecTarget(DraftfeedWrapper):
     def get_lm_head(self) -> nn.Linear:
         return self.model.get_output_embeddings()
 
-    def generate_batch(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, **multimodal_inputs: torch.Tensor
-    ) -> Any:
-        return self._to_nemo(self.target.generate_batch(input_ids, attention_mask, loss_mask, **multimodal_inputs))
-
 
 class DraftfeedDSparkTarget(DraftfeedWrapper):
     """NeMo's ``HFDSparkTargetModel`` on a ``dspark`` service: ``generate_batch`` gives ``DSparkTargetBatch``; the
@@ -152,18 +141,6 @@ class DraftfeedDSparkTarget(DraftfeedWrapper):
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.model.get_output_embeddings()
-
-    def generate_batch(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        loss_mask: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        seq_lens: torch.Tensor | None = None,
-        doc_remaining: torch.Tensor | None = None,
-        **mm_kwargs: torch.Tensor,
-    ) -> Any:
-        return self._to_nemo(self.target.generate_batch(input_ids, attention_mask, loss_mask, position_ids, seq_lens, doc_remaining, **mm_kwargs))
 
 
 __all__ = ["DraftfeedDFlashTarget", "DraftfeedDSparkTarget", "DraftfeedEagleTarget", "DraftfeedVispecTarget", "DraftfeedWrapper"]

@@ -1,7 +1,9 @@
-"""The training rank's view of a frozen target served by draftfeed workers: RemoteEagle3Target, RemoteDSparkTarget.
+"""What every task's client on the rank shares: RemoteTarget, a frozen target served by draftfeed workers.
 
-Method and parameter names follow NeMo AutoModel's remote target backend, so a rank written
-against it calls these classes unchanged.
+A task's client (one module a task beside this one) names its task, its supervision dataclass and its target info,
+and says how the fields of its supervision are made from what the worker sent (``_from_wire``); sending batches,
+prefetching, waiting, the store, weights and status are all here, once. Method and parameter names follow NeMo
+AutoModel's remote target backend, so a rank written against it calls these classes unchanged.
 """
 
 from __future__ import annotations
@@ -17,25 +19,19 @@ from typing import Any, ClassVar, Generic, TypeVar
 import torch
 from torch import nn
 
-from draftfeed.contract.compact import CompactEagle3
-from draftfeed.contract.supervision import DSparkSupervision, Eagle3Supervision, Supervision
-from draftfeed.contract.vocab import mapping_digest, validate_vocab_mapping
+from draftfeed.contract.supervision import Supervision
 from draftfeed.dataplane.frames.codec import tensor_bytes
 from draftfeed.observe.http import ObserveServer
 from draftfeed.observe.rank_metrics import RankMetrics
-from draftfeed.producers.outgoing import batch_arguments, outgoing_batch
-from draftfeed.producers.rank_session import ConnectionStats
+from draftfeed.producers.outgoing import batch_arguments, outgoing_batch, takes_arguments_of
 from draftfeed.producers.resumable import ResumableIteration
 from draftfeed.producers.settings import RankSettings
 from draftfeed.producers.sources import Served, Source, open_source
+from draftfeed.producers.tasks.view import RankView
+from draftfeed.producers.tasks.weights import TargetWeights
 from draftfeed.producers.waits import wait_for
-from draftfeed.schemas.errors import BadRequest, RemoteTargetError
-from draftfeed.schemas.messages import (
-    AnyTargetInfo,
-    DSparkTargetInfo,
-    Eagle3TargetInfo,
-    PairOpen,
-)
+from draftfeed.schemas.errors import RemoteTargetError
+from draftfeed.schemas.messages import AnyTargetInfo
 from draftfeed.schemas.protocol import DEFAULT_HTTP_HOST
 from draftfeed.security.curve import PeerKeys
 from draftfeed.store.identity import StoreIdentity
@@ -46,7 +42,7 @@ Sup = TypeVar("Sup", bound=Supervision)
 Info = TypeVar("Info", bound=AnyTargetInfo)
 
 
-class RemoteTarget(Generic[Sup, Info]):
+class RemoteTarget(RankView, Generic[Sup, Info]):
     """A frozen target served by the workers of one service, through the broker at ``broker``.
 
     ``prefetch_depth`` is the one knob: at most that many batches of this rank are queued or in flight
@@ -117,7 +113,7 @@ class RemoteTarget(Generic[Sup, Info]):
         self._closed = False
         self._observer: ObserveServer | None = None
         self._served: Served | None = None
-        self._embeddings: dict[str, nn.Embedding] = {}
+        self._weights = TargetWeights(self._fetch_weight)
         self._source = open_source(settings, broker, service, self.TASK, keys, data_endpoint, self.device)
         try:
             self.metrics = RankMetrics(self.rank_id, service, lambda: self.in_flight, lambda: self.connection_stats)
@@ -154,28 +150,16 @@ class RemoteTarget(Generic[Sup, Info]):
 
     def get_input_embeddings(self) -> nn.Embedding:
         """The target's input embedding as a frozen ``nn.Embedding`` ([V, H] weight), fetched once."""
-        return self._embedding("input_embeddings")
+        return self._weights.embedding("input_embeddings")
 
     def get_output_embeddings(self) -> nn.Embedding:
         """The target's output embedding (lm_head) weight [V, H] as a frozen ``nn.Embedding``, fetched once."""
-        return self._embedding("output_embeddings")
+        return self._weights.embedding("output_embeddings")
 
     def get_lm_head(self) -> nn.Linear:
         """The target's lm_head as a frozen ``nn.Linear`` without bias, its weight [V, H] the output embedding's (the same
         tensor, fetched once): NeMo's EAGLE-1/2 and ViSpec recipes start their draft's head from it."""
-        if self._lm_head is None:
-            weight = self.get_output_embeddings().weight
-            head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-            head.weight = weight  # a frozen Parameter: no copy
-            self._lm_head = head.requires_grad_(False)
-        return self._lm_head
-
-    _lm_head: nn.Linear | None = None
-
-    def _embedding(self, kind: str) -> nn.Embedding:
-        if kind not in self._embeddings:
-            self._embeddings[kind] = nn.Embedding.from_pretrained(self._fetch_weight(kind), freeze=True)
-        return self._embeddings[kind]
+        return self._weights.lm_head()
 
     def _fetch_weight(self, kind: str, rows: torch.Tensor | None = None) -> torch.Tensor:
         weight = self._wait(self._opened().weight(kind, rows), f"the {kind.replace('_', ' ')}")
@@ -247,19 +231,10 @@ class RemoteTarget(Generic[Sup, Info]):
     def _field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls.SUPERVISION))  # type: ignore[arg-type]
 
-    def generate_batch(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        loss_mask: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        seq_lens: torch.Tensor | None = None,
-        doc_remaining: torch.Tensor | None = None,
-        **mm_inputs: torch.Tensor,
-    ) -> Sup:
-        """Supervision of one batch, blocking (the packing arguments and image inputs as for ``generate_batch_async``)."""
-        future = self.generate_batch_async(input_ids, attention_mask, loss_mask, position_ids, seq_lens, doc_remaining, **mm_inputs)
-        return self.wait(future)
+    @takes_arguments_of(generate_batch_async)
+    def generate_batch(self, *args: Any, **kwargs: Any) -> Sup:
+        """Supervision of one batch, blocking (the arguments as for ``generate_batch_async``)."""
+        return self.wait(self.generate_batch_async(*args, **kwargs))
 
     def wait(self, future: Future) -> Sup:
         """The supervision of a ``generate_batch_async`` future: waits at most request_timeout, saying every few
@@ -303,49 +278,10 @@ class RemoteTarget(Generic[Sup, Info]):
         """The future's result; says every few seconds what it waits for and why; raises after request_timeout."""
         return wait_for(future, what, self.service, self.request_timeout, self.wait_log_interval, self._why_no_answer, lambda: self.in_flight)
 
-    def _why_no_answer(self) -> str:
-        return self._source.why_no_answer() if self._source is not None else "the rank is closed"
-
     def status(self) -> dict[str, Any]:
         """The broker's status document (services, workers, ranks, queues), and under "store" this rank's store
         (path, mode, batches, hits, misses) when it has one; in replay only the latter."""
         return dict(self._wait(self._opened().status(), "the broker status"))
-
-    @property
-    def in_flight(self) -> int:
-        """Batches of this rank sent and not yet answered (reads from the store included)."""
-        return self._source.in_flight if self._source is not None else 0
-
-    @property
-    def peak_in_flight(self) -> int:
-        return self._made().peak_in_flight
-
-    @property
-    def data_endpoint(self) -> str:
-        """Where this rank's data socket listens: workers send supervision there ('' in replay: there is none)."""
-        return self._made().data_endpoint
-
-    @property
-    def rank_id(self) -> str:
-        """This rank's name at the broker (as ``draftfeed status`` lists it); in replay a name of its own."""
-        return self._made().rank_id
-
-    def data_planes(self) -> dict[str, str]:
-        """The open pair groups and nixl pairs of this rank: worker name -> "backend generation"."""
-        return self._made().data_planes()
-
-    def nixl_pool(self) -> dict[str, int]:
-        """The nixl plane's receive pool: open pairs, slots, bytes registered, slots your tensors still view, quarantined."""
-        return self._made().nixl_pool()
-
-    def pair_group(self, worker: str) -> PairOpen | None:
-        """How the pair group with ``worker`` was opened (backend, generation, its rendezvous store), or None."""
-        return self._made().pair_group(worker)
-
-    @property
-    def connection_stats(self) -> ConnectionStats:
-        """Duplicate, foreign and malformed answers dropped, resyncs after broker restarts, busy retries."""
-        return self._source.stats if self._source is not None else ConnectionStats()
 
     def close(self) -> None:
         """Write what the store has still to record, then release the sockets and the IO thread; outstanding
@@ -367,88 +303,8 @@ class RemoteTarget(Generic[Sup, Info]):
             raise RemoteTargetError(f"{type(self).__name__} of service {self.service!r} is closed")
         return self._made()
 
-    def _made(self) -> Source:
-        """The source, closed or not (what it counted stays readable)."""
-        assert self._source is not None  # set in __init__, or the constructor raised
-        return self._source
-
-    def _health(self) -> str | None:
-        """None while a broker is heard and the service has a worker (for ``/health`` of metrics_port)."""
-        return self._source.health() if self._source is not None and not self._closed else "the rank is closed"
-
     def __enter__(self):
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class RemoteEagle3Target(RemoteTarget[Eagle3Supervision, Eagle3TargetInfo]):
-    """EAGLE-3 supervision: aux hidden states, target probabilities over the draft vocab, position mask."""
-
-    TASK = "eagle3"
-    SUPERVISION = Eagle3Supervision
-    INFO = Eagle3TargetInfo
-
-    def set_vocab_mapping(self, selected_token_ids: torch.Tensor, selected_token_mask: torch.Tensor) -> None:
-        """Use a draft vocabulary: ``selected_token_ids`` int64 [Vd] (draft id -> target id), ``selected_token_mask`` bool [V]."""
-        ids = _host_tensor("selected_token_ids", selected_token_ids, torch.int64)
-        mask = _host_tensor("selected_token_mask", selected_token_mask, torch.bool)
-        try:
-            validate_vocab_mapping(ids, mask, self.model_info().vocab_size)
-        except BadRequest as exc:
-            raise ValueError(f"set_vocab_mapping: {exc}") from None
-        digest = mapping_digest(ids, mask)
-        self._wait(self._opened().set_mapping(ids, mask, digest, self._mapping_digest), "the broker's acknowledgement of the vocab mapping")
-        self._mapping, self._mapping_digest, self._compact = (ids, mask), digest, None
-
-    _mapping: tuple[torch.Tensor, torch.Tensor] | None = None
-    _compact: CompactEagle3 | None = None
-
-    def _before_submit(self) -> None:
-        """If the service's workers send the compact form, fetch the lm_head's draft rows once."""
-        super()._before_submit()
-        served = self._served_target()  # asked once; it also says which forms the workers send
-        if "hidden" not in served.forms or self._compact is not None:
-            return
-        if self._mapping is None:
-            rows, mask = None, torch.ones(served.info.vocab_size, dtype=torch.bool)
-        else:
-            rows, mask = self._mapping
-        weight = self._fetch_weight("output_embeddings", rows)
-        self._compact = CompactEagle3(weight, mask.to(weight.device), served.logit_transform)
-
-    def _from_wire(self, received: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if "final_hidden_states" not in received:  # probs or probs-bf16
-            fields = super()._from_wire(received, own)
-            fields["target_probs"] = fields["target_probs"].float()
-            return fields
-        if self._compact is None:
-            raise ValueError("a compact (hidden) answer came before the lm_head rows were fetched")
-        rebuilt = self._compact.rebuild(received["final_hidden_states"], received["target_argmax"], received["loss_mask"])
-        return {
-            "aux_hidden_states": received["aux_hidden_states"],
-            "input_ids": received["input_ids"],
-            "loss_mask": received["loss_mask"],
-            **rebuilt,
-        }
-
-
-class RemoteDSparkTarget(RemoteTarget[DSparkSupervision, DSparkTargetInfo]):
-    """DSpark supervision: the hidden states of chosen target layers and the post-norm last hidden state."""
-
-    TASK = "dspark"
-    SUPERVISION = DSparkSupervision
-    INFO = DSparkTargetInfo
-
-
-def _host_tensor(name: str, value: Any, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor, list, tuple or numpy array as a contiguous CPU tensor of ``dtype``; anything else a TypeError."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", dtype).contiguous()
-    if isinstance(value, (list, tuple)) or hasattr(value, "__array__"):
-        try:
-            return torch.as_tensor(value).to(dtype).contiguous()
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise TypeError(f"set_vocab_mapping: {name} could not be read as a {dtype} tensor: {exc}") from None
-    raise TypeError(f"set_vocab_mapping: {name} must be a torch.Tensor (or a list of {dtype} values), got {type(value).__name__}")
