@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from draftfeed.launch.cli import build_parser, default_service_name
+from draftfeed.consumers.settings import default_service_name
+from draftfeed.launch.cli import build_parser
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -91,18 +92,19 @@ def test_status_of_a_running_broker(cluster):
 
 def test_help_shows_every_default_with_its_source():
     from draftfeed.broker.settings import BrokerSettings
-    from draftfeed.consumers.config import WorkerConfig
+    from draftfeed.consumers.settings import WorkerSettings
 
     worker = run("-m", "draftfeed.launch", "worker", "--help").stdout
     for text in (
         "--dtype {auto,float32,bfloat16,float16}",
-        f"(default: {WorkerConfig.capacity})",
+        f"(default: {WorkerSettings.model_fields['capacity'].default})",
         "(default: auto)",
         "(default: the task's first form)",
     ):
         assert text in " ".join(worker.split()), text
     broker = " ".join(run("-m", "draftfeed.launch", "broker", "--help").stdout.split())
-    assert f"(default: {BrokerSettings.max_queued_per_rank})" in broker and f"(default: {BrokerSettings.heartbeat_interval_s})" in broker
+    defaults = BrokerSettings()
+    assert f"(default: {defaults.max_queued_per_rank})" in broker and f"(default: {defaults.heartbeat_interval_s})" in broker
     status = " ".join(run("-m", "draftfeed", "status", "--help").stdout.split())
     assert "(default: tcp://127.0.0.1:5555)" in status and "(default: 10.0)" in status
 
@@ -113,35 +115,47 @@ def launch_parser(role: str):
     return _subparsers(_subparsers(build_parser())["launch"])[role]
 
 
+def settings_fields(model) -> dict:
+    """Every field of a settings model with a flag, nested settings' included: name -> FieldInfo."""
+    from draftfeed.launch.flags import option_of
+    from draftfeed.schemas.settings import Settings
+
+    out = {}
+    for name, info in model.model_fields.items():
+        if isinstance(info.annotation, type) and issubclass(info.annotation, Settings):
+            out.update(settings_fields(info.annotation))
+        elif option_of(name, info) is not None:
+            out[name] = info
+    return out
+
+
 @pytest.mark.parametrize("role", ["broker", "worker"])
 def test_every_setting_is_a_flag_described_by_its_field(role):
-    """Each field of BrokerSettings / WorkerConfig is a flag of its launch command whose help is the field's
-    description and whose default is the field's: a new field cannot be forgotten, nor its help written twice."""
-    import dataclasses
-
-    from draftfeed.broker.settings import BrokerSettings
-    from draftfeed.consumers.config import WorkerConfig
+    """Each field of BrokerCommand / WorkerCommand (BrokerSettings, WorkerSettings, TargetSettings, TaskSettings and
+    the command's own) is a flag of its launch command whose help is the field's description and whose default is
+    the field's: a new field cannot be forgotten, nor its help written twice."""
     from draftfeed.launch.flags import flags_of
+    from draftfeed.launch.options import BrokerCommand, WorkerCommand
 
-    settings = BrokerSettings if role == "broker" else WorkerConfig
+    settings = BrokerCommand if role == "broker" else WorkerCommand
     actions = {option: action for action in launch_parser(role)._actions for option in action.option_strings}
     flags = {flag.field: flag for flag in flags_of(settings)}
-    assert set(flags) == {f.name for f in dataclasses.fields(settings) if f.metadata.get("flag", "") is not None}
+    fields = settings_fields(settings)
+    assert set(flags) == set(fields)
     helped = "".join(run("-m", "draftfeed.launch", role, "--help").stdout.split())  # argparse wraps lines at hyphens too
-    for item in dataclasses.fields(settings):
-        if item.name not in flags:
-            continue
-        action = actions[flags[item.name].option]
-        assert action.help == item.metadata["help"], item.name
-        assert action.option_strings[0] in helped and "".join(item.metadata["help"].split()) in helped, item.name
-        if item.default is not dataclasses.MISSING and item.default != ():
-            assert action.default == item.default, item.name
+    for name, info in fields.items():
+        action = actions[flags[name].option]
+        assert action.help == info.description, name
+        assert action.option_strings[0] in helped and "".join(info.description.split()) in helped, name
+        if not info.is_required() and info.get_default(call_default_factory=True) not in ((), {}):
+            assert action.default == info.default, name
 
 
 def test_settings_are_made_from_the_parsed_flags_by_their_fields():
     from draftfeed.broker.settings import BrokerSettings
-    from draftfeed.consumers.config import WorkerConfig
+    from draftfeed.consumers.settings import TargetSettings, TaskSettings, WorkerSettings
     from draftfeed.launch.flags import from_args
+    from draftfeed.launch.options import WorkerCommand
 
     parser = build_parser()
     args = parser.parse_args(["launch", "broker"])
@@ -149,9 +163,25 @@ def test_settings_are_made_from_the_parsed_flags_by_their_fields():
     argv = ["--max-queued", "7", "--heartbeat-interval", "0.5", "--drain-timeout", "2", "--service-max-request-bytes", "a=10"]
     made = from_args(BrokerSettings, parser.parse_args(["launch", "broker", *argv]))
     assert made == BrokerSettings(max_queued_per_service=7, heartbeat_interval_s=0.5, drain_timeout_s=2.0, service_max_request_bytes={"a": 10})
-    args = parser.parse_args(["launch", "worker", "--broker", "tcp://h:1", "--target", "/m", "--send-timeout", "3", "--capacity", "4"])
-    config = from_args(WorkerConfig, args, service="s", devices=["cpu"])
-    assert config == WorkerConfig(broker="tcp://h:1", service="s", send_timeout_s=3.0, capacity=4, devices=("cpu",))
+    argv = ["--broker", "tcp://h:1", "--target", "/m", "--send-timeout", "3", "--capacity", "4", "--task", "dspark", "--target-layer-ids=-1,2"]
+    args = parser.parse_args(["launch", "worker", *argv, "--engine-option", "a=1", "--devices", "cpu"])
+    settings = from_args(WorkerSettings, args, service="s")
+    target = TargetSettings(path="/m", engine_options={"a": 1}, devices=("cpu",))
+    assert settings == WorkerSettings(
+        broker="tcp://h:1", service="s", send_timeout_s=3.0, capacity=4, target=target, task=TaskSettings(name="dspark", target_layer_ids=[-1, 2])
+    )
+    assert from_args(WorkerCommand, args).worker == settings.model_copy(update={"service": None})
+
+
+def test_a_value_its_field_refuses_is_one_line_naming_the_flag():
+    from draftfeed.launch.flags import from_args
+    from draftfeed.launch.options import WorkerCommand
+    from draftfeed.schemas.errors import UsageError
+
+    args = build_parser().parse_args(["launch", "worker", "--broker", "tcp://h:1", "--target", "/m"])
+    args.task = "medusa"  # past argparse's choices: the model refuses it too
+    with pytest.raises(UsageError, match=r"^--task 'medusa': input should be 'eagle3', 'dspark'"):
+        from_args(WorkerCommand, args)
 
 
 def test_the_defaults_docs_operations_shows_are_the_flags_defaults():

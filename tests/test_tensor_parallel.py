@@ -27,6 +27,7 @@ from tp_reference import AUX, DSPARK_IDS, batches
 from draftfeed import RemoteDSparkTarget, RemoteEagle3Target
 from draftfeed.consumers.engines import load_engine
 from draftfeed.consumers.engines.parallel.engine import TensorParallelEngine
+from draftfeed.consumers.settings import TargetSettings, TaskSettings
 from draftfeed.launch import processes
 from draftfeed.net import free_port
 from draftfeed.tiny import build_tiny_target
@@ -199,7 +200,7 @@ def test_a_model_without_a_tensor_parallel_plan_is_refused_naming_what_to_use(tm
     path = tmp_path / "tiny-gpt2"
     GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64)).save_pretrained(path)
     with pytest.raises(ValueError) as refused:  # before any process starts (the CLI prints this line)
-        load_engine("hf", str(path), "cpu", "float32", tensor_parallel=2)
+        load_engine(TargetSettings(engine="hf", path=str(path), device="cpu", dtype="float32", tensor_parallel=2))
     assert str(refused.value) == (
         "--tensor-parallel 2: gpt2 has no tensor-parallel plan in transformers; serve it with --device-map auto (its layers spread "
         "over --devices in one process) or with --engine vllm or sglang"
@@ -263,7 +264,7 @@ def test_dflash_eagle_and_vispec_captures_at_degree_2(tiny_target, tiny_model):
     layers = tiny_model.config.num_hidden_layers
     lost: list[str] = []
     two = TensorParallelEngine("hf", str(tiny_target), ["cpu", "cpu"], "float32", on_lost=lost.append)
-    one = load_engine("hf", str(tiny_target), "cpu", "float32")
+    one = load_engine(TargetSettings(engine="hf", path=str(tiny_target), device="cpu", dtype="float32"))
     named = batches()
     cases = [
         ("dflash", {"layer_ids": [0, layers // 2, layers - 1], "capture_logits": True}, "plain-0"),
@@ -281,7 +282,10 @@ def test_dflash_eagle_and_vispec_captures_at_degree_2(tiny_target, tiny_model):
 
                 documents = check_packing(batch["attention_mask"], batch["position_ids"], batch["seq_lens"])
             args = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None, documents)
-            got, expected = load_task(task, two, **options).compute(*args), load_task(task, one, **options).compute(*args)
+            got, expected = (
+                load_task(TaskSettings.of(task, **options), two).compute(*args),
+                load_task(TaskSettings.of(task, **options), one).compute(*args),
+            )
             assert set(got) == set(expected), task
             for field, tensor in expected.items():
                 assert got[field].dtype == tensor.dtype and got[field].shape == tensor.shape, (task, field)

@@ -31,8 +31,8 @@ import select
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import zmq
 
@@ -60,6 +60,7 @@ from draftfeed.schemas.messages import (
     WorkerHeartbeat,
 )
 from draftfeed.schemas.protocol import PAIRS_PER_BEAT, SIGNATURE
+from draftfeed.schemas.settings import Settings, setting
 
 SERVICE = "cluster"
 PEERS_PER_PROCESS = 4000
@@ -84,25 +85,23 @@ DONE = _template(Done(ticket=_MARK, outcome="served"), ticket=_MARK)
 DONE_NEXT = _template(Done(ticket=_MARK, outcome="served", next_ticket=_MARK + 1), ticket=_MARK, next_ticket=_MARK + 1)
 
 
-@dataclass(frozen=True)
-class Load:
+class Load(Settings):
     """The simulated cluster: how many peers, how fast its workers, how long the run. ``draftfeed bench --scenario
     cluster`` makes a flag of each field (launch/flags.py)."""
 
-    ranks: int = field(default=1000, metadata={"help": "cluster scenario: simulated training ranks"})
-    workers: int = field(default=256, metadata={"help": "cluster scenario: simulated workers"})
-    compute_ms: float = field(default=60.0, metadata={"help": "cluster scenario: milliseconds a simulated worker computes a request"})
-    prefetch: int = field(default=2, metadata={"help": "cluster scenario: requests each rank keeps in flight (its prefetch_depth)"})
-    capacity: int = field(default=2, metadata={"help": "cluster scenario: requests each worker holds (its --capacity)"})
-    warmup_s: float = field(default=5.0, metadata={"help": "cluster scenario: seconds served before measuring"})
-    measure_s: float = field(default=20.0, metadata={"help": "cluster scenario: seconds measured"})
-    processes: int = field(
-        default=0,
-        metadata={"help": "cluster scenario: simulator processes, each with its share of the peers as a service of its own (0: one per 4,000 peers)"},
+    GROUP: ClassVar[str] = "the cluster scenario"
+
+    ranks: int = setting(1000, "cluster scenario: simulated training ranks")
+    workers: int = setting(256, "cluster scenario: simulated workers")
+    compute_ms: float = setting(60.0, "cluster scenario: milliseconds a simulated worker computes a request")
+    prefetch: int = setting(2, "cluster scenario: requests each rank keeps in flight (its prefetch_depth)")
+    capacity: int = setting(2, "cluster scenario: requests each worker holds (its --capacity)")
+    warmup_s: float = setting(5.0, "cluster scenario: seconds served before measuring")
+    measure_s: float = setting(20.0, "cluster scenario: seconds measured")
+    processes: int = setting(
+        0, "cluster scenario: simulator processes, each with its share of the peers as a service of its own (0: one per 4,000 peers)"
     )
-    heartbeat_s: float = field(
-        default=1.0, metadata={"flag": "--heartbeat-interval", "help": "cluster scenario: the broker's --heartbeat-interval, which the peers keep"}
-    )
+    heartbeat_s: float = setting(1.0, "cluster scenario: the broker's --heartbeat-interval, which the peers keep", flag="--heartbeat-interval")
 
     @property
     def ideal_per_s(self) -> float:
@@ -112,11 +111,12 @@ class Load:
         """The loads of the simulator processes: a process's file descriptors (two a socket) bound its peers."""
         count = self.processes or max(1, math.ceil((self.ranks + self.workers) / PEERS_PER_PROCESS))
         return [
-            replace(
-                self,
-                ranks=self.ranks // count + (part < self.ranks % count),
-                workers=self.workers // count + (part < self.workers % count),
-                processes=1,
+            self.model_copy(
+                update={
+                    "ranks": self.ranks // count + (part < self.ranks % count),
+                    "workers": self.workers // count + (part < self.workers % count),
+                    "processes": 1,
+                }
             )
             for part in range(count)
         ]
@@ -606,7 +606,7 @@ def main() -> None:
         forward(float(args[0]) if args else 1.0)
         return
     frontend, backend, load_json, part = args
-    cluster = SimulatedCluster(frontend, backend, Load(**json.loads(load_json)), int(part))
+    cluster = SimulatedCluster(frontend, backend, Load.model_validate_json(load_json), int(part))
     try:
         cluster.start()
         print(json.dumps({"started": True}), flush=True)

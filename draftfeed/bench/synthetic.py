@@ -16,7 +16,9 @@ from typing import get_args
 import torch
 
 from draftfeed.consumers.engines.base import TargetShape
-from draftfeed.consumers.worker import Worker, WorkerConfig
+from draftfeed.consumers.settings import TargetSettings, WorkerSettings
+from draftfeed.consumers.tasks.base import Task, TaskBatch
+from draftfeed.consumers.worker import Worker
 from draftfeed.launch.ready import announce_ready
 from draftfeed.schemas.messages import DataPlaneMode, Eagle3TargetInfo, LogitTransform
 from draftfeed.security.curve import PeerKeys
@@ -44,15 +46,15 @@ class SyntheticEngine:
     output_embeddings = input_embeddings
 
 
-class SyntheticEagle3Task:
+class SyntheticEagle3Task(Task):
     """Returns the same preallocated supervision for every batch of ``tokens`` tokens, after ``compute_s``."""
 
     name = "eagle3"
+    INFO = Eagle3TargetInfo
     supervision = "probs"
 
     def __init__(self, tokens: int, compute_s: float) -> None:
-        self.engine = SyntheticEngine()
-        self.shape = self.engine.shape
+        super().__init__(SyntheticEngine())  # type: ignore[arg-type]
         self.logit_transform = LogitTransform()
         self.compute_s = compute_s
         generator = torch.Generator().manual_seed(0)
@@ -64,10 +66,10 @@ class SyntheticEagle3Task:
             "loss_mask": torch.ones(1, tokens, dtype=torch.int64),
         }
 
-    def info(self) -> Eagle3TargetInfo:
-        return Eagle3TargetInfo(num_hidden_layers=LAYERS, hidden_size=HIDDEN, vocab_size=DRAFT_VOCAB, aux_layer_ids=[1, 15, 28])
+    def info_fields(self) -> dict[str, object]:
+        return {"aux_layer_ids": [1, 15, 28]}
 
-    def compute(self, input_ids, attention_mask, loss_mask, vocab, documents=None, images=None) -> dict[str, torch.Tensor]:
+    def supervise(self, batch: TaskBatch) -> dict[str, torch.Tensor]:
         deadline = time.perf_counter() + self.compute_s
         while time.perf_counter() < deadline:  # a GPU forward keeps the host thread waiting, not computing
             time.sleep(min(0.001, max(0.0, deadline - time.perf_counter())))
@@ -80,17 +82,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--service", required=True)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--compute-ms", type=float, default=0.0)
-    parser.add_argument("--capacity", type=int, default=2)
+    defaults = WorkerSettings.model_fields
+    parser.add_argument("--capacity", type=int, default=defaults["capacity"].default)
     parser.add_argument("--name", default=None)
-    parser.add_argument("--data-plane", default="auto", choices=get_args(DataPlaneMode))
+    parser.add_argument("--data-plane", default=defaults["data_plane"].default, choices=get_args(DataPlaneMode))
     parser.add_argument("--keys", default=None, help="a folder from `draftfeed keys generate`: CURVE with its worker key")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     worker = Worker(
         SyntheticEagle3Task(args.tokens, args.compute_ms / 1000),
-        WorkerConfig(
-            args.broker,
-            args.service,
+        WorkerSettings(
+            broker=args.broker,
+            service=args.service,
+            target=TargetSettings(path="synthetic"),  # no target: SyntheticEagle3Task makes its supervision
             capacity=args.capacity,
             name=args.name,
             data_plane=args.data_plane,

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import zmq
 
-from draftfeed.consumers.config import WorkerConfig
 from draftfeed.consumers.pair_planes import PairPlanes, PlaneRefused
+from draftfeed.consumers.settings import WorkerSettings
 from draftfeed.dataplane.frames.codec import pack_tensors, tensor_bytes
 from draftfeed.dataplane.frames.worker import RankLinks, SendResult
 from draftfeed.dataplane.worker_plane import OutgoingAnswer
@@ -78,7 +78,7 @@ class AnswerDelivery:
     def __init__(
         self,
         worker: str,
-        config: WorkerConfig,
+        settings: WorkerSettings,
         ranks: RankLinks,
         planes: PairPlanes,
         forgets: Callable[[str], int],
@@ -87,7 +87,7 @@ class AnswerDelivery:
         """``forgets``: the broker link's count of ``forget_ranks`` per data_endpoint; ``stopping_since``: when the worker
         was told to stop (time.monotonic), None while it serves."""
         self.worker = worker
-        self.config = config
+        self.settings = settings
         self.ranks = ranks
         self.planes = planes
         self._forgets = forgets
@@ -199,13 +199,13 @@ class AnswerDelivery:
             if self._forgets(data_endpoint) != forgets:
                 return SendResult.FORGOTTEN  # the forget_ranks itself is filed next, with the rest of the link's messages
             waited = time.monotonic() - started
-            if not self.ranks.ever_sent(data_endpoint) and waited > self.config.connect_timeout_s:
+            if not self.ranks.ever_sent(data_endpoint) and waited > self.settings.connect_timeout_s:
                 # Never reached: a wrong or firewalled data data_endpoint. Fail fast for it from now on.
                 log.error("worker %s: cannot reach rank data data_endpoint %s within %.0f s; not trying it again", self.worker, data_endpoint, waited)
                 self.forget(data_endpoint)
                 return SendResult.UNREACHABLE
             stopping_since = self._stopping_since()
-            if stopping_since is not None and time.monotonic() - stopping_since > self.config.drain_timeout_s:
+            if stopping_since is not None and time.monotonic() - stopping_since > self.settings.drain_timeout_s:
                 log.error(
                     "worker %s: stopping, and rank at %s took nothing for %.0f s (--drain-timeout): giving up on it",
                     self.worker,
@@ -213,7 +213,7 @@ class AnswerDelivery:
                     waited,
                 )
                 return SendResult.STALLED
-            if waited > self.config.send_timeout_s:
+            if waited > self.settings.send_timeout_s:
                 log.error("worker %s: rank at %s took nothing for %.0f s; dropping its link", self.worker, data_endpoint, waited)
                 self.planes.forget(data_endpoint)
                 self.ranks.drop(data_endpoint)

@@ -31,11 +31,11 @@ import zmq
 
 from draftfeed.consumers.answer_delivery import AnswerDelivery, Outcome, Refused, Undelivered
 from draftfeed.consumers.broker_link import BrokerLink
-from draftfeed.consumers.config import WorkerConfig
 from draftfeed.consumers.engines.base import RETRYABLE_ERRORS, EngineLost, image_policy
 from draftfeed.consumers.mappings import MissingMapping, WorkerMappings
 from draftfeed.consumers.pair_planes import PairPlanes
 from draftfeed.consumers.pair_report import PairReport
+from draftfeed.consumers.settings import WorkerSettings
 from draftfeed.consumers.tasks.base import Task
 from draftfeed.consumers.validation import image_tensors, validate_batch
 from draftfeed.consumers.worker_session import RESET, STOP, Inbox
@@ -61,10 +61,11 @@ class _Queued:
 class Worker:
     """Serves one task of one target for one service."""
 
-    def __init__(self, task: Task, config: WorkerConfig) -> None:
+    def __init__(self, task: Task, settings: WorkerSettings) -> None:
         self.task = task
-        self.config = config
-        self.name = config.name or f"{host_identity()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.settings = settings
+        self.service = settings.service_name
+        self.name = settings.name or f"{host_identity()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._mappings = WorkerMappings(task.shape.vocab_size, task.engine.device)
         self._queue: deque[_Queued] = deque()
         self._stop = threading.Event()
@@ -75,8 +76,8 @@ class Worker:
         self._pair_report = PairReport()  # which pairs the next heartbeat reports
         self._stopping_since = 0.0
         self.served = 0
-        self.metrics = WorkerMetrics(self.name, config.service)
-        self.metrics.spread_over(list(config.devices) or [str(task.engine.device)])
+        self.metrics = WorkerMetrics(self.name, self.service)
+        self.metrics.spread_over(list(settings.target.devices) or [str(task.engine.device)])
         self.metrics.watch(
             in_flight=lambda: len(self._queue) + (self._in_engine is not None),
             registered=lambda: float(self._link is not None and self._link.is_alive() and self._link.registered.is_set()),
@@ -90,30 +91,30 @@ class Worker:
         if link is None or not link.is_alive():
             return "the worker is not running yet (loading its engine) or has lost its broker link"
         if not link.registered.is_set():
-            return f"not registered with a broker at {self.config.broker} yet"
+            return f"not registered with a broker at {self.settings.broker} yet"
         return None
 
     def registration(self) -> Register:
         return Register(
             worker=self.name,
-            service=self.config.service,
+            service=self.service,
             task=self.task.name,
             engine=self.task.engine.name,
             info=self.task.info(),
             supervision=self.task.supervision,
             logit_transform=self.task.logit_transform,
-            capacity=self.config.capacity,
+            capacity=self.settings.capacity,
             host=host_identity(),
             pid=os.getpid(),
             max_positions=self.max_seq_len,
-            tensor_parallel=self.config.tensor_parallel,
-            devices=list(self.config.devices),
+            tensor_parallel=self.settings.target.tensor_parallel,
+            devices=list(self.settings.target.devices),
         )
 
     @property
     def max_seq_len(self) -> int | None:
         """The longest row it takes: --max-seq-len, else the target's max_position_embeddings (None: no limit known)."""
-        return self.config.max_seq_len if self.config.max_seq_len is not None else self.task.shape.max_positions
+        return self.settings.max_seq_len if self.settings.max_seq_len is not None else self.task.shape.max_positions
 
     def stop(self) -> None:
         """Stop taking work, hand back what is queued and exit; an answer being delivered gets --drain-timeout more
@@ -139,37 +140,37 @@ class Worker:
         pipe = context.socket(zmq.PAIR)
         pipe.setsockopt(zmq.LINGER, 0)
         pipe.bind(pipe_endpoint)
-        ranks = RankLinks(context, hwm=self.config.capacity + 1, keys=self.config.keys, max_frame_bytes=self.config.max_request_bytes)
+        ranks = RankLinks(context, hwm=self.settings.capacity + 1, keys=self.settings.keys, max_frame_bytes=self.settings.max_request_bytes)
         planes = PairPlanes(
             self.name,
-            local_offer(self.config.data_plane, self.task.engine.device, encrypted=self.config.keys is not None),
+            local_offer(self.settings.data_plane, self.task.engine.device, encrypted=self.settings.keys is not None),
             send=lambda data_endpoint, frames: ranks.try_send(data_endpoint, frames) is SendResult.SENT,
-            timeout_s=self.config.pair_timeout_s,
-            nixl_min_bytes=self.config.nixl_min_bytes,
+            timeout_s=self.settings.pair_timeout_s,
+            nixl_min_bytes=self.settings.nixl_min_bytes,
         )
         inbox = Inbox()
         self._link = link = BrokerLink(
             context,
-            self.config.broker,
+            self.settings.broker,
             self.registration(),
             pipe_endpoint,
             self._stats,
             inbox,
             on_register=self._pair_report.reset,
-            keys=self.config.keys,
-            max_frame_bytes=self.config.max_request_bytes,
+            keys=self.settings.keys,
+            max_frame_bytes=self.settings.max_request_bytes,
         )
         stopping_since = lambda: self._stopping_since if self._stop.is_set() else None  # noqa: E731
-        self._delivery = delivery = AnswerDelivery(self.name, self.config, ranks, planes, inbox.forgets, stopping_since)
+        self._delivery = delivery = AnswerDelivery(self.name, self.settings, ranks, planes, inbox.forgets, stopping_since)
         hooks = getattr(self.task.engine, "lost_hooks", None)
         if hooks is not None:  # an engine over several processes that can no longer compute: leave the broker at once
             hooks.append(lambda _why: link.leave_now())
         link.start()
-        log.info("worker %s: registering with the broker at %s for service %r", self.name, self.config.broker, self.config.service)
+        log.info("worker %s: registering with the broker at %s for service %r", self.name, self.settings.broker, self.service)
         try:
             if not self._await_registration(link):
                 return
-            log.info("worker %s: serving %s on service %r", self.name, self.task.name, self.config.service)
+            log.info("worker %s: serving %s on service %r", self.name, self.task.name, self.service)
             if on_ready is not None:
                 on_ready()
             self._serve(pipe, link, inbox)
@@ -184,20 +185,20 @@ class Worker:
 
     def _await_registration(self, link: BrokerLink) -> bool:
         """Wait for the broker's welcome; False if the worker was told to stop first."""
-        deadline = time.monotonic() + self.config.register_timeout_s
+        deadline = time.monotonic() + self.settings.register_timeout_s
         while not link.registered.wait(0.1):
             if self._stop.is_set():
-                log.info("worker %s: stopped before a broker answered at %s", self.name, self.config.broker)
+                log.info("worker %s: stopped before a broker answered at %s", self.name, self.settings.broker)
                 return False
             if time.monotonic() > deadline:
                 secure = (
                     " With --secure, also check that --broker-key is that broker's public key and that this worker's key is on "
                     "the broker's --worker-keys list (the broker logs a refused key)."
-                    if self.config.keys is not None
+                    if self.settings.keys is not None
                     else ""
                 )
                 raise CannotServe(
-                    f"worker {self.name}: no broker answered at {self.config.broker} within {self.config.register_timeout_s:.0f} s "
+                    f"worker {self.name}: no broker answered at {self.settings.broker} within {self.settings.register_timeout_s:.0f} s "
                     f"(--register-timeout); is `draftfeed launch broker` running there, and is that its worker port (--backend)?{secure}"
                 )
         if link.failure is not None:
@@ -341,9 +342,9 @@ class Worker:
 
     def _compute(self, dispatch: Dispatch, tensor_frames: list[Any]) -> dict[str, torch.Tensor]:
         request = dispatch.request
-        if dispatch.service != self.config.service:
-            raise BadRequest(f"worker {self.name} serves {self.config.service!r}, not {dispatch.service!r}")
-        tensors = decode_tensors(request.tensors, tensor_frames, max_message_bytes=self.config.max_request_bytes)
+        if dispatch.service != self.service:
+            raise BadRequest(f"worker {self.name} serves {self.service!r}, not {dispatch.service!r}")
+        tensors = decode_tensors(request.tensors, tensor_frames, max_message_bytes=self.settings.max_request_bytes)
         if request.kind == self.task.name:
             accepted, refusal = image_policy(self.task.engine)
             documents = validate_batch(tensors, self.task.shape.vocab_size, self.max_seq_len, accepted, refusal)

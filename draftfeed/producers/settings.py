@@ -7,16 +7,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import Field, StrictInt, ValidationError
 
 from draftfeed.schemas.messages import DataPlaneMode
 from draftfeed.schemas.protocol import DEFAULT_MAX_MESSAGE_BYTES
+from draftfeed.schemas.settings import Settings
 
 Seconds = Annotated[float, Field(gt=0)]
 
 
-class RankSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class RankSettings(Settings):
+    """A rank's settings: RemoteTarget's parameters (and a draftfeed:// URL's options)."""
 
     prefetch_depth: Annotated[
         StrictInt, Field(ge=0, le=1024, description="batches in flight per rank; the broker caps it (--max-queued-per-rank)")

@@ -18,7 +18,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, replace
 from pathlib import Path
 
 from draftfeed.bench.cluster import Load, merge
@@ -32,7 +31,7 @@ SETTINGS = Load
 def run(quick: bool, workdir: Path, settings: Load | None = None) -> list[Row]:
     load = settings or Load()
     if quick:
-        load = replace(load, warmup_s=min(load.warmup_s, 2.0), measure_s=min(load.measure_s, 6.0))
+        load = load.model_copy(update={"warmup_s": min(load.warmup_s, 2.0), "measure_s": min(load.measure_s, 6.0)})
     broker = processes.start_broker(extra=["--log-level", "WARNING", "--heartbeat-interval", str(load.heartbeat_s)])
     try:
         measured = _measure(broker.ready, broker.pid, load, status=True)
@@ -129,7 +128,7 @@ def _measure(endpoints: dict, pid: int, load: Load, status: bool) -> dict:
                 "simulate",
                 endpoints["frontend"],
                 endpoints["backend"],
-                json.dumps(asdict(part)),
+                part.model_dump_json(),
                 str(index),
             ],
             stdin=subprocess.PIPE,

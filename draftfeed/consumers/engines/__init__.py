@@ -3,52 +3,35 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
 from typing import Any
 
-from draftfeed.consumers.config import ENGINES
-from draftfeed.consumers.devices import placement_problem, tensor_parallel_devices
 from draftfeed.consumers.engines.base import Engine
-from draftfeed.consumers.nodes import NodePlan
+from draftfeed.consumers.settings import ENGINES, TargetSettings
 
 
-def load_engine(
-    name: str,
-    target: str,
-    device: str,
-    dtype: str,
-    options: dict[str, Any] | None = None,
-    tensor_parallel: int = 1,
-    devices: Sequence[str] | None = None,
-    device_map: str | None = None,
-    *,
-    nodes: NodePlan | None = None,
-    plan: dict[str, Any] | None = None,
-    pipeline_parallel: int = 1,
-    expert_parallel: bool = False,
-    join_timeout_s: float | None = None,
-) -> Engine:
-    """``hf``, ``vllm``, ``sglang``, or ``package.module:Class`` for an engine of the user's own.
+def load_engine(settings: TargetSettings, plan: dict[str, Any] | None = None) -> Engine:
+    """The engine of ``settings.engine``: ``hf``, ``vllm``, ``sglang``, or ``package.module:Class`` for an engine of
+    the user's own, running ``settings.path``.
 
-    Each is built as ``Class(target, device=, dtype=, **options)``; ``options`` are the engine's own
-    settings (``--engine-option``), e.g. vLLM's ``gpu_memory_utilization``. ``tensor_parallel`` above 1 spreads
-    the target over that many ``devices`` (default: the first ones of ``device``'s kind): vllm by its own
-    ranks, hf and sglang by processes this worker starts (parallel/engine.py). ``device_map="auto"`` (hf only)
-    spreads the layers over ``devices`` in this one process instead. ``nodes``: the worker spans machines, this is
-    node 0 (``plan``: what the other nodes check theirs against), ``devices`` its share. ``pipeline_parallel``
-    (vllm) splits the layers into stages; ``expert_parallel`` shards a mixture of experts' experts over the ranks.
+    Each is built as ``Class(target, device=, dtype=, **engine_options)``; the options are the engine's own settings
+    (``--engine-option``), e.g. vLLM's ``gpu_memory_utilization``. ``tensor_parallel`` above 1 spreads the target over
+    that many ``devices`` (default: the first ones of ``device``'s kind): vllm by its own ranks, hf and sglang by
+    processes this worker starts (parallel/engine.py). ``device_map="auto"`` (hf only) spreads the layers over
+    ``devices`` in this one process instead. With ``nnodes`` above 1 the worker spans machines and this is node 0
+    (``plan``: what the other nodes check theirs against; ``devices`` its share). ``pipeline_parallel`` splits the
+    layers into stages (refused by each engine, in its words); ``expert_parallel`` shards a mixture of experts' experts
+    over the processes. A ValueError says what is wrong in one line.
     """
-    options = options or {}
+    name, target, device, dtype, options = settings.engine, settings.path, settings.device, settings.dtype, dict(settings.engine_options)
+    tensor_parallel, expert_parallel = settings.tensor_parallel, settings.expert_parallel
     flagged = [key for key in ("target", "device", "dtype") if key in options]
     if flagged:
         raise ValueError(f"--engine-option {', '.join(flagged)}: set {' and '.join('--' + key for key in flagged)} instead")
-    here = tensor_parallel // (nodes.nnodes if nodes is not None else 1)
-    placed = tensor_parallel_devices(device, here, devices) if device_map is None else list(devices or [device])
-    if (problem := placement_problem(name, tensor_parallel, device_map, pipeline_parallel, expert_parallel, nodes is not None)) is not None:
+    nodes = settings.node_plan()
+    placed = settings.placed_devices()
+    if (problem := settings.placement_problem()) is not None:
         raise ValueError(problem)
-    spread: dict[str, Any] = {"nodes": nodes, "plan": plan, "expert_parallel": expert_parallel}
-    if join_timeout_s is not None:
-        spread["join_timeout_s"] = join_timeout_s
+    spread: dict[str, Any] = {"nodes": nodes, "plan": plan, "expert_parallel": expert_parallel, "join_timeout_s": settings.join_timeout_s}
     if name == "hf":
         from draftfeed.consumers.engines.hf import HFEngine, quantization_problem, tensor_parallel_problem
 
@@ -62,8 +45,8 @@ def load_engine(
             if (problem := tensor_parallel_problem(target, expert_parallel)) is not None:
                 raise ValueError(f"--tensor-parallel {tensor_parallel}: {problem}")
             return TensorParallelEngine("hf", target, placed, dtype, **spread)
-        if device_map is not None:
-            return HFEngine(target, device=placed[0], dtype=dtype, device_map=device_map, devices=placed)
+        if settings.device_map is not None:
+            return HFEngine(target, device=placed[0], dtype=dtype, device_map=settings.device_map, devices=placed)
         return HFEngine(target, device=device, dtype=dtype)
     if name == "vllm":
         from draftfeed.consumers.engines.vllm import VLLMEngine
@@ -73,8 +56,8 @@ def load_engine(
             device=device,
             dtype=dtype,
             tensor_parallel=tensor_parallel,
-            devices=devices,
-            pipeline_parallel=pipeline_parallel,
+            devices=placed,
+            pipeline_parallel=settings.pipeline_parallel,
             expert_parallel=expert_parallel,
             nodes=nodes,
             **options,

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from torch import nn
 
-from draftfeed.consumers.config import DTYPES
 from draftfeed.consumers.engines.base import Capture, ForwardOutput, TargetShape
 from draftfeed.consumers.engines.images import accepted_image_inputs, check_image_rows, forward_images, image_forward
 from draftfeed.consumers.engines.loading import load_target, text_decoder, text_forward
 from draftfeed.consumers.engines.parallel.group import LOAD_TIMEOUT_S, join_process_group
 from draftfeed.consumers.engines.parallel.spec import ProcessPlace
+from draftfeed.consumers.settings import Dtype
 from draftfeed.contract.images import PACKED_WITH_IMAGES
 from draftfeed.contract.packing import Documents
 from draftfeed.schemas.errors import BadRequest
@@ -27,7 +27,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     choices = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in choices:
-        raise ValueError(f"--dtype {dtype!r} is not supported; choose {', '.join(DTYPES)}")
+        raise ValueError(f"--dtype {dtype!r} is not supported; choose {', '.join(get_args(Dtype))}")
     return choices[dtype]
 
 

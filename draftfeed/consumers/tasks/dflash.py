@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from draftfeed.consumers.config import DEFAULT_DRAFT_LAYERS, task_settings_problem
 from draftfeed.consumers.engines.base import Capture, Engine
+from draftfeed.consumers.settings import DEFAULT_DRAFT_LAYERS, task_settings_problem
 from draftfeed.consumers.tasks.base import Task, TaskBatch, chosen_layer_ids
 from draftfeed.consumers.tasks.eagle3 import verified_logit_transform
 from draftfeed.schemas.messages import DFlashTargetInfo, SupervisionForm, default_supervision

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from draftfeed.consumers.config import DEFAULT_DRAFT_LAYERS
 from draftfeed.consumers.engines.base import Capture, Engine
+from draftfeed.consumers.settings import DEFAULT_DRAFT_LAYERS
 from draftfeed.consumers.tasks.base import Task, TaskBatch, chosen_layer_ids
 from draftfeed.schemas.messages import DSparkTargetInfo
 

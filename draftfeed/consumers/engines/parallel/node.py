@@ -30,25 +30,18 @@ from draftfeed.consumers.engines.parallel.followers import FollowerProcesses
 from draftfeed.consumers.engines.parallel.group import interface_towards
 from draftfeed.consumers.engines.parallel.spec import FollowerSpec, Meeting, TargetSpec
 from draftfeed.consumers.nodes import NodePlan, describe_difference
+from draftfeed.consumers.settings import TargetSettings
 from draftfeed.schemas.errors import CannotServe
 
 log = logging.getLogger("draftfeed.worker")
 
 
-def serve_node(
-    nodes: NodePlan,
-    engine: str,
-    target: str,
-    dtype: str,
-    options: dict[str, Any],
-    devices: list[str],
-    plan: dict[str, Any],
-    expert_parallel: bool,
-    join_timeout_s: float,
-    on_ready: Callable[[], None] | None = None,
-) -> int:
-    """Join node 0, start this node's processes (then ``on_ready``), and serve until they end; CannotServe says why it
-    could not join, or how its processes ended."""
+def serve_node(settings: TargetSettings, plan: dict[str, Any], on_ready: Callable[[], None] | None = None) -> int:
+    """Join node 0 as the node ``settings`` place this machine at (its ``devices`` resolved), start this node's
+    processes (then ``on_ready``), and serve until they end; CannotServe says why it could not join, or how its
+    processes ended. ``plan``: what node 0 checks against its own."""
+    nodes, devices, join_timeout_s = settings.node_plan(), list(settings.devices), settings.join_timeout_s
+    assert nodes is not None and nodes.node_rank > 0, "node 0 is the worker: load_engine serves it"
     where = f"node {nodes.node_rank} of --nnodes {nodes.nnodes}"
     try:
         store = dist.TCPStore(nodes.master_host, nodes.master_port, is_master=False, timeout=timedelta(seconds=join_timeout_s))
@@ -64,7 +57,13 @@ def serve_node(
         _refuse(store, nodes, f"{where} runs another plan than node 0: {difference}; start every node with the same line but --node-rank")
     meeting = Meeting.model_validate_json(store.get(MEETING_KEY))
     interface = interface_towards(nodes.master_host)
-    built = TargetSpec(engine=engine, target=target, dtype=dtype, options=options, expert_parallel=expert_parallel)
+    built = TargetSpec(
+        engine=settings.engine,
+        target=settings.path,
+        dtype=settings.dtype,
+        options=dict(settings.engine_options),
+        expert_parallel=settings.expert_parallel,
+    )
     specs = [
         FollowerSpec(
             target=built,
