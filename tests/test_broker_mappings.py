@@ -72,7 +72,7 @@ def test_a_forgotten_rank_is_told_so_then_resyncs_fully(state, clock, caplog):
         out = state.on_tick()
     assert "broker: forgot rank r of service 'svc': silent for 3.5 s (liveness period 3.0 s)" in caplog.text
     # The worker forgets the rank first, then the mapping no one needs any more.
-    assert [type(m) for m in backend(state.ordered(out), "w1") if not m.type == "heartbeat"] == [ForgetRanks, ForgetMapping]
+    assert [type(m) for m in backend(state.notices.ordered(out), "w1") if not m.type == "heartbeat"] == [ForgetRanks, ForgetMapping]
     (told,) = only(frontend(state.on_rank_heartbeat(b"r")), ErrorReply)
     assert told.code == "forgotten" and "forgot this rank: silent for 3.5 s" in told.message
     (refused,) = frontend(submit(state, "r", 1, DIGEST_A))

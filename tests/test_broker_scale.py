@@ -53,7 +53,7 @@ class Cluster:
         for index in range(ranks):
             hello = Hello(rank=f"r{index}", service="s", data_endpoint=f"tcp://10.0.0.1:1/r{index}", window=2, host="h", pid=1)
             self.state.on_hello(f"r{index}".encode(), hello)
-        self.state.flush_notices()
+        self.state.notices.flush()
         for index in range(ranks):
             self.submit(index)
             self.submit(index)
@@ -136,7 +136,7 @@ def test_a_rank_leaving_costs_what_it_holds_not_the_cluster(small, large):
     for cluster, rank in ((small, 11), (large, 11)):
         served = len(cluster.state.ranks[f"r{rank}".encode()].workers_served)
         costs.append((calls(lambda c=cluster, r=rank: c.state.on_rank_bye(f"r{r}".encode())), served))
-        cluster.state.flush_notices()
+        cluster.state.notices.flush()
     (few, few_served), (many, many_served) = costs
     assert many <= (few / max(few_served, 1)) * max(many_served, 1) * 1.5 + 50, (costs,)
 
@@ -152,7 +152,7 @@ def test_departures_tell_each_peer_in_one_message():
     out = []
     for index in range(1_000):
         out += state.on_rank_bye(f"r{index}".encode())
-    out = state.ordered(out + state.flush_notices())
+    out = state.notices.ordered(out + state.notices.flush())
     forgets = [(item.peer, unpack(item.frames, BACKEND_OUTBOUND)[0]) for item in out if item.side == "backend"]
     forgets = [(peer, message) for peer, message in forgets if isinstance(message, ForgetRanks)]
     named: dict[bytes, list[str]] = {}

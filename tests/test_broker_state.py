@@ -66,7 +66,7 @@ def test_ranks_a_worker_served_are_told_it_is_gone_and_pairs_show_in_status(stat
     pair = PairStatus(rank="r1", plane="gloo", state="ready", reason="the worker asked for gloo", generation=0, sent_over_pair=3)
     state.on_worker_heartbeat(b"w1", WorkerHeartbeat(pairs=[pair], pair_count=1))
     assert state.status()["services"]["svc"]["workers"][0]["pairs"] == [pair.model_dump(mode="json")]
-    out = state.ordered(state.on_worker_bye(b"w1"))
+    out = state.notices.ordered(state.on_worker_bye(b"w1"))
     # Only the rank it served hears of it (r2 never had a pair with it).
     told = [(i.peer, m) for i in out if i.side == "frontend" and isinstance(m := unpack(i.frames, FRONTEND_OUTBOUND)[0], WorkersGone)]
     assert told == [(b"r1", WorkersGone(workers=["w1"]))]

@@ -221,7 +221,7 @@ class Broker:
             except Exception:  # a bug must not take the broker down with every rank's batches
                 log.exception("broker: error handling a message from %r", peer)
         self._send(out)
-        self._send(self.state.flush_notices())
+        self._send(self.state.notices.flush())
         return read
 
     def _on_frontend(self, peer: bytes, body: list[Any], key: str | None) -> list[Outgoing]:

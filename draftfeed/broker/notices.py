@@ -65,6 +65,8 @@ class Notices:
     def flush(self, tick: bool = False) -> list[Outgoing]:
         """What waits: each peer's notices, and the changed services' counts to their ranks (on a ``tick``; the ones
         to or from zero always)."""
+        if not self and not tick:
+            return []
         out: list[Outgoing] = []
         for worker in list(self._forget):
             out.extend(self.take("backend", worker))
@@ -77,6 +79,17 @@ class Notices:
             message = ServiceWorkers(service=service.name, workers=service.ready_workers)
             out.extend(to_rank(rank, message) for rank in service.ranks)
         return out
+
+    def ordered(self, out: list[Outgoing]) -> list[Outgoing]:
+        """``out`` as it goes on the wire: each peer's waiting notices before the next message to it, then what is
+        left of them (the broker sends so, and ``flush`` after each batch)."""
+        if not self:
+            return out
+        ordered: list[Outgoing] = []
+        for item in out:
+            ordered.extend(self.take(item.side, item.peer))
+            ordered.append(item)
+        return ordered + self.flush()
 
 
 def _chunked(items: list, make: Callable[[list], Outgoing]) -> list[Outgoing]:

@@ -30,22 +30,22 @@ said in one message per peer. Only the heartbeat tick visits every peer, to send
 from __future__ import annotations
 
 import logging
-import sys
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from draftfeed.broker import links
 from draftfeed.broker.admission import refuse_hello, refuse_registration, refuse_submit
 from draftfeed.broker.delivery import Delivery
 from draftfeed.broker.mappings import MappingTable
 from draftfeed.broker.notices import Notices
 from draftfeed.broker.ranks import RankBook, worker_keys
-from draftfeed.broker.records import Outgoing, PairRecord, ServiceRecord, WorkerRecord, to_rank, to_worker
+from draftfeed.broker.records import Outgoing, ServiceRecord, to_rank, to_worker
 from draftfeed.broker.scheduler import Scheduler
 from draftfeed.broker.settings import BrokerSettings
-from draftfeed.broker.status import THROUGHPUT_WINDOW_S, status_document, status_page
+from draftfeed.broker.status import THROUGHPUT_WINDOW_S, broker_summary, status_document, status_page
 from draftfeed.broker.workers import WorkerBook, model_info_reply
 from draftfeed.schemas.errors import MalformedMessage
 from draftfeed.schemas.frames import pack
@@ -58,7 +58,6 @@ from draftfeed.schemas.messages import (
     Heartbeat,
     Hello,
     ModelInfoQuery,
-    RankAddress,
     Register,
     Registered,
     SetVocabMapping,
@@ -71,6 +70,8 @@ from draftfeed.schemas.messages import (
 from draftfeed.schemas.tensor_specs import check_frames
 
 log = logging.getLogger("draftfeed.broker")
+# what the status' counters count
+COUNTERS = ("workers_expired", "ranks_expired", "requeued", "workers_refused", "mappings_resent", "requests_failed")
 
 
 class BrokerState:
@@ -93,14 +94,7 @@ class BrokerState:
         self.mappings = MappingTable(self.workers)
         self.scheduler = Scheduler(self.mappings)
         self.notices = Notices()  # what departures and arrivals tell other peers, said at the next flush
-        self.counters = {
-            "workers_expired": 0,
-            "ranks_expired": 0,
-            "requeued": 0,
-            "workers_refused": 0,
-            "mappings_resent": 0,
-            "requests_failed": 0,
-        }
+        self.counters = dict.fromkeys(COUNTERS, 0)
         self.delivery = Delivery(self.settings, self.mappings, self.scheduler, self.counters, clock)
         self.requeues: Counter[str] = self.delivery.requeues  # why requests went back to the queue (delivery.py)
         # Messages refused before any handler took them, by reason (malformed, wrong_port, protocol_version; their sum
@@ -203,14 +197,7 @@ class BrokerState:
         rank.parked.clear()
         self.notices.drop_rank(peer)
         out: list[Outgoing] = []
-        address = RankAddress(rank=rank.hello.rank, data_endpoint=rank.hello.data_endpoint)
-        for worker_peer in rank.workers_served:
-            worker = self.workers.get(worker_peer)
-            if worker is not None:
-                worker.ranks_served.discard(peer)
-                worker.pairs.pop(rank.hello.rank, None)
-                self.notices.forget_rank(worker_peer, address)
-        rank.workers_served.clear()
+        links.release_rank(rank, self.workers, self.notices)
         computing = {pending.worker for pending in rank.requests.values() if pending.worker is not None}
         for worker_peer in computing:
             out.extend(self.notices.take("backend", worker_peer))
@@ -253,18 +240,11 @@ class BrokerState:
         return out + self.scheduler.dispatch(service)
 
     def on_worker_heartbeat(self, peer: bytes, heartbeat: WorkerHeartbeat) -> list[Outgoing]:
-        """Its stats, and the pairs whose status changed (a pair of a rank the broker does not know is not kept)."""
+        """Its stats, and the pairs whose status changed (links.py)."""
         worker, out = self.worker_book.known(peer)
         if worker is not None:
             worker.rank_links, worker.mappings_held, worker.pair_count = heartbeat.rank_links, heartbeat.mappings, heartbeat.pair_count
-            for pair in heartbeat.pairs:
-                rank = self.ranks.get(pair.rank.encode())
-                if rank is None:
-                    continue  # a rank the broker forgot: the worker hears so, and drops the pair
-                worker.pairs[sys.intern(pair.rank)] = PairRecord.of(pair)
-                if rank.peer not in worker.ranks_served:  # it holds a link to the rank: it hears when the rank goes
-                    worker.ranks_served.add(rank.peer)
-                    rank.workers_served.add(worker.peer)
+            links.record_pairs(worker, heartbeat, self.ranks)
         return out
 
     def on_computing(self, peer: bytes, computing: Computing) -> list[Outgoing]:
@@ -328,8 +308,7 @@ class BrokerState:
         service.in_flight -= len(requeued)
         self.mappings.worker_left(worker)
         self.notices.drop_worker(peer)
-        # Ranks it served release their pair groups with it (docs/data-planes.md).
-        self._ranks_forget_worker(worker)
+        links.release_worker(worker, self.ranks, self.notices)
         out: list[Outgoing] = []
         if worker.key is not None:
             out.extend(self.rank_book.announce_worker_keys(service))
@@ -337,15 +316,6 @@ class BrokerState:
         out.extend(self.delivery.requeue(requeued, service))
         self._drop_if_unused(service)
         return out
-
-    def _ranks_forget_worker(self, worker: WorkerRecord) -> None:
-        for rank_peer in worker.ranks_served:
-            rank = self.ranks.get(rank_peer)
-            if rank is not None:
-                rank.workers_served.discard(worker.peer)
-                self.notices.worker_gone(rank_peer, worker.name)
-        worker.ranks_served.clear()
-        worker.pairs.clear()
 
     # ------------------------------------------------------------ time
     def on_tick(self) -> list[Outgoing]:
@@ -368,21 +338,6 @@ class BrokerState:
                 service.completions.popleft()
         return out + self.notices.flush(tick=True)
 
-    def flush_notices(self) -> list[Outgoing]:
-        """What has gathered for peers since the last flush (notices.py); the broker sends it after each batch."""
-        return self.notices.flush() if self.notices else []
-
-    def ordered(self, out: list[Outgoing]) -> list[Outgoing]:
-        """``out`` as it goes on the wire: each peer's waiting notices before the next message to it, then what is
-        left of them (the broker sends ``out`` so, and ``flush_notices`` after each batch)."""
-        if not self.notices:
-            return out
-        ordered: list[Outgoing] = []
-        for item in out:
-            ordered.extend(self.notices.take(item.side, item.peer))
-            ordered.append(item)
-        return ordered + self.notices.flush()
-
     def start_draining(self) -> None:
         """Dispatch nothing more; what workers hold still completes."""
         self.scheduler.draining = True
@@ -402,25 +357,7 @@ class BrokerState:
     def status(self, query: StatusQuery | None = None) -> dict[str, Any]:
         """The status document: whole (for the metrics endpoint, in process), or one page of it for ``query``, which
         fits one reply however many peers there are (status.py)."""
-        broker = self._broker_status()
+        broker = broker_summary(self)
         if query is None:
             return status_document(broker, self.clock(), self.services, self.ranks)
         return status_page(broker, self.clock(), self.services, self.ranks, query)
-
-    def _broker_status(self) -> dict[str, Any]:
-        now = self.clock()
-        broker = {
-            "broker": self.name,
-            "instance": self.instance,
-            "uptime_s": round(now - self.started_at, 3),
-            "draining": self.draining,
-            "liveness_s": self.settings.liveness_s,
-            "counters": {**self.counters, "rejected_messages": sum(self.rejections.values())},
-            "requeues": dict(self.requeues),
-            "rejections": dict(self.rejections),
-            "refusals": dict(self.refusals),
-            "dispatched": self.scheduler.dispatched,
-            "rank_count": len(self.ranks),
-            "worker_count": len(self.workers),
-        }
-        return broker

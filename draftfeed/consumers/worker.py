@@ -31,16 +31,15 @@ import zmq
 
 from draftfeed.consumers.answer_delivery import AnswerDelivery, Outcome, Refused, Undelivered
 from draftfeed.consumers.broker_link import BrokerLink
-from draftfeed.consumers.engines.base import RETRYABLE_ERRORS, EngineLost, image_policy
+from draftfeed.consumers.computation import Computation
+from draftfeed.consumers.engines.base import RETRYABLE_ERRORS, EngineLost
 from draftfeed.consumers.mappings import MissingMapping, WorkerMappings
 from draftfeed.consumers.pair_planes import PairPlanes
 from draftfeed.consumers.pair_report import PairReport
 from draftfeed.consumers.settings import WorkerSettings
 from draftfeed.consumers.tasks.base import Task
-from draftfeed.consumers.validation import image_tensors, validate_batch
 from draftfeed.consumers.worker_session import RESET, STOP, Inbox
 from draftfeed.dataplane.choice import local_offer
-from draftfeed.dataplane.frames.codec import decode_tensors
 from draftfeed.dataplane.frames.worker import RankLinks, SendResult
 from draftfeed.net import close_quietly, host_identity, send_to_thread
 from draftfeed.observe.worker_metrics import WorkerMetrics
@@ -67,6 +66,7 @@ class Worker:
         self.service = settings.service_name
         self.name = settings.name or f"{host_identity()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._mappings = WorkerMappings(task.shape.vocab_size, task.engine.device)
+        self._computation = Computation(task, self._mappings, self.name, self.service, settings.max_request_bytes, self.max_seq_len)
         self._queue: deque[_Queued] = deque()
         self._stop = threading.Event()
         self._delivery: AnswerDelivery | None = None
@@ -293,7 +293,7 @@ class Worker:
         self._announced = None
         started = time.perf_counter()
         try:
-            tensors = self._compute(dispatch, tensor_frames)
+            tensors = self._computation.compute(dispatch, tensor_frames)
             self.metrics.computed(time.perf_counter() - started)
         except MissingMapping as exc:
             log.info(
@@ -339,33 +339,3 @@ class Worker:
             self.served += 1
             self.metrics.delivered(outcome.plane, outcome.nbytes)
         return Done(ticket=dispatch.ticket, outcome="served" if ok else "failed")
-
-    def _compute(self, dispatch: Dispatch, tensor_frames: list[Any]) -> dict[str, torch.Tensor]:
-        request = dispatch.request
-        if dispatch.service != self.service:
-            raise BadRequest(f"worker {self.name} serves {self.service!r}, not {dispatch.service!r}")
-        tensors = decode_tensors(request.tensors, tensor_frames, max_message_bytes=self.settings.max_request_bytes)
-        if request.kind == self.task.name:
-            accepted, refusal = image_policy(self.task.engine)
-            documents = validate_batch(tensors, self.task.shape.vocab_size, self.max_seq_len, accepted, refusal)
-            vocab = self._mappings.get(request.mapping_digest)
-            images = image_tensors(tensors) or None
-            return self.task.compute(tensors["input_ids"], tensors["attention_mask"], tensors["loss_mask"], vocab, documents, images=images)
-        if request.kind == "input_embeddings":
-            return {"weight": self.task.engine.input_embeddings()}
-        if request.kind == "output_embeddings":
-            return {"weight": self._output_embedding_rows(tensors.get("rows"))}
-        raise BadRequest(
-            f"worker {self.name} serves {self.task.name} supervision, not {request.kind}: "
-            f"connect a Remote{'Eagle3' if request.kind == 'eagle3' else 'DSpark'}Target to a {request.kind} service"
-        )
-
-    def _output_embedding_rows(self, rows: torch.Tensor | None) -> torch.Tensor:
-        """The lm_head weight, or only the given rows (the draft vocab's, for the compact EAGLE-3 form)."""
-        weight = self.task.engine.output_embeddings()
-        if rows is None:
-            return weight
-        vocab = self.task.shape.vocab_size
-        if rows.dtype != torch.int64 or rows.dim() != 1 or (rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= vocab)):
-            raise BadRequest(f"rows must be a 1-D int64 tensor of ids in [0, {vocab})")
-        return weight.index_select(0, rows.to(weight.device))

@@ -36,6 +36,7 @@ from draftfeed.integrations.nemo.wrappers import (
     DraftfeedVispecTarget,
     DraftfeedWrapper,
 )
+from draftfeed.schemas.messages import CLIENTS
 
 log = logging.getLogger("draftfeed.nemo")
 
@@ -49,7 +50,6 @@ RECIPE_TASKS = (
     ("train_vispec", "TrainVispecRecipe", "vispec"),
     ("train_dspark", "TrainDSparkRecipe", "dspark"),
 )
-CLIENTS = {"dflash": "RemoteDFlashTarget", "eagle": "RemoteEagleTarget", "vispec": "RemoteVispecTarget", "dspark": "RemoteDSparkTarget"}
 SPECULATIVE = "nemo_automodel.components.speculative"
 WRAPPERS = (
     (f"{SPECULATIVE}.dflash.target", "HFDFlashTargetModel", DraftfeedDFlashTarget),

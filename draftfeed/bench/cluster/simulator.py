@@ -1,24 +1,5 @@
-"""Simulated ranks and workers speaking the real protocol to a real broker, for ``draftfeed bench --scenario cluster``
-and the cluster tests: raw pyzmq, each message built and parsed with ``draftfeed.schemas``, one DEALER per peer.
-
-A simulated worker registers, takes dispatches, "computes" each for ``compute_ms`` (one at a time, its queue FIFO,
-as a worker does), answers ``done`` (naming the ticket it computes next) and heartbeats once per interval as
-draftfeed's worker does (its pairs as changes: each rank's pair once, then a few in turn). A simulated rank says
-hello, keeps ``prefetch`` requests in flight, and heartbeats once per interval; the answer to its request is
-in-process (the worker marks it done), so only the broker's work is measured. No torch: the request's tensors are
-three small int64 frames, as a batch's token tensors are.
-
-The simulator is one thread that must outrun the broker: it waits on its sockets' file descriptors with epoll
-(O(sockets ready), where a zmq poll over a thousand sockets is O(all of them) each turn), and on the hot path it
-writes ``submit`` and ``done`` headers from templates the schemas made and reads a dispatch's rank, ticket and
-request id with ``json.loads``; everything else is built and parsed with ``draftfeed.schemas``.
-
-What is measured (``ClusterRun``): requests completed per second against the ideal (workers / compute time),
-how long a request waits at the broker before a credit frees (queueing, which Little's law fixes) and how long the
-broker takes to hand it out once it can (from the later of its submit and the ``done`` that freed the credit, to the
-dispatch at the worker: the broker's own latency), every request dispatched once and each rank's in order, and
-every error or ``forgotten`` a peer heard.
-"""
+"""The simulated ranks and workers of the cluster scenario, one thread over epoll (the package's docstring says how
+and what they measure)."""
 
 from __future__ import annotations
 
@@ -32,10 +13,11 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import zmq
 
+from draftfeed.bench.cluster.load import ClusterRun, Load
 from draftfeed.consumers.pair_report import REFRESH_PER_BEAT
 from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import (
@@ -50,7 +32,6 @@ from draftfeed.schemas.messages import (
     ForgetRanks,
     Heartbeat,
     Hello,
-    Liveness,
     PairStatus,
     Register,
     Registered,
@@ -60,10 +41,8 @@ from draftfeed.schemas.messages import (
     WorkerHeartbeat,
 )
 from draftfeed.schemas.protocol import PAIRS_PER_BEAT, SIGNATURE
-from draftfeed.schemas.settings import Settings, setting
 
 SERVICE = "cluster"
-PEERS_PER_PROCESS = 4000
 INFO = Eagle3TargetInfo(num_hidden_layers=32, hidden_size=4096, vocab_size=128256, aux_layer_ids=[1, 15, 28])
 TOKENS = 16
 SPECS = [TensorSpec(name=name, dtype="int64", shape=[1, TOKENS]) for name in ("input_ids", "attention_mask", "loss_mask")]
@@ -83,43 +62,6 @@ _MARK = 987654321  # a number no real field holds, to find each slot
 SUBMIT = _template(Submit(request_id=_MARK, kind="eagle3", token=_MARK + 1, tensors=SPECS), request_id=_MARK, token=_MARK + 1)
 DONE = _template(Done(ticket=_MARK, outcome="served"), ticket=_MARK)
 DONE_NEXT = _template(Done(ticket=_MARK, outcome="served", next_ticket=_MARK + 1), ticket=_MARK, next_ticket=_MARK + 1)
-
-
-class Load(Settings):
-    """The simulated cluster: how many peers, how fast its workers, how long the run. ``draftfeed bench --scenario
-    cluster`` makes a flag of each field (launch/flags.py)."""
-
-    GROUP: ClassVar[str] = "the cluster scenario"
-
-    ranks: int = setting(1000, "cluster scenario: simulated training ranks")
-    workers: int = setting(256, "cluster scenario: simulated workers")
-    compute_ms: float = setting(60.0, "cluster scenario: milliseconds a simulated worker computes a request")
-    prefetch: int = setting(2, "cluster scenario: requests each rank keeps in flight (its prefetch_depth)")
-    capacity: int = setting(2, "cluster scenario: requests each worker holds (its --capacity)")
-    warmup_s: float = setting(5.0, "cluster scenario: seconds served before measuring")
-    measure_s: float = setting(20.0, "cluster scenario: seconds measured")
-    processes: int = setting(
-        0, "cluster scenario: simulator processes, each with its share of the peers as a service of its own (0: one per 4,000 peers)"
-    )
-    heartbeat_s: float = setting(1.0, "cluster scenario: the broker's --heartbeat-interval, which the peers keep", flag="--heartbeat-interval")
-
-    @property
-    def ideal_per_s(self) -> float:
-        return self.workers / (self.compute_ms / 1000)
-
-    def parts(self) -> list[Load]:
-        """The loads of the simulator processes: a process's file descriptors (two a socket) bound its peers."""
-        count = self.processes or max(1, math.ceil((self.ranks + self.workers) / PEERS_PER_PROCESS))
-        return [
-            self.model_copy(
-                update={
-                    "ranks": self.ranks // count + (part < self.ranks % count),
-                    "workers": self.workers // count + (part < self.workers % count),
-                    "processes": 1,
-                }
-            )
-            for part in range(count)
-        ]
 
 
 @dataclass(frozen=True)
@@ -149,77 +91,6 @@ class _Rank:
     next_id: int = 0
     sent_at: dict[int, float] = field(default_factory=dict)  # request id -> when submitted
     dispatches: list[tuple[int, int]] = field(default_factory=list)  # (ticket, request id) of each dispatch
-
-
-@dataclass
-class ClusterRun:
-    """What a run measured; ``report()`` is its JSON."""
-
-    load: Load
-    completed: int = 0
-    measured_s: float = 0.0
-    waits_s: list[float] = field(default_factory=list)  # submit to dispatch at the worker
-    dispatch_s: list[float] = field(default_factory=list)  # the broker's own: from when it could, to the dispatch
-    duplicates: int = 0
-    out_of_order: int = 0
-    errors: dict[str, int] = field(default_factory=dict)
-    worker_heartbeat_bytes: int = 0  # the largest heartbeat header a worker sent
-    simulator_cpu_s: float = 0.0
-    submitted: int = 0
-    dispatched: int = 0
-    answered: int = 0
-
-    def report(self, samples: bool = False) -> dict[str, Any]:
-        """Its numbers; with ``samples`` the latencies themselves too (for ``merge``)."""
-        return {
-            "rate_per_s": self.completed / self.measured_s if self.measured_s else 0.0,
-            "ideal_per_s": self.load.ideal_per_s,
-            "wait_p50_ms": _percentile(self.waits_s, 50) * 1000,
-            "wait_p99_ms": _percentile(self.waits_s, 99) * 1000,
-            "dispatch_p50_ms": _percentile(self.dispatch_s, 50) * 1000,
-            "dispatch_p99_ms": _percentile(self.dispatch_s, 99) * 1000,
-            **({"waits_s": self.waits_s, "dispatch_s": self.dispatch_s} if samples else {}),
-            "duplicates": self.duplicates,
-            "out_of_order": self.out_of_order,
-            "errors": self.errors,
-            "worker_heartbeat_bytes": self.worker_heartbeat_bytes,
-            "simulator_cpu_s": self.simulator_cpu_s,
-            "measured_s": self.measured_s,
-            "completed": self.completed,
-            "submitted": self.submitted,
-            "dispatched": self.dispatched,
-            "answered": self.answered,
-        }
-
-
-def merge(reports: list[dict[str, Any]], load: Load) -> dict[str, Any]:
-    """One report of the simulator processes' (each made with ``samples``): counts and rates added, latencies
-    taken over every process's samples."""
-    waits = [value for report in reports for value in report["waits_s"]]
-    dispatches = [value for report in reports for value in report["dispatch_s"]]
-    errors: dict[str, int] = {}
-    for report in reports:
-        for key, count in report["errors"].items():
-            errors[key] = errors.get(key, 0) + count
-    added = ("rate_per_s", "duplicates", "out_of_order", "simulator_cpu_s", "completed", "submitted", "dispatched", "answered")
-    return {
-        **{key: sum(report[key] for report in reports) for key in added},
-        "ideal_per_s": load.ideal_per_s,
-        "wait_p50_ms": _percentile(waits, 50) * 1000,
-        "wait_p99_ms": _percentile(waits, 99) * 1000,
-        "dispatch_p50_ms": _percentile(dispatches, 50) * 1000,
-        "dispatch_p99_ms": _percentile(dispatches, 99) * 1000,
-        "errors": errors,
-        "worker_heartbeat_bytes": max(report["worker_heartbeat_bytes"] for report in reports),
-        "measured_s": max(report["measured_s"] for report in reports),
-    }
-
-
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))]
 
 
 class SimulatedCluster:
@@ -500,123 +371,3 @@ class SimulatedCluster:
 
     def _error(self, key: str) -> None:
         self.run_stats.errors[key] = self.run_stats.errors.get(key, 0) + 1
-
-
-def forward(heartbeat_s: float = 1.0) -> None:
-    """A broker with no policy for the simulated cluster, in raw pyzmq: the baseline the broker's CPU per request is
-    measured against in the same run. It answers hellos and registrations, hands each submit to a worker of its
-    service with a free credit (in turn; a FIFO when none is free), takes each done's credit back, heartbeats every
-    peer once per interval, and reads nothing of any message but its type and the few fields it routes by. It
-    prints its endpoints, then serves until every peer it knew said bye."""
-    context = zmq.Context()
-    frontend, backend = context.socket(zmq.ROUTER), context.socket(zmq.ROUTER)
-    for sock in (frontend, backend):
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-    host = "tcp://127.0.0.1"
-    print(
-        json.dumps({"frontend": f"{host}:{frontend.bind_to_random_port(host)}", "backend": f"{host}:{backend.bind_to_random_port(host)}"}), flush=True
-    )
-    welcome = pack(Welcome(broker="forwarder", instance="forwarder", services={}, liveness=_LIVENESS))[1]
-    registered = pack(Registered(broker="forwarder", instance="forwarder", liveness=_LIVENESS))[1]
-    beat = pack(Heartbeat(instance="forwarder"))[1]
-    ranks: dict[bytes, tuple[str, bytes]] = {}  # rank -> its service, its part of a dispatch header
-    workers: dict[bytes, str] = {}  # worker -> its service
-    free: dict[str, deque[bytes]] = {}  # service -> one entry per free credit
-    waiting: dict[str, deque[tuple[bytes, bytes, list]]] = {}  # service -> (rank, submit header, tensor frames)
-    tickets = itertools.count()
-    poller = zmq.Poller()
-    poller.register(frontend, zmq.POLLIN)
-    poller.register(backend, zmq.POLLIN)
-    next_beat, seen_any = time.monotonic() + heartbeat_s, False
-
-    def dispatch(worker: bytes, rank: bytes, header: bytes, tensors: list) -> None:
-        head = b'{"type":"dispatch","ticket":%d,%s,"request":%s}' % (next(tickets), ranks[rank][1], header)
-        backend.send_multipart([worker, SIGNATURE, head, *tensors])
-
-    def on_rank(peer: bytes, kind: bytes, header: bytes, tensors: list) -> None:
-        nonlocal seen_any
-        if kind == b"submit":
-            service = ranks[peer][0]
-            if free.get(service):
-                dispatch(free[service].popleft(), peer, header, tensors)
-            else:
-                waiting.setdefault(service, deque()).append((peer, header, tensors))
-        elif kind == b"hello":
-            fields = json.loads(header)
-            names = (fields["rank"].encode(), fields["data_endpoint"].encode(), fields["service"].encode())
-            ranks[peer] = (fields["service"], b'"rank":"%s","data_endpoint":"%s","service":"%s"' % names)
-            frontend.send_multipart([peer, SIGNATURE, welcome])
-            seen_any = True
-        elif kind == b"bye":
-            ranks.pop(peer, None)
-
-    def on_worker(peer: bytes, kind: bytes, header: bytes) -> None:
-        if kind == b"done":
-            service = workers[peer]
-            if waiting.get(service):
-                dispatch(peer, *waiting[service].popleft())
-            else:
-                free.setdefault(service, deque()).append(peer)
-        elif kind == b"register":
-            fields = json.loads(header)
-            service = workers[peer] = fields["service"]
-            credits = free.setdefault(service, deque())
-            credits.extend([peer] * fields["capacity"])
-            backend.send_multipart([peer, SIGNATURE, registered])
-            queued = waiting.get(service, deque())
-            while queued and credits:
-                dispatch(credits.popleft(), *queued.popleft())
-        elif kind == b"bye":
-            workers.pop(peer, None)
-
-    while not seen_any or ranks or workers:
-        for sock, _event in poller.poll(100):
-            while sock.get(zmq.EVENTS) & zmq.POLLIN:
-                peer, _signature, header, *tensors = sock.recv_multipart(copy=False)
-                peer, header = peer.bytes, header.bytes
-                kind = header[9 : header.find(b'"', 9)]
-                if sock is frontend:
-                    on_rank(peer, kind, header, tensors)
-                else:
-                    on_worker(peer, kind, header)
-        if time.monotonic() >= next_beat:
-            next_beat = time.monotonic() + heartbeat_s
-            for rank in ranks:
-                frontend.send_multipart([rank, SIGNATURE, beat])
-            for worker in workers:
-                backend.send_multipart([worker, SIGNATURE, beat])
-    frontend.close(0)
-    backend.close(0)
-    context.term()
-
-
-_LIVENESS = Liveness(heartbeat_interval_s=1.0, liveness=5)
-
-
-def main() -> None:
-    """``python -m draftfeed.bench.cluster simulate FRONTEND BACKEND LOAD_JSON PART``: start (and say so on a line),
-    run once a line comes on stdin, leave, and print the report's JSON with its samples; ``python -m
-    draftfeed.bench.cluster forward``: the policy-free forwarder."""
-    import sys
-
-    command, *args = sys.argv[1:]
-    if command == "forward":
-        forward(float(args[0]) if args else 1.0)
-        return
-    frontend, backend, load_json, part = args
-    cluster = SimulatedCluster(frontend, backend, Load.model_validate_json(load_json), int(part))
-    try:
-        cluster.start()
-        print(json.dumps({"started": True}), flush=True)
-        cluster.keep_alive(until=sys.stdin)  # go: every process has started
-        run = cluster.run()
-        cluster.leave()
-        print(json.dumps(run.report(samples=True)), flush=True)
-    finally:
-        cluster.close()
-
-
-if __name__ == "__main__":
-    main()

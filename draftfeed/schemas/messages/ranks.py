@@ -1,0 +1,145 @@
+"""The messages between a rank and the broker's frontend: hello, submit, vocab mapping, model info and status queries
+one way; welcome, acknowledgements, replies and notices the other.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from draftfeed.schemas.messages.common import (
+    DataPlaneOffer,
+    Liveness,
+    LogitTransform,
+    MappingDigest,
+    Name,
+    PublicKey,
+    RequestId,
+    Strict,
+    SubmitKind,
+    SupervisionForm,
+    TaskName,
+    TensorSpec,
+    Token,
+)
+from draftfeed.schemas.messages.target_info import TargetInfo
+from draftfeed.schemas.protocol import MAX_NOTICES
+
+
+class Hello(Strict):
+    """A training rank announces itself: where its data socket listens and how many batches it keeps in flight."""
+
+    type: Literal["hello"] = "hello"
+    rank: Name
+    service: Name
+    data_endpoint: Name
+    window: Annotated[int, Field(ge=1, le=1024)]
+    host: Name
+    pid: Annotated[int, Field(ge=0)]
+    task: TaskName = "eagle3"
+    # The target this rank checked (model_info / check_target_info): the broker pins the service to it and
+    # refuses workers that differ, also after a broker restart.
+    expect: TargetInfo | None = None
+    data_plane: DataPlaneOffer | None = None  # None: frames only
+    # The largest answer this rank takes (all tensors of one result); a worker answers a bigger one with a failure.
+    max_result_bytes: Annotated[int, Field(gt=0)] | None = None
+
+
+class Submit(Strict):
+    """One request: a batch to supervise (kind eagle3) or a one-off fetch (input_embeddings)."""
+
+    type: Literal["submit"] = "submit"
+    request_id: RequestId
+    kind: SubmitKind
+    # A random number the rank checks on the answer: a result that does not echo it is not for this request.
+    token: Token = 0
+    # The vocab mapping this batch is computed with (an EAGLE-3 rank that set one); None: the identity. A broker
+    # or worker that does not hold it never computes the batch without it (docs/protocol.md, "Vocab mappings").
+    mapping_digest: MappingDigest | None = None
+    tensors: list[TensorSpec] = Field(default_factory=list, max_length=8)
+
+
+class SetVocabMapping(Strict):
+    """The rank's draft vocabulary: tensors selected_token_ids [Vd] int64 and selected_token_mask [V] bool."""
+
+    type: Literal["set_vocab_mapping"] = "set_vocab_mapping"
+    request_id: RequestId
+    digest: MappingDigest
+    tensors: list[TensorSpec] = Field(max_length=2)
+
+
+class ModelInfoQuery(Strict):
+    type: Literal["model_info"] = "model_info"
+    request_id: RequestId
+
+
+class StatusQuery(Strict):
+    """One page of the broker's status document: its totals and services always; its workers from ``workers_from``
+    and its ranks from ``ranks_from``, as many as fit one reply (``status["page"]`` says where the next page starts);
+    each worker's pairs when ``pairs``. ``summary``: the totals and services only."""
+
+    type: Literal["status"] = "status"
+    request_id: RequestId
+    workers_from: Annotated[int, Field(ge=0)] = 0
+    ranks_from: Annotated[int, Field(ge=0)] = 0
+    pairs: bool = False
+    summary: bool = False
+
+
+class Welcome(Strict):
+    type: Literal["welcome"] = "welcome"
+    broker: Name
+    instance: Name
+    # True: this broker instance already held this rank (its requests, its mapping) and keeps it. False: it holds
+    # nothing of this rank (new, restarted, or it forgot the rank): the rank sends its mappings, then every
+    # unanswered request, again.
+    resumed: bool = False
+    services: dict[Name, Annotated[int, Field(ge=0)]]  # every service it knows, with its ready workers
+    liveness: Liveness
+    # On a secure broker: the public keys of the workers of the rank's service, which the rank's data socket admits.
+    worker_keys: list[PublicKey] = Field(default_factory=list, max_length=4096)
+
+
+class ServiceWorkers(Strict):
+    """The number of ready workers of this rank's service changed (a worker registered, left, died or drains)."""
+
+    type: Literal["service_workers"] = "service_workers"
+    service: Name
+    workers: Annotated[int, Field(ge=0)]
+
+
+class WorkerKeys(Strict):
+    """On a secure broker: the public keys of the workers of this rank's service, after each change."""
+
+    type: Literal["worker_keys"] = "worker_keys"
+    keys: list[PublicKey] = Field(max_length=4096)
+
+
+class Ack(Strict):
+    type: Literal["ack"] = "ack"
+    request_id: RequestId
+
+
+class ModelInfoReply(Strict):
+    type: Literal["model_info_reply"] = "model_info_reply"
+    request_id: RequestId
+    info: TargetInfo
+    workers: list[str] = Field(default_factory=list)
+    supervision: list[SupervisionForm] = Field(default_factory=list)  # the forms the service's workers send
+    logit_transform: LogitTransform | None = None
+    max_positions: Annotated[int, Field(gt=0)] | None = None  # the longest row the service's workers take
+
+
+class StatusReply(Strict):
+    type: Literal["status_reply"] = "status_reply"
+    request_id: RequestId
+    status: dict
+
+
+class WorkersGone(Strict):
+    """Workers that served this rank left or were found dead: the rank releases its pair groups with them. The
+    broker gathers what it has to say to one rank and says it in one message (at most ``MAX_NOTICES`` names)."""
+
+    type: Literal["workers_gone"] = "workers_gone"
+    workers: list[Name] = Field(min_length=1, max_length=MAX_NOTICES)
