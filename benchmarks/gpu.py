@@ -181,12 +181,12 @@ with RemoteEagle3Target(frontend, "gpu", prefetch_depth=2) as target:
 
 
 def pipeline_rate(target: Path, device: torch.device, seq: int, form: str, count: int, forward_s: float) -> dict:
-    from draftfeed.launch import processes
+    from draftfeed.processes import commands
 
     env = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
-    broker = processes.start_broker(extra=["--log-level", "WARNING"])
+    broker = commands.start_broker(extra=["--log-level", "WARNING"])
     try:
-        worker = processes.start_worker(
+        worker = commands.start_worker(
             broker.ready["backend"],
             str(target),
             "--service",

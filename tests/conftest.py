@@ -15,8 +15,9 @@ import pytest
 import torch
 import zmq
 from reference import assert_supervision_equal, make_batch, reference_dspark, reference_eagle3, zero_padding  # noqa: F401 (shared with the tests)
+from support import preload
 
-from draftfeed.launch import processes
+from draftfeed.processes import commands
 
 TESTS_DIR = str(Path(__file__).parent)
 # One thread per worker (two cores here); tests/ on the path for the fake engines.
@@ -26,8 +27,8 @@ WORKER_ENV = {"OMP_NUM_THREADS": str(THREADS), "PYTHONPATH": os.pathsep.join(fil
 # device and threads, and on some CPUs (AMD EPYC among them) a matmul's result changes with the number of threads.
 torch.set_num_threads(THREADS)
 # Workers and rank processes are forked from a process that has imported torch and transformers once
-# (draftfeed/launch/preload.py): about 3.8 s of CPU less per start, which is most of what the suite spends.
-processes.use_preloaded_starts()
+# (tests/support/preload.py): about 3.8 s of CPU less per start, which is most of what the suite spends.
+preload.use_preloaded_starts()
 # Fault tests run with a short liveness period: 0.2 s heartbeats, dead after 8 missed (1.6 s). 5 (1 s) was seen to
 # expire a live rank and worker on CI, whose 2 cores also run the vllm tests beside the main suite.
 FAST_LIVENESS = ["--heartbeat-interval", "0.2", "--liveness", "8"]
@@ -66,15 +67,15 @@ class Cluster:
 
     def __init__(self, *broker_args: str) -> None:
         self.broker_args = list(broker_args)
-        self.broker = processes.start_broker(extra=self.broker_args)
-        self.workers: list[processes.Process] = []
-        self.others: list[processes.Process] = []
+        self.broker = commands.start_broker(extra=self.broker_args)
+        self.workers: list[commands.Process] = []
+        self.others: list[commands.Process] = []
 
-    def restart_broker(self) -> processes.Process:
+    def restart_broker(self) -> commands.Process:
         """A new broker on the endpoints of the last one (after that one was stopped or killed)."""
         old = self.broker.ready
         self.others.append(self.broker)
-        self.broker = processes.start(["broker", "--frontend", old["frontend"], "--backend", old["backend"], "--http-port", "0", *self.broker_args])
+        self.broker = commands.start(["broker", "--frontend", old["frontend"], "--backend", old["backend"], "--http-port", "0", *self.broker_args])
         return self.broker
 
     @property
@@ -85,13 +86,13 @@ class Cluster:
     def backend(self) -> str:
         return self.broker.ready["backend"]
 
-    def add_worker(self, target: Path | str, *args: str, env: dict[str, str] | None = None) -> processes.Process:
-        worker = processes.start_worker(self.backend, str(target), *args, env={**WORKER_ENV, **(env or {})})
+    def add_worker(self, target: Path | str, *args: str, env: dict[str, str] | None = None) -> commands.Process:
+        worker = commands.start_worker(self.backend, str(target), *args, env={**WORKER_ENV, **(env or {})})
         self.workers.append(worker)
         return worker
 
     def status(self) -> dict:
-        from draftfeed.launch.status import fetch_status
+        from draftfeed.observe.status_client import fetch_status
 
         return fetch_status(self.frontend, timeout_s=10)
 

@@ -21,7 +21,7 @@ import torch
 from reference import difference, draft_vocab, make_batch, reference_dspark, reference_eagle3
 
 from draftfeed import RemoteDSparkTarget, RemoteEagle3Target
-from draftfeed.launch.ready import announce_ready
+from draftfeed.processes.ready import announce_ready
 
 AUX_LAYER_IDS = [1, 3, 4]  # the default for the 8-layer tiny target
 DSPARK_LAYER_IDS = [1, 3, 4, 6, 7]

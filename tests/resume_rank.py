@@ -26,7 +26,7 @@ from reference import difference, make_batch, reference_eagle3
 from torch.utils.data import Dataset
 
 from draftfeed import RemoteEagle3Target
-from draftfeed.launch.ready import announce_ready
+from draftfeed.processes.ready import announce_ready
 
 AUX_LAYER_IDS = [1, 3, 4]  # the default for the 8-layer tiny target
 ROWS, SEQ, BATCH_SIZE = 24, 16, 2  # 12 batches an epoch

@@ -90,7 +90,7 @@ def test_the_broker_and_the_policy_free_forwarder_route_every_request_of_the_raw
     of /proc's), and no more than its cores could give while the peers ran."""
     from draftfeed.bench.harness import probe
     from draftfeed.bench.scenarios.broker import routed_rate
-    from draftfeed.launch import processes
+    from draftfeed.processes import commands
 
     count = 1000
 
@@ -108,7 +108,7 @@ def test_the_broker_and_the_policy_free_forwarder_route_every_request_of_the_raw
         assert forwarder.wait(30) == 0, "the forwarder counted every done"
     finally:
         forwarder.kill()
-    broker = processes.start_broker(extra=["--log-level", "WARNING"])
+    broker = commands.start_broker(extra=["--log-level", "WARNING"])
     try:
         measured(broker.ready, broker.pid)
     finally:

@@ -15,9 +15,10 @@ import pytest
 from conftest import FAST_LIVENESS, WORKER_ENV, Cluster, make_batch
 from fake_engines import POISON_MARKER
 from rank_run import SERVICE, RankRun, batches
+from support.lines import wait_for_line
 
 from draftfeed import RemoteEagle3Target, RemoteTargetError
-from draftfeed.launch import processes
+from draftfeed.processes import commands
 
 pytestmark = pytest.mark.timeout(300)
 SLOW = ["--engine", "fake_engines:FakeSlowEngine", "--service", SERVICE]
@@ -38,7 +39,7 @@ class Chaos(threading.Thread):
         self._count = 0
         self.starting: list[threading.Thread] = []  # replacements on their way up: joined before the cluster stops
 
-    def live_workers(self) -> list[processes.Process]:
+    def live_workers(self) -> list[commands.Process]:
         return [w for w in self.cluster.workers if w.popen.poll() is None]
 
     def replace(self) -> None:
@@ -75,14 +76,14 @@ class Chaos(threading.Thread):
 
 def test_three_ranks_get_every_batch_through_worker_churn_and_a_broker_restart(tiny_target):
     cluster = Cluster(*FAST_LIVENESS)
-    ranks: list[processes.Process] = []
+    ranks: list[commands.Process] = []
     chaos = Chaos(cluster, tiny_target, seed=15)
     try:
         for index in range(3):
             cluster.add_worker(tiny_target, *SLOW, "--name", f"w{index}", env={"FAKE_FORWARD_S": "0.03"})
         for index in range(3):
             ranks.append(
-                processes.start(
+                commands.start(
                     [
                         "--broker",
                         cluster.frontend,
@@ -102,7 +103,7 @@ def test_three_ranks_get_every_batch_through_worker_churn_and_a_broker_restart(t
                 )
             )
         chaos.start()
-        results = [json.loads(rank.wait_for_line("^RESULT ", timeout_s=240)[len("RESULT ") :]) for rank in ranks]
+        results = [json.loads(wait_for_line(rank, "^RESULT ", timeout_s=240)[len("RESULT ") :]) for rank in ranks]
     finally:
         chaos.stop_now.set()
         chaos.join(30)

@@ -12,8 +12,8 @@ import pytest
 from conftest import wait_until
 
 from draftfeed.bench.cluster import Load, SimulatedCluster
-from draftfeed.launch import processes
-from draftfeed.launch.status import fetch_status
+from draftfeed.observe.status_client import fetch_status
+from draftfeed.processes import commands
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -22,7 +22,7 @@ LOAD = Load(ranks=2_000, workers=48, compute_ms=100.0, prefetch=1, capacity=2, w
 
 @pytest.fixture
 def broker():
-    broker = processes.start_broker(extra=["--log-level", "WARNING"])
+    broker = commands.start_broker(extra=["--log-level", "WARNING"])
     try:
         yield broker
     finally:

@@ -48,8 +48,8 @@ from support.metrics import metric
 
 from draftfeed.launch import cli
 from draftfeed.launch.demo import synthetic_batches
-from draftfeed.launch.ready import READY_PREFIX
 from draftfeed.net import free_port
+from draftfeed.processes.ready import READY_PREFIX
 from draftfeed.schemas.protocol import DEFAULT_BROKER_HTTP_PORT, DEFAULT_WORKER_HTTP_PORT
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,7 +9,7 @@ import torch
 from conftest import add_service, assert_supervision_equal, make_batch, raw_peer, reference_eagle3, wait_until
 
 from draftfeed import RemoteEagle3Target, RemoteTargetError
-from draftfeed.launch import processes
+from draftfeed.processes import commands
 from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import FRONTEND_OUTBOUND, ErrorReply, StatusQuery, StatusReply
 from draftfeed.schemas.protocol import SIGNATURE
@@ -112,6 +112,6 @@ def test_shallow_target_needs_explicit_aux_layers(services, tmp_path):
 
     shallow = build_tiny_target(tmp_path / "shallow", num_hidden_layers=6)
     with pytest.raises(RuntimeError, match=r"default aux layer ids \[1, 2, 2\].*repeat a layer for a 6-layer target; pass --aux-layer-ids"):
-        processes.start_worker(services.backend, str(shallow), "--service", "shallow")
+        commands.start_worker(services.backend, str(shallow), "--service", "shallow")
     with pytest.raises(RuntimeError, match=r"layer 6 does not exist in a 6-layer target"):
-        processes.start_worker(services.backend, str(shallow), "--service", "shallow", "--aux-layer-ids", "0,2,6")
+        commands.start_worker(services.backend, str(shallow), "--service", "shallow", "--aux-layer-ids", "0,2,6")

@@ -12,10 +12,11 @@ import json
 
 import pytest
 from conftest import WORKER_ENV
+from support.lines import wait_for_line
 
 from draftfeed.bench.hosts import Hosts
 from draftfeed.dataplane.nixl.transport import unavailable
-from draftfeed.launch import processes
+from draftfeed.processes import commands
 
 pytestmark = pytest.mark.timeout(300)
 SERVICE = "svc"
@@ -24,8 +25,8 @@ UCX_TCP = {"UCX_TLS": "tcp"}  # between "hosts" as between machines: no shared m
 PLANES = ["frames", pytest.param("nixl", marks=pytest.mark.skipif(unavailable() is not None, reason=f"NIXL: {unavailable()}"))]
 
 
-def start_rank(hosts: Hosts, broker: processes.Process, target, plane: str, *args: str) -> processes.Process:
-    return processes.start(
+def start_rank(hosts: Hosts, broker: commands.Process, target, plane: str, *args: str) -> commands.Process:
+    return commands.start(
         ["--broker", broker.ready["frontend"], "--service", SERVICE, "--target", str(target), "--data-plane", plane, *args],
         module="rank_process",
         env={**WORKER_ENV, **UCX_TCP},
@@ -33,9 +34,9 @@ def start_rank(hosts: Hosts, broker: processes.Process, target, plane: str, *arg
     )
 
 
-def start_workers(hosts: Hosts, broker: processes.Process, target, names, *flags: str) -> list[processes.Process]:
+def start_workers(hosts: Hosts, broker: commands.Process, target, names, *flags: str) -> list[commands.Process]:
     return [
-        processes.start_worker(
+        commands.start_worker(
             broker.ready["backend"],
             str(target),
             "--service",
@@ -52,11 +53,11 @@ def start_workers(hosts: Hosts, broker: processes.Process, target, names, *flags
     ]
 
 
-def result_of(rank: processes.Process) -> dict:
-    return json.loads(rank.wait_for_line("^RESULT ", timeout_s=180)[len("RESULT ") :])
+def result_of(rank: commands.Process) -> dict:
+    return json.loads(wait_for_line(rank, "^RESULT ", timeout_s=180)[len("RESULT ") :])
 
 
-def show(started: list[processes.Process]) -> None:
+def show(started: list[commands.Process]) -> None:
     for process in started:  # shown by pytest when the test fails
         print(f"---- {' '.join(process.popen.args[-12:])}\n" + "\n".join(line for line in process.log_tail if not line.startswith("batch ")))
 
@@ -75,9 +76,9 @@ def check_result(result: dict, hosts: Hosts, plane: str, batches: int) -> None:
 @pytest.mark.parametrize("task", ["eagle3", "dspark"])
 def test_both_planes_cross_hosts_exact(hosts_available, tiny_target, task):
     with Hosts(["broker", "worker", "rank"]) as hosts:
-        started: list[processes.Process] = []
+        started: list[commands.Process] = []
         try:
-            broker = processes.start_broker(hosts.address("broker"), prefix=hosts.command("broker"))
+            broker = commands.start_broker(hosts.address("broker"), prefix=hosts.command("broker"))
             started.append(broker)
             started += start_workers(hosts, broker, tiny_target, ["worker"], "--task", task)
             planes = ["frames"] if unavailable() is not None else ["frames", "nixl"]
@@ -94,9 +95,9 @@ def test_both_planes_cross_hosts_exact(hosts_available, tiny_target, task):
 @pytest.mark.parametrize("plane", PLANES)
 def test_rank_then_worker_partitioned_on_both_planes(hosts_available, tiny_target, plane):
     with Hosts(["broker", "worker-1", "worker-2", "rank"]) as hosts:
-        started: list[processes.Process] = []
+        started: list[commands.Process] = []
         try:
-            broker = processes.start_broker(hosts.address("broker"), extra=LIVENESS, prefix=hosts.command("broker"))
+            broker = commands.start_broker(hosts.address("broker"), extra=LIVENESS, prefix=hosts.command("broker"))
             started.append(broker)
             started += start_workers(hosts, broker, tiny_target, ["worker-1", "worker-2"])
             rank = start_rank(hosts, broker, tiny_target, plane, "--batches", "100", "--draft-vocab", "300")
@@ -105,11 +106,11 @@ def test_rank_then_worker_partitioned_on_both_planes(hosts_available, tiny_targe
                 ("rank", 30, f"forgot rank {rank.ready['rank']} .*silent for"),
                 ("worker-1", 65, "forgot worker worker-1 .*silent for"),
             ):
-                rank.wait_for_line(rf"^batch {after}$", timeout_s=120)
+                wait_for_line(rank, rf"^batch {after}$", timeout_s=120)
                 mark = broker.lines_seen
                 hosts.cut(host)
                 try:
-                    broker.wait_for_line(forgotten, timeout_s=30, after=mark)
+                    wait_for_line(broker, forgotten, timeout_s=30, after=mark)
                 finally:
                     hosts.restore(host)
             check_result(result_of(rank), hosts, plane, 100)

@@ -36,7 +36,7 @@ def modules_after(code: str) -> set[str]:
         ),
         ("`import draftfeed`", "import draftfeed"),
         ("the wire layer", "import draftfeed.schemas.frames, draftfeed.schemas.messages, draftfeed.schemas.tensor_specs, draftfeed.schemas.protocol"),
-        ("`draftfeed status`'s module", "import draftfeed.launch.status"),
+        ("`draftfeed status`'s module", "import draftfeed.observe.status_client"),
         ("the bench's scenario names", "import draftfeed.bench"),
         ("the integrations package", "import draftfeed.integrations"),
     ],
@@ -191,3 +191,12 @@ def test_no_import_circles():
         if node not in state:
             visit(node)
     assert not circles, "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_the_bench_stands_apart_from_the_launch_commands():
+    """launch/ may run the bench; bench/ drives the project through its commands and the shared process helpers
+    (draftfeed/processes/), never through launch/'s modules."""
+    crossing = sorted(
+        f"{m} -> {i}" for m, imported in GRAPH.items() if m.startswith("draftfeed.bench") for i in imported if i.startswith("draftfeed.launch")
+    )
+    assert not crossing, "\n".join(crossing)

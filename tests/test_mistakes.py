@@ -16,9 +16,10 @@ import pytest
 import torch
 from conftest import WORKER_ENV, Cluster, assert_supervision_equal, make_batch, reference_eagle3
 from reference import draft_vocab
+from support.lines import wait_for_line
 
 from draftfeed import RemoteEagle3Target, RemoteTargetError
-from draftfeed.launch import processes
+from draftfeed.processes import commands
 
 pytestmark = pytest.mark.timeout(180)
 SERVICE = "mistakes"
@@ -183,18 +184,18 @@ def test_status_waits_for_a_ready_worker_of_a_service(tiny_target):
 def test_the_broker_logs_arrivals_departures_and_that_it_is_secure(tiny_target, tmp_path):
     keys = tmp_path / "keys"
     assert draftfeed_cli("keys", "generate", "--out", str(keys)).returncode == 0
-    broker = processes.start_broker(extra=["--secure", "--keys", str(keys), "--heartbeat-interval", "0.2"])
+    broker = commands.start_broker(extra=["--secure", "--keys", str(keys), "--heartbeat-interval", "0.2"])
     try:
-        broker.wait_for_line(r"secure: CURVE on both sockets; 1 rank keys .* 1 worker keys", timeout_s=10)
-        worker = processes.start_worker(
+        wait_for_line(broker, r"secure: CURVE on both sockets; 1 rank keys .* 1 worker keys", timeout_s=10)
+        worker = commands.start_worker(
             broker.ready["backend"], str(tiny_target), "--service", "s", "--secure", "--keys", str(keys), "--name", "logged", env=WORKER_ENV
         )
-        broker.wait_for_line(r"worker logged \(host \S+, pid \d+, engine hf, capacity 2\) registered for service 's'", timeout_s=30)
+        wait_for_line(broker, r"worker logged \(host \S+, pid \d+, engine hf, capacity 2\) registered for service 's'", timeout_s=30)
         with RemoteEagle3Target(broker.ready["frontend"], "s", keys=keys) as target:
-            broker.wait_for_line(rf"rank {target.rank_id} \(host \S+, pid \d+\) connected for service 's'", timeout_s=10)
-        broker.wait_for_line(rf"forgot rank {target.rank_id} of service 's': it said goodbye", timeout_s=10)
+            wait_for_line(broker, rf"rank {target.rank_id} \(host \S+, pid \d+\) connected for service 's'", timeout_s=10)
+        wait_for_line(broker, rf"forgot rank {target.rank_id} of service 's': it said goodbye", timeout_s=10)
         worker.stop()
-        broker.wait_for_line(r"forgot worker logged of service 's': it said goodbye", timeout_s=10)
+        wait_for_line(broker, r"forgot worker logged of service 's': it said goodbye", timeout_s=10)
     finally:
         broker.stop()
 
@@ -203,8 +204,8 @@ def test_secure_mode_mistakes_are_told_apart(tmp_path):
     keys = tmp_path / "keys"
     assert draftfeed_cli("keys", "generate", "--out", str(keys)).returncode == 0
     assert draftfeed_cli("keys", "generate", "--out", str(keys), "--name", "stranger").returncode == 0
-    secure = processes.start_broker(extra=["--secure", "--keys", str(keys)])
-    plain = processes.start_broker()
+    secure = commands.start_broker(extra=["--secure", "--keys", str(keys)])
+    plain = commands.start_broker()
     from draftfeed.security.curve import PeerKeys
 
     def keys_of(secret: str, broker_key: Path = keys / "broker.key") -> PeerKeys:

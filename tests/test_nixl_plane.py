@@ -18,6 +18,7 @@ import torch
 from conftest import WORKER_ENV, Cluster, make_batch, reference_dspark, reference_eagle3, wait_until
 from fake_pair_faults import EXIT_CODE
 from reference import draft_vocab
+from support.lines import wait_for_line
 from support.planes import VOCAB, add_faulty_worker, check_batches, pairs_of
 
 from draftfeed import RemoteDSparkTarget, RemoteEagle3Target
@@ -181,7 +182,7 @@ def test_a_killed_rank_makes_the_worker_drop_its_agent_and_others_are_served(fas
         rank.wait(timeout=10)
         # The broker finds the rank dead within its liveness window (1.6 s here); the worker drops the rank's agent.
         wait_until(lambda: rank_name not in pairs_of(fast_cluster, "w-survivor"), timeout_s=15, what="the dead rank's pair released")
-        worker.wait_for_line(f"dropped the NIXL agent of rank {rank_name}", timeout_s=5, after=mark)
+        wait_for_line(worker, f"dropped the NIXL agent of rank {rank_name}", timeout_s=5, after=mark)
         with RemoteEagle3Target(fast_cluster.frontend, "faults", data_plane="nixl") as remote:
             await_nixl(remote, fast_cluster, "w-survivor")
             check_batches(remote, tiny_model, list(range(8)))

@@ -22,11 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TESTS_DIR, WORKER_ENV, assert_supervision_equal, run_concurrently, wait_until
+from support.lines import wait_for_line
 from support.tensor_parallel import SERVED, expected, tensor_parallel_reference
 
 from draftfeed.bench.hosts import Hosts
 from draftfeed.consumers.nodes import describe_difference, fingerprint, node_plan
-from draftfeed.launch import processes
+from draftfeed.processes import commands
 from draftfeed.tiny import build_tiny_target
 
 pytestmark = pytest.mark.timeout(300)
@@ -41,7 +42,7 @@ def reference(tp_targets, tmp_path_factory) -> dict[str, torch.Tensor]:
     return tensor_parallel_reference(tp_targets, tmp_path_factory.mktemp("tp-reference") / "reference.safetensors")
 
 
-def start_all(*starts) -> list[processes.Process]:
+def start_all(*starts) -> list[commands.Process]:
     """Each start on its own thread (node 0 is ready only once node 1 has joined); the processes in the same order."""
     out: list = [None] * len(starts)
 
@@ -56,15 +57,15 @@ def node_flags(hosts: Hosts, node: int, *extra: str) -> list[str]:
     return ["--tensor-parallel", "2", "--nnodes", "2", "--node-rank", str(node), "--master-addr", f"{hosts.address('node-0')}:{PORT}", *extra]
 
 
-def start_node(hosts: Hosts, broker: processes.Process, target: Path, node: int, *extra: str, env: dict[str, str] | None = None) -> processes.Process:
+def start_node(hosts: Hosts, broker: commands.Process, target: Path, node: int, *extra: str, env: dict[str, str] | None = None) -> commands.Process:
     """Node ``node`` of a two-node worker (node 0 registers with the broker; node 1 says it is ready once its process runs)."""
-    return processes.start_worker(
+    return commands.start_worker(
         broker.ready["backend"], str(target), *node_flags(hosts, node, *extra), env=env or WORKER_ENV, prefix=hosts.command(f"node-{node}")
     )
 
 
-def start_rank(hosts: Hosts, broker: processes.Process, service: str, task: str, names: list[str], out: Path) -> processes.Process:
-    return processes.start(
+def start_rank(hosts: Hosts, broker: commands.Process, service: str, task: str, names: list[str], out: Path) -> commands.Process:
+    return commands.start(
         ["--broker", broker.ready["frontend"], "--service", service, "--task", task, "--names", ",".join(names), "--out", str(out)],
         module="tp_rank",
         env=WORKER_ENV,
@@ -72,10 +73,10 @@ def start_rank(hosts: Hosts, broker: processes.Process, service: str, task: str,
     )
 
 
-def result_of(rank: processes.Process, out: Path) -> tuple[list[str], dict[str, torch.Tensor]]:
+def result_of(rank: commands.Process, out: Path) -> tuple[list[str], dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
-    result = json.loads(rank.wait_for_line("^RESULT ", timeout_s=180)[len("RESULT ") :])
+    result = json.loads(wait_for_line(rank, "^RESULT ", timeout_s=180)[len("RESULT ") :])
     assert result["error"] is None, result["error"]
     return result["order"], load_file(out)
 
@@ -99,7 +100,7 @@ def pids_on(hosts: Hosts, host: str) -> list[int]:
     return [int(pid) for pid in out.split()]
 
 
-def show(started: list[processes.Process]) -> None:
+def show(started: list[commands.Process]) -> None:
     for process in started:  # shown by pytest when the test fails
         print(
             f"---- {' '.join(str(a) for a in process.popen.args[-10:])}\n"
@@ -110,9 +111,9 @@ def show(started: list[processes.Process]) -> None:
 # ---------------------------------------------------------------- exact over two machines
 def test_two_nodes_equal_the_same_plan_on_one_machine(hosts_available, tp_targets, reference, tmp_path):
     with Hosts(["head", "node-0", "node-1"]) as hosts:
-        started: list[processes.Process] = []
+        started: list[commands.Process] = []
         try:
-            broker = processes.start_broker(hosts.address("head"), prefix=hosts.command("head"))
+            broker = commands.start_broker(hosts.address("head"), prefix=hosts.command("head"))
             started.append(broker)
             # One worker at a time on the two nodes (each node 0 listens on the same --master-addr port).
             for name, task in SERVED.items():
@@ -148,9 +149,9 @@ def test_sglang_over_two_nodes_meets_at_node_0(hosts_available, tiny_target, tin
 
     fake = {"PYTHONPATH": os.pathsep.join([str(Path(TESTS_DIR) / "fake_sglang"), WORKER_ENV["PYTHONPATH"]])}
     with Hosts(["head", "node-0", "node-1"]) as hosts:
-        started: list[processes.Process] = []
+        started: list[commands.Process] = []
         try:
-            broker = processes.start_broker(hosts.address("head"), prefix=hosts.command("head"))
+            broker = commands.start_broker(hosts.address("head"), prefix=hosts.command("head"))
             started.append(broker)
             args = ["--service", "nodes-sglang", "--engine", "sglang", "--aux-layer-ids", ",".join(map(str, AUX))]
             started += start_all(
@@ -179,22 +180,22 @@ def test_sglang_over_two_nodes_meets_at_node_0(hosts_available, tiny_target, tin
 @pytest.mark.parametrize("fault", ["link-down", "sigkill"])
 def test_a_lost_node_ends_its_worker_and_the_run_completes_elsewhere(hosts_available, tiny_target, reference, tmp_path, fault):
     with Hosts(["head", "node-0", "node-1"]) as hosts:
-        started: list[processes.Process] = []
+        started: list[commands.Process] = []
         try:
-            broker = processes.start_broker(hosts.address("head"), extra=LIVENESS, prefix=hosts.command("head"))
+            broker = commands.start_broker(hosts.address("head"), extra=LIVENESS, prefix=hosts.command("head"))
             started.append(broker)
             args = ["--service", "nodes-run", "--name", "two-nodes"]
             spare_args = ["--service", "nodes-run", "--tensor-parallel", "2", "--name", "spare"]
             started += start_all(
                 lambda: start_node(hosts, broker, tiny_target, 0, *args),
                 lambda: start_node(hosts, broker, tiny_target, 1, *args),
-                lambda: processes.start_worker(broker.ready["backend"], str(tiny_target), *spare_args, env=WORKER_ENV, prefix=hosts.command("head")),
+                lambda: commands.start_worker(broker.ready["backend"], str(tiny_target), *spare_args, env=WORKER_ENV, prefix=hosts.command("head")),
             )
             node0 = started[1]
             out = tmp_path / "run.safetensors"
             rank = start_rank(hosts, broker, "nodes-run", "eagle3", RUN, out)
             started.append(rank)
-            rank.wait_for_line(r"^batch 3$", timeout_s=120)
+            wait_for_line(rank, r"^batch 3$", timeout_s=120)
             struck = time.monotonic()
             if fault == "link-down":
                 hosts.cut("node-1")  # for good
@@ -206,7 +207,7 @@ def test_a_lost_node_ends_its_worker_and_the_run_completes_elsewhere(hosts_avail
             for name in RUN:
                 assert_supervision_equal(Supervision(received(tensors, name)), expected(reference, "llama", "eagle3", name))
             assert node0.popen.wait(60) != 0, "node 0 ends when node 1 is lost"
-            node0.wait_for_line(r"rank 1 .*(silent for|on node 1)|tensor-parallel process rank 1", timeout_s=5)
+            wait_for_line(node0, r"rank 1 .*(silent for|on node 1)|tensor-parallel process rank 1", timeout_s=5)
             status_lines = broker.log_tail
             assert any("forgot worker two-nodes" in line for line in status_lines), "node 0 left the broker"
             # Nothing of the two-node worker is left on either host (node 1's processes end when node 0 falls silent).
@@ -230,19 +231,19 @@ def test_a_lost_node_ends_its_worker_and_the_run_completes_elsewhere(hosts_avail
 def test_a_node_with_another_plan_is_one_line_on_both(hosts_available, tiny_target, moe_target, node1_extra, said):
     extra = [str(moe_target) if item == "OTHER" else item for item in node1_extra]
     with Hosts(["head", "node-0", "node-1"]) as hosts:
-        started: list[processes.Process] = []
+        started: list[commands.Process] = []
         try:
-            broker = processes.start_broker(hosts.address("head"), prefix=hosts.command("head"))
+            broker = commands.start_broker(hosts.address("head"), prefix=hosts.command("head"))
             started.append(broker)
             base = [sys.executable, "-m", "draftfeed", "launch", "worker", "--broker", broker.ready["backend"], "--http-port", "0", "--target"]
-            commands = [
+            lines = [
                 [*hosts.command("node-0"), *base, str(tiny_target), *node_flags(hosts, 0, "--join-timeout", "30")],
                 [*hosts.command("node-1"), *base, str(tiny_target), *node_flags(hosts, 1, "--join-timeout", "30"), *extra],
             ]
             began = time.monotonic()
             popens = [
                 subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**WORKER_ENV, **_env()})
-                for command in commands
+                for command in lines
             ]
             try:
                 outputs = [popen.communicate(timeout=60) for popen in popens]
@@ -266,7 +267,7 @@ def _env() -> dict[str, str]:
 
 def test_a_missing_node_is_one_line_after_the_join_timeout(hosts_available, tiny_target):
     with Hosts(["head", "node-0"]) as hosts:
-        broker = processes.start_broker(hosts.address("head"), prefix=hosts.command("head"))
+        broker = commands.start_broker(hosts.address("head"), prefix=hosts.command("head"))
         try:
             command = [*hosts.command("node-0"), sys.executable, "-m", "draftfeed", "launch", "worker", "--broker", broker.ready["backend"]]
             command += ["--http-port", "0", "--target", str(tiny_target), *node_flags(hosts, 0, "--join-timeout", "3")]

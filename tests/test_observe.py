@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 from conftest import FAST_LIVENESS, WORKER_ENV, make_batch, raw_peer, wait_until
+from support.lines import wait_for_line
 from support.metrics import metric
 
 from draftfeed import RemoteEagle3Target
 from draftfeed.contract.supervision import Eagle3Supervision
-from draftfeed.launch import processes
 from draftfeed.net import free_port
+from draftfeed.processes import commands
 from draftfeed.schemas.protocol import SIGNATURE
 
 pytestmark = pytest.mark.timeout(180)
@@ -41,10 +42,10 @@ def value(port: int, name: str, **labels: str) -> float | None:
 @pytest.fixture(scope="module")
 def observed(tiny_target):
     broker_port, worker_port = free_port(), free_port()
-    broker = processes.start_broker(extra=["--http-port", str(broker_port), "--http-host", "127.0.0.1", *FAST_LIVENESS])
+    broker = commands.start_broker(extra=["--http-port", str(broker_port), "--http-host", "127.0.0.1", *FAST_LIVENESS])
     worker = None
     try:
-        worker = processes.start_worker(
+        worker = commands.start_worker(
             broker.ready["backend"],
             str(tiny_target),
             "--service",
@@ -114,7 +115,7 @@ def test_a_rejected_message_is_counted_by_reason(observed):
 
 def test_a_worker_without_a_broker_is_not_ready_and_says_why(tiny_target):
     port = free_port()
-    worker = processes.start_worker(
+    worker = commands.start_worker(
         "tcp://127.0.0.1:9",
         str(tiny_target),
         "--http-port",
@@ -142,13 +143,13 @@ def test_a_port_given_and_taken_is_one_line(tiny_target):
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(RuntimeError, match=rf"cannot serve health and metrics on 127.0.0.1:{port} \(--http-port\).*choose another port"):
-            processes.start_broker(extra=["--http-port", str(port), "--http-host", "127.0.0.1"])
+            commands.start_broker(extra=["--http-port", str(port), "--http-host", "127.0.0.1"])
 
 
 def test_json_logs_are_one_object_per_line():
-    broker = processes.start_broker(extra=["--log-format", "json"])
+    broker = commands.start_broker(extra=["--log-format", "json"])
     try:
-        line = broker.wait_for_line(r'^\{"time": ".*"logger": "draftfeed.broker"', timeout_s=30)
+        line = wait_for_line(broker, r'^\{"time": ".*"logger": "draftfeed.broker"', timeout_s=30)
         entry = json.loads(line)
         assert entry["level"] == "INFO" and entry["pid"] == broker.pid
         assert f"ranks on {broker.ready['frontend']}, workers on {broker.ready['backend']}" in entry["message"]

@@ -12,9 +12,10 @@ import json
 
 import pytest
 from conftest import WORKER_ENV
+from support.lines import wait_for_line
 
 from draftfeed.bench.hosts import Hosts
-from draftfeed.launch import processes
+from draftfeed.processes import commands
 
 pytestmark = pytest.mark.timeout(300)
 SERVICE = "svc"
@@ -29,13 +30,13 @@ CUTS = (30, 60, 90)  # batches after which the rank's host is cut off
 )
 def test_rank_partitioned_longer_than_the_liveness_window(hosts_available, tiny_target, task, form, draft_vocab):
     with Hosts(["broker", "worker-1", "worker-2", "rank"]) as hosts:
-        started: list[processes.Process] = []
+        started: list[commands.Process] = []
         try:
-            broker = processes.start_broker(hosts.address("broker"), extra=LIVENESS, prefix=hosts.command("broker"))
+            broker = commands.start_broker(hosts.address("broker"), extra=LIVENESS, prefix=hosts.command("broker"))
             started.append(broker)
             for name in ("worker-1", "worker-2"):
                 started.append(
-                    processes.start_worker(
+                    commands.start_worker(
                         broker.ready["backend"],
                         str(tiny_target),
                         "--service",
@@ -50,7 +51,7 @@ def test_rank_partitioned_longer_than_the_liveness_window(hosts_available, tiny_
                         prefix=hosts.command(name),
                     )
                 )
-            rank = processes.start(
+            rank = commands.start(
                 [
                     "--broker",
                     broker.ready["frontend"],
@@ -73,15 +74,15 @@ def test_rank_partitioned_longer_than_the_liveness_window(hosts_available, tiny_
             )
             started.append(rank)
             for cut in CUTS:
-                rank.wait_for_line(rf"^batch {cut}$", timeout_s=120)
+                wait_for_line(rank, rf"^batch {cut}$", timeout_s=120)
                 marks = [process.lines_seen for process in (broker, rank)]
                 hosts.cut("rank")
                 try:
-                    rank.wait_for_line("silent for .*saying hello again", timeout_s=30, after=marks[1])
-                    broker.wait_for_line(f"forgot rank {rank.ready['rank']} .*silent for", timeout_s=30, after=marks[0])
+                    wait_for_line(rank, "silent for .*saying hello again", timeout_s=30, after=marks[1])
+                    wait_for_line(broker, f"forgot rank {rank.ready['rank']} .*silent for", timeout_s=30, after=marks[0])
                 finally:
                     hosts.restore("rank")
-            result = json.loads(rank.wait_for_line("^RESULT ", timeout_s=180)[len("RESULT ") :])
+            result = json.loads(wait_for_line(rank, "^RESULT ", timeout_s=180)[len("RESULT ") :])
         finally:
             for process in started:
                 process.stop(timeout_s=5)

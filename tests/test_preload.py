@@ -1,5 +1,5 @@
-"""Preloaded starts (draftfeed/launch/preload.py): a forked process behaves as the spawned one would, seen from
-processes.start and Process: its output, its environment, its exit code, signals, its own session."""
+"""Preloaded starts (tests/support/preload.py): a forked process behaves as the spawned one would, seen from
+commands.start and Process: its output, its environment, its exit code, signals, its own session."""
 
 from __future__ import annotations
 
@@ -10,28 +10,29 @@ import sys
 
 import pytest
 from conftest import TESTS_DIR, WORKER_ENV
+from support.lines import wait_for_line
+from support.preload import PreloadedPopen
 
-from draftfeed.launch import processes
-from draftfeed.launch.preload import PreloadedPopen
+from draftfeed.processes import commands
 
 pytestmark = pytest.mark.timeout(120)
 PROBE = "preload_probe"  # tests/preload_probe.py
 
 
-def started(*args: str, env: dict[str, str] | None = None) -> processes.Process:
-    return processes.start(list(args), module=PROBE, env={**WORKER_ENV, **(env or {})}, ready_pattern="^probe ")
+def started(*args: str, env: dict[str, str] | None = None) -> commands.Process:
+    return commands.start(list(args), module=PROBE, env={**WORKER_ENV, **(env or {})}, ready_pattern="^probe ")
 
 
 def test_a_preloaded_process_has_its_arguments_environment_session_and_exit_code():
     process = started("exit", "7", env={"PROBE_VALUE": "seen"})
     assert isinstance(process.popen, PreloadedPopen), "the suite's starts are preloaded"
-    assert process.wait_for_line(r"^probe ", timeout_s=30) == f"probe argv=['exit', '7'] value=seen session={process.pid} torch=1 threads=1"
+    assert wait_for_line(process, r"^probe ", timeout_s=30) == f"probe argv=['exit', '7'] value=seen session={process.pid} torch=1 threads=1"
     assert process.popen.wait(30) == 7 and process.popen.poll() == 7
 
 
 def test_a_signalled_process_reports_the_signal_and_a_crash_its_traceback():
     process = started("wait")
-    process.wait_for_line("^probe ", timeout_s=30)
+    wait_for_line(process, "^probe ", timeout_s=30)
     assert process.popen.poll() is None
     with pytest.raises(subprocess.TimeoutExpired):
         process.popen.wait(0.1)
@@ -39,14 +40,14 @@ def test_a_signalled_process_reports_the_signal_and_a_crash_its_traceback():
     assert process.popen.wait(30) == -signal.SIGTERM
     crashed = started("raise")
     assert crashed.popen.wait(30) == 1
-    crashed.wait_for_line("RuntimeError: the probe was asked to fail", timeout_s=10)
+    wait_for_line(crashed, "RuntimeError: the probe was asked to fail", timeout_s=10)
 
 
 def test_another_import_time_environment_gets_a_preloader_of_its_own_and_a_prefix_spawns():
     process = started("exit", "0", env={"OMP_NUM_THREADS": "2"})  # read by OpenMP as it loads: not the first preloader's
-    assert process.wait_for_line("^probe ", timeout_s=60).endswith("torch=1 threads=2")
+    assert wait_for_line(process, "^probe ", timeout_s=60).endswith("torch=1 threads=2")
     assert process.popen.wait(60) == 0
-    worker_like = processes.start(["exit", "0"], module=PROBE, env=WORKER_ENV, ready_pattern="^probe ", prefix=["env"])
+    worker_like = commands.start(["exit", "0"], module=PROBE, env=WORKER_ENV, ready_pattern="^probe ", prefix=["env"])
     assert isinstance(worker_like.popen, subprocess.Popen)  # a prefix command must exec the process itself
     worker_like.popen.wait(60)
 
@@ -65,9 +66,9 @@ def test_a_start_in_a_network_namespace_is_preloaded_and_runs_there_as_ip_netns_
 
     with Hosts(["preloaded"], subnet="10.77.0") as hosts:
         prefix = hosts.command("preloaded")
-        forked = processes.start(["where"], module=PROBE, env=WORKER_ENV, ready_pattern="^probe netns=", prefix=prefix)
+        forked = commands.start(["where"], module=PROBE, env=WORKER_ENV, ready_pattern="^probe netns=", prefix=prefix)
         assert isinstance(forked.popen, PreloadedPopen)
-        line = forked.wait_for_line("^probe netns=", timeout_s=30)
+        line = wait_for_line(forked, "^probe netns=", timeout_s=30)
         assert forked.popen.wait(30) == 0
         env = {**os.environ, **WORKER_ENV}
         spawned = subprocess.run([*prefix, sys.executable, "-m", PROBE, "where"], env=env, cwd=TESTS_DIR, capture_output=True, text=True, timeout=60)

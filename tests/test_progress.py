@@ -6,7 +6,7 @@ import io
 
 from support.clock import Clock
 
-from draftfeed.launch.progress import Progress
+from draftfeed.progress import Progress
 
 
 def test_not_a_terminal_prints_a_line_every_interval_and_at_the_end():

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from conftest import WORKER_ENV, add_service, wait_until
 from resume_rank import digest, make_loader
+from support.lines import wait_for_line
 
-from draftfeed.launch import processes
+from draftfeed.processes import commands
 from draftfeed.store.index import IndexFile
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")]
@@ -31,12 +32,12 @@ def uninterrupted(num_workers: int, shuffle: bool) -> list[str]:
     return [digest(batch) for batch in make_loader(num_workers, shuffle)]
 
 
-def start_rank(cluster, tiny_target, *args: str) -> processes.Process:
+def start_rank(cluster, tiny_target, *args: str) -> commands.Process:
     base = ["--broker", cluster.frontend, "--service", SERVICE, "--target", str(tiny_target)]
-    return processes.start([*base, *args], module="resume_rank", env=WORKER_ENV, ready_timeout_s=LINE_TIMEOUT_S)
+    return commands.start([*base, *args], module="resume_rank", env=WORKER_ENV, ready_timeout_s=LINE_TIMEOUT_S)
 
 
-def batches_seen(rank: processes.Process) -> list[tuple[int, str]]:
+def batches_seen(rank: commands.Process) -> list[tuple[int, str]]:
     """(index in the epoch, digest) of each batch the rank printed; every one's supervision equal to the reference."""
     seen = []
     for line in rank.log_tail:
@@ -52,7 +53,7 @@ def stop(cluster, tiny_target, state_dir: Path, checkpoints: str, *args: str) ->
     in flight; the batches it yielded."""
     rank = start_rank(cluster, tiny_target, "--checkpoint-at", checkpoints, "--state-dir", str(state_dir), *args)
     try:
-        rank.wait_for_line(r"^STOPPED$", timeout_s=LINE_TIMEOUT_S)
+        wait_for_line(rank, r"^STOPPED$", timeout_s=LINE_TIMEOUT_S)
         rank.kill()
         return batches_seen(rank)
     finally:
@@ -63,7 +64,7 @@ def resume(cluster, tiny_target, state: Path, *args: str) -> tuple[list[tuple[in
     """A new rank resumed from ``state`` to the end of the epoch: its batches and its DONE line."""
     rank = start_rank(cluster, tiny_target, "--resume", str(state), *args)
     try:
-        line = rank.wait_for_line(r"^DONE ", timeout_s=LINE_TIMEOUT_S)
+        line = wait_for_line(rank, r"^DONE ", timeout_s=LINE_TIMEOUT_S)
         assert rank.popen.wait(30) == 0
     finally:
         rank.kill()

@@ -15,8 +15,8 @@ import zmq
 from conftest import WORKER_ENV, assert_supervision_equal, make_batch, raw_peer, reference_eagle3, wait_until
 
 from draftfeed import RemoteEagle3Target, RemoteTargetError
-from draftfeed.launch import processes
-from draftfeed.launch.status import fetch_status
+from draftfeed.observe.status_client import fetch_status
+from draftfeed.processes import commands
 from draftfeed.schemas.errors import RemoteTargetTimeout
 from draftfeed.schemas.frames import pack
 from draftfeed.schemas.messages import Hello, Register, Result, StatusQuery
@@ -44,12 +44,12 @@ def keys(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def secure(keys):
-    started: list[processes.Process] = []
-    broker = processes.start_broker(extra=["--secure", "--keys", str(keys)])
+    started: list[commands.Process] = []
+    broker = commands.start_broker(extra=["--secure", "--keys", str(keys)])
     started.append(broker)
 
-    def add_worker(*args: str, **kwargs) -> processes.Process:
-        worker = processes.start_worker(broker.ready["backend"], *args, env=WORKER_ENV, **kwargs)
+    def add_worker(*args: str, **kwargs) -> commands.Process:
+        worker = commands.start_worker(broker.ready["backend"], *args, env=WORKER_ENV, **kwargs)
         started.append(worker)
         return worker
 
@@ -211,8 +211,8 @@ def test_intruders_get_nothing_and_do_not_disturb_a_run(secure, keys, tiny_targe
 
 
 def test_insecure_listening_beyond_loopback_is_announced_loudly(caplog):
-    exposed = processes.start_broker(host="0.0.0.0")
-    local = processes.start_broker()
+    exposed = commands.start_broker(host="0.0.0.0")
+    local = commands.start_broker()
     try:
         wait_until(lambda: any("INSECURE" in line and "--secure" in line for line in exposed.log_tail), what="the warning")
         assert not any("INSECURE" in line for line in local.log_tail)

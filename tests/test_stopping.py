@@ -10,16 +10,17 @@ import signal
 
 import pytest
 from conftest import FAST_LIVENESS, WORKER_ENV, Cluster, make_batch, wait_until
+from support.lines import wait_for_line
 
 from draftfeed import RemoteEagle3Target
-from draftfeed.launch import processes
+from draftfeed.processes import commands
 
 pytestmark = pytest.mark.timeout(180)
 SLOW = ["--engine", "fake_engines:FakeSlowEngine", "--service", "svc"]
 
 
 def test_a_worker_that_no_broker_answers_leaves_at_once_on_sigterm(tiny_target):
-    worker = processes.start(
+    worker = commands.start(
         ["worker", "--broker", "tcp://127.0.0.1:9", "--target", str(tiny_target), "--register-timeout", "600"],
         env=WORKER_ENV,
         ready_timeout_s=60,
@@ -48,10 +49,10 @@ def test_a_worker_whose_broker_died_leaves_at_once_and_a_second_sigterm_ends_a_l
         idle.signal(signal.SIGTERM)
         assert idle.popen.wait(15) == 0  # nothing in hand: it leaves at once, with no broker to answer
         busy.signal(signal.SIGTERM)  # in the middle of a 120 s forward: it cannot stop yet
-        busy.wait_for_line(r"SIGTERM: stopping \(another one exits at once\)", timeout_s=10)
+        wait_for_line(busy, r"SIGTERM: stopping \(another one exits at once\)", timeout_s=10)
         busy.signal(signal.SIGTERM)
         assert busy.popen.wait(15) == 128 + signal.SIGTERM
-        busy.wait_for_line("SIGTERM again: exiting now", timeout_s=5)
+        wait_for_line(busy, "SIGTERM again: exiting now", timeout_s=5)
     finally:
         cluster.stop()
 

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import WORKER_ENV, wait_until
-
-from draftfeed.launch.preload import Preloader
+from support.preload import Preloader
 
 pytestmark = pytest.mark.timeout(120)
 WAIT_S = 60.0  # for a line or a condition, on a loaded 2-core machine
@@ -177,7 +176,7 @@ def test_a_sigkilled_demo_leaves_no_process_behind():
 
 PARENT = """
 import sys, threading
-from draftfeed.launch import children
+from draftfeed.processes import children
 started = []
 thread = threading.Thread(target=lambda: started.append(children.spawn([sys.executable, "-c", "import time; time.sleep(600)"])))
 thread.start()

@@ -14,9 +14,10 @@ import torch
 from conftest import WORKER_ENV, add_service, assert_supervision_equal, make_batch, reference_dspark, reference_eagle3
 from rank_process import rank_batches
 from reference import difference, draft_vocab, make_packed_batch
+from support.lines import wait_for_line
 
 from draftfeed import RemoteDSparkTarget, RemoteEagle3Target
-from draftfeed.launch import processes
+from draftfeed.processes import commands
 from draftfeed.store.errors import BatchNotInStore, StoreError, StoreWriteError
 from draftfeed.store.index import IndexFile, ShardRecord
 from draftfeed.store.shards import UNFINISHED_SUFFIX
@@ -183,16 +184,16 @@ def test_replay_of_a_batch_not_recorded_names_its_key_and_needs_no_broker(servic
         RemoteEagle3Target(None, "probs", store_mode="replay")
 
 
-def start_recording_rank(cluster, tiny_target, store: Path, seed: int, batches: int, shard_bytes: int, extra=()) -> processes.Process:
+def start_recording_rank(cluster, tiny_target, store: Path, seed: int, batches: int, shard_bytes: int, extra=()) -> commands.Process:
     args = ["--broker", cluster.frontend, "--service", "probs", "--target", str(tiny_target), "--batches", str(batches), "--depth", "2"]
     args += ["--seed", str(seed), "--store", str(store), "--store-mode", "record", "--store-shard-bytes", str(shard_bytes), *extra]
-    return processes.start(args, module="rank_process", env=WORKER_ENV)
+    return commands.start(args, module="rank_process", env=WORKER_ENV)
 
 
 def test_a_killed_recording_rank_leaves_a_store_with_every_finished_shard_and_nothing_else(services, tiny_target, tiny_model, tmp_path):
     rank = start_recording_rank(services, tiny_target, tmp_path, seed=6000, batches=400, shard_bytes=300_000)  # 2 batches a shard
     try:
-        rank.wait_for_line(r"^batch 40$", timeout_s=120)
+        wait_for_line(rank, r"^batch 40$", timeout_s=120)
         rank.kill()
     finally:
         rank.stop(timeout_s=5)
@@ -220,7 +221,7 @@ def test_a_killed_recording_rank_leaves_a_store_with_every_finished_shard_and_no
 def test_a_rank_that_never_closes_its_target_writes_its_last_shard_at_exit(services, tiny_target, tmp_path):
     rank = start_recording_rank(services, tiny_target, tmp_path, seed=6500, batches=5, shard_bytes=1 << 30, extra=["--leave-open"])
     try:
-        result = json.loads(rank.wait_for_line("^RESULT ", timeout_s=120)[len("RESULT ") :])
+        result = json.loads(wait_for_line(rank, "^RESULT ", timeout_s=120)[len("RESULT ") :])
         assert rank.popen.wait(60) == 0
     finally:
         rank.stop(timeout_s=5)
@@ -232,7 +233,7 @@ def test_a_rank_that_never_closes_its_target_writes_its_last_shard_at_exit(servi
 def test_ranks_recording_side_by_side_share_one_store(services, tiny_target, tiny_model, tmp_path):
     ranks = [start_recording_rank(services, tiny_target, tmp_path, seed=seed, batches=12, shard_bytes=30_000) for seed in (7000, 8000)]
     try:
-        results = [json.loads(rank.wait_for_line("^RESULT ", timeout_s=180)[len("RESULT ") :]) for rank in ranks]
+        results = [json.loads(wait_for_line(rank, "^RESULT ", timeout_s=180)[len("RESULT ") :]) for rank in ranks]
     finally:
         for rank in ranks:
             rank.stop(timeout_s=5)

@@ -20,6 +20,7 @@ import pytest
 import torch
 from conftest import TESTS_DIR, WORKER_ENV, Cluster, add_service, assert_supervision_equal, run_concurrently, wait_until
 from reference import reference_eagle3
+from support.lines import wait_for_line
 from support.metrics import metric
 from support.tensor_parallel import SERVED, TARGETS, expected, tensor_parallel_reference
 from tp_reference import AUX, DSPARK_IDS, batches
@@ -28,8 +29,8 @@ from draftfeed import RemoteDSparkTarget, RemoteEagle3Target
 from draftfeed.consumers.engines import load_engine
 from draftfeed.consumers.engines.parallel.engine import TensorParallelEngine
 from draftfeed.consumers.settings import TargetSettings, TaskSettings
-from draftfeed.launch import processes
 from draftfeed.net import free_port
+from draftfeed.processes import commands
 from draftfeed.tiny import build_tiny_target
 
 pytestmark = pytest.mark.timeout(300)
@@ -99,7 +100,7 @@ def test_across_degrees_only_the_last_bits_differ(services, reference, tiny_mode
 
 
 def test_status_health_and_metrics_say_tensor_parallel_2(services, http_port):
-    from draftfeed.launch.status import format_status
+    from draftfeed.observe.status_client import format_status
 
     worker = services.worker_status("tp-llama-eagle3-0")
     assert worker is not None and worker["tensor_parallel"] == 2 and worker["devices"] == ["cpu", "cpu"], worker
@@ -119,8 +120,8 @@ def test_sigkill_of_a_worker_takes_its_follower_with_it(services):
 
 
 # ---------------------------------------------------------------- faults: no batch lost, no process left behind
-def follower_pid(worker: processes.Process) -> int:
-    return int(re.search(FOLLOWER_LINE, worker.wait_for_line(FOLLOWER_LINE, timeout_s=60)).group(1))
+def follower_pid(worker: commands.Process) -> int:
+    return int(re.search(FOLLOWER_LINE, wait_for_line(worker, FOLLOWER_LINE, timeout_s=60)).group(1))
 
 
 def gone(pid: int) -> bool:
@@ -151,7 +152,7 @@ def test_a_follower_killed_mid_run_stops_its_worker_and_the_run_completes_elsewh
     for name, (_batch, supervision) in zip(names, results):
         assert_supervision_equal(supervision, expected(reference, "llama", "eagle3", name))
     assert doomed.popen.wait(30) != 0
-    doomed.wait_for_line(r"tensor-parallel process rank 1 \(pid \d+\) was killed by SIGKILL", timeout_s=5)
+    wait_for_line(doomed, r"tensor-parallel process rank 1 \(pid \d+\) was killed by SIGKILL", timeout_s=5)
     status = fast_cluster.status()
     assert status["counters"]["requests_failed"] == 0 and "retry" not in status["requeues"], status  # the request in the engine is not charged
     follower = follower_pid(survivor)
@@ -161,7 +162,7 @@ def test_a_follower_killed_mid_run_stops_its_worker_and_the_run_completes_elsewh
 
 def test_sigterm_while_the_target_loads_leaves_no_process(cluster, tiny_target):
     """Stopped at start: the follower is running and rank 0 is loading its shard; neither outlives the signal."""
-    worker = processes.start_worker(cluster.backend, str(tiny_target), "--service", "tp-start", *TP, env=WORKER_ENV, ready_pattern=FOLLOWER_LINE)
+    worker = commands.start_worker(cluster.backend, str(tiny_target), "--service", "tp-start", *TP, env=WORKER_ENV, ready_pattern=FOLLOWER_LINE)
     try:
         follower = follower_pid(worker)
         worker.signal(signal.SIGTERM)

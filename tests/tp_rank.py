@@ -19,7 +19,7 @@ import torch
 from tp_reference import batches
 
 from draftfeed import RemoteDSparkTarget, RemoteEagle3Target
-from draftfeed.launch.ready import announce_ready
+from draftfeed.processes.ready import announce_ready
 
 
 def main() -> int:

@@ -17,7 +17,7 @@ import torch
 import zmq
 
 from draftfeed.bench.scenarios import load
-from draftfeed.launch import children, processes
+from draftfeed.processes import children, commands
 
 MB = 1e6
 
@@ -104,13 +104,13 @@ class Pipeline:
     ) -> None:
         """``host``, ``prefix``: the address the broker binds and the command that runs broker and workers on it
         (another network namespace); ``env`` for the workers."""
-        self.started: list[processes.Process] = []
+        self.started: list[commands.Process] = []
         secure = ["--secure", "--keys", str(keys)] if keys is not None else []
-        self.broker = processes.start_broker(host, extra=["--log-level", "WARNING", *secure], prefix=prefix)
+        self.broker = commands.start_broker(host, extra=["--log-level", "WARNING", *secure], prefix=prefix)
         self.started.append(self.broker)
         for index in range(workers):
             self.started.append(
-                processes.start(
+                commands.start(
                     [
                         "--broker",
                         self.broker.ready["backend"],
@@ -158,7 +158,7 @@ def format_table(rows: list[Row]) -> str:
 def run(names: Sequence[str], quick: bool, workdir: Path, settings: Sequence[Any] = ()) -> list[Row]:
     """The rows of each named scenario, in the order given, with their progress on stderr; a scenario whose
     ``SETTINGS`` class is among ``settings`` gets that object."""
-    from draftfeed.launch.progress import Progress
+    from draftfeed.progress import Progress
 
     rows: list[Row] = []
     progress = Progress(len(names), "bench scenarios", every_s=0.0)

@@ -19,7 +19,7 @@ from draftfeed.consumers.engines.base import TargetShape
 from draftfeed.consumers.settings import TargetSettings, WorkerSettings
 from draftfeed.consumers.tasks.base import Task, TaskBatch
 from draftfeed.consumers.worker import Worker
-from draftfeed.launch.ready import announce_ready
+from draftfeed.processes.ready import announce_ready
 from draftfeed.schemas.messages import DataPlaneMode, Eagle3TargetInfo, LogitTransform
 from draftfeed.security.curve import PeerKeys
 

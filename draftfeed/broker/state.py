@@ -45,7 +45,7 @@ from draftfeed.broker.ranks import RankBook, worker_keys
 from draftfeed.broker.records import Outgoing, ServiceRecord, to_rank, to_worker
 from draftfeed.broker.scheduler import Scheduler
 from draftfeed.broker.settings import BrokerSettings
-from draftfeed.broker.status import THROUGHPUT_WINDOW_S, broker_summary, status_document, status_page
+from draftfeed.broker.status import THROUGHPUT_WINDOW_S, status_document, status_page
 from draftfeed.broker.workers import WorkerBook, model_info_reply
 from draftfeed.schemas.errors import MalformedMessage
 from draftfeed.schemas.frames import pack
@@ -361,3 +361,21 @@ class BrokerState:
         if query is None:
             return status_document(broker, self.clock(), self.services, self.ranks)
         return status_page(broker, self.clock(), self.services, self.ranks, query)
+
+
+def broker_summary(state: BrokerState) -> dict[str, Any]:
+    """The broker's own part of the status: its name, uptime, counters and peer counts."""
+    return {
+        "broker": state.name,
+        "instance": state.instance,
+        "uptime_s": round(state.clock() - state.started_at, 3),
+        "draining": state.draining,
+        "liveness_s": state.settings.liveness_s,
+        "counters": {**state.counters, "rejected_messages": sum(state.rejections.values())},
+        "requeues": dict(state.requeues),
+        "rejections": dict(state.rejections),
+        "refusals": dict(state.refusals),
+        "dispatched": state.scheduler.dispatched,
+        "rank_count": len(state.ranks),
+        "worker_count": len(state.workers),
+    }

@@ -6,42 +6,21 @@ endpoint in the broker's own process. ``status_page``: what one ``status`` query
 one reply (``MAX_HEADER_BYTES``) however large the cluster: the broker's totals and each service's summary always,
 then the workers from ``workers_from`` and the ranks from ``ranks_from``, as many as fit ``PAGE_BYTES``; its
 ``page`` says where the next page of each starts (None: nothing more). A client asks page after page
-(launch/status.py). A worker whose pairs alone would not fit shows the first ones and how many it left out.
+(observe/status_client.py). A worker whose pairs alone would not fit shows the first ones and how many it left out.
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from draftfeed.broker.records import RankRecord, ServiceRecord, WorkerRecord
 from draftfeed.schemas.messages import StatusQuery
 from draftfeed.schemas.protocol import MAX_HEADER_BYTES
 
-if TYPE_CHECKING:
-    from draftfeed.broker.state import BrokerState
-
 THROUGHPUT_WINDOW_S = 10.0  # requests per second are counted over this many seconds
 PAGE_BYTES = MAX_HEADER_BYTES // 2  # what one page's workers and ranks may take, leaving room for the rest
-
-
-def broker_summary(state: BrokerState) -> dict[str, Any]:
-    """The broker's own part of the status: its name, uptime, counters and peer counts."""
-    return {
-        "broker": state.name,
-        "instance": state.instance,
-        "uptime_s": round(state.clock() - state.started_at, 3),
-        "draining": state.draining,
-        "liveness_s": state.settings.liveness_s,
-        "counters": {**state.counters, "rejected_messages": sum(state.rejections.values())},
-        "requeues": dict(state.requeues),
-        "rejections": dict(state.rejections),
-        "refusals": dict(state.refusals),
-        "dispatched": state.scheduler.dispatched,
-        "rank_count": len(state.ranks),
-        "worker_count": len(state.workers),
-    }
 
 
 def status_document(broker: dict[str, Any], now: float, services: dict[str, ServiceRecord], ranks: dict[bytes, RankRecord]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ def _bench(args: argparse.Namespace) -> int:
     import tempfile
 
     from draftfeed.bench.harness import Row, format_table, run, to_json
-    from draftfeed.launch import children
+    from draftfeed.processes import children
 
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())

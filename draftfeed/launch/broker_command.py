@@ -7,8 +7,8 @@ import argparse
 from draftfeed.launch import flags
 from draftfeed.launch.observing import observe
 from draftfeed.launch.options import BrokerCommand
-from draftfeed.launch.ready import announce_ready
 from draftfeed.launch.signals import stop_on_signals
+from draftfeed.processes.ready import announce_ready
 from draftfeed.schemas.protocol import DEFAULT_BROKER_HTTP_PORT
 
 

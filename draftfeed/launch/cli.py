@@ -20,10 +20,10 @@ from draftfeed.bench import SCENARIO_NAMES
 from draftfeed.bench.cluster import Load as ClusterLoad
 from draftfeed.launch import flags
 from draftfeed.launch.options import BrokerCommand, PeerKeyFiles, WorkerCommand
-from draftfeed.launch.status import LIST_AT_MOST
 from draftfeed.launch.toml_and_environment import apply_sources, effective
 from draftfeed.logs import LOG_FORMATS
 from draftfeed.logs import configure as configure_logging
+from draftfeed.observe.status_client import LIST_AT_MOST
 from draftfeed.producers.settings import RankSettings
 from draftfeed.schemas.errors import DraftfeedError, UsageError
 

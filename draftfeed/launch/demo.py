@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from draftfeed.launch import children, processes
-from draftfeed.launch.progress import Progress
+from draftfeed.processes import children, commands
 from draftfeed.producers.tasks.eagle3 import RemoteEagle3Target
+from draftfeed.progress import Progress
 from draftfeed.tiny import build_tiny_target
 
 SERVICE = "tiny-llama-eagle3"
@@ -35,7 +35,7 @@ def run_demo(args: argparse.Namespace) -> int:
         target_dir = build_tiny_target(workdir / "tiny-llama", num_hidden_layers=8, hidden_size=128, vocab_size=4096)
         print(f"target: tiny random Llama (8 layers, hidden 128, vocab 4096) saved to {target_dir}")
         try:
-            broker = processes.start_broker()
+            broker = commands.start_broker()
             print(f"broker: pid {broker.pid}, ranks -> {broker.ready['frontend']}, workers -> {broker.ready['backend']}")
             _start_workers(broker, target_dir, args.workers)
             return _train(broker.ready["frontend"], args)
@@ -43,14 +43,14 @@ def run_demo(args: argparse.Namespace) -> int:
             children.stop_all()  # every process it started, also a worker still starting; before the folder goes
 
 
-def _start_workers(broker: processes.Process, target_dir: Path, count: int) -> list[processes.Process]:
+def _start_workers(broker: commands.Process, target_dir: Path, count: int) -> list[commands.Process]:
     """``count`` workers, started side by side (each spends seconds importing torch); raises the first failure (the
     caller stops what was started). A signal meanwhile does not wait for the workers to be ready."""
     pool = ThreadPoolExecutor(max(count, 1))
     try:
         futures = [
             pool.submit(
-                processes.start_worker,
+                commands.start_worker,
                 broker.ready["backend"],
                 str(target_dir),
                 "--service",

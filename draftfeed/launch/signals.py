@@ -30,7 +30,7 @@ def stopping_children(what: str, run: Callable[[], int]) -> int:
     starts, stops the processes it started: the first one ends it (the ``finally`` blocks on the way out stop them and
     remove its folder) with exit status 128 + the signal; one that comes while they are being stopped kills them at
     once. Should it be SIGKILLed instead, they die with it all the same (``children.spawn``)."""
-    from draftfeed.launch import children
+    from draftfeed.processes import children
 
     received: list[int] = []
 

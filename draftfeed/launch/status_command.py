@@ -17,7 +17,7 @@ def run_status(args: argparse.Namespace) -> int:
     """Print the status; with --service, exit 1 unless the service has a ready worker (within --wait seconds)."""
     import time
 
-    from draftfeed.launch.status import fetch_for_people, format_status, ready_workers
+    from draftfeed.observe.status_client import fetch_for_people, format_status, ready_workers
 
     if args.wait and args.service is None:
         raise UsageError("--wait goes with --service NAME: the service to wait for")
@@ -46,7 +46,7 @@ def _watch_status(args: argparse.Namespace, keys: Any) -> int:
     each one follows the last after a separator line. A broker that stops answering is said, and watched for."""
     import time
 
-    from draftfeed.launch.status import fetch_for_people, format_status
+    from draftfeed.observe.status_client import fetch_for_people, format_status
 
     if args.watch <= 0:
         raise UsageError(f"--watch {args.watch:g}: give the seconds between refreshes, more than 0")

@@ -14,8 +14,8 @@ from draftfeed.consumers.settings import WorkerSettings
 from draftfeed.launch import flags
 from draftfeed.launch.observing import observe
 from draftfeed.launch.options import WorkerCommand
-from draftfeed.launch.ready import announce_ready
 from draftfeed.launch.signals import stop_on_signals
+from draftfeed.processes.ready import announce_ready
 from draftfeed.schemas.errors import CannotServe, UsageError
 from draftfeed.schemas.protocol import DEFAULT_WORKER_HTTP_PORT
 

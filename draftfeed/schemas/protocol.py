@@ -15,9 +15,7 @@ PROTOCOL_NAME = b"draftfeed"
 PROTOCOL_VERSION = 6
 SIGNATURE = PROTOCOL_NAME + b"/" + str(PROTOCOL_VERSION).encode()
 
-# Frame positions in a message, after any ROUTER identity frame has been taken off.
-SIGNATURE_FRAME = 0
-HEADER_FRAME = 1
+# Where a message's tensor frames begin, after any ROUTER identity frame has been taken off: [signature, header, *tensors].
 FIRST_TENSOR_FRAME = 2
 
 # Largest header frame a peer accepts; headers are small JSON documents.

@@ -24,8 +24,6 @@ import zmq.auth
 
 from draftfeed.schemas.errors import UsageError
 
-ROLES = ("rank", "worker")
-
 
 class KeyFileError(UsageError):
     """A key file or allow-list that cannot be used, with what to do about it."""

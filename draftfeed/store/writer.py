@@ -77,10 +77,6 @@ class Recorder:
         with self._cond:
             return self._pending.get(key)
 
-    @property
-    def shards_written(self) -> int:
-        return self._shards_written
-
     def flush(self, timeout_s: float) -> None:
         """Write every batch queued so far into a shard and its index line, then return (a partial shard: a resumed
         run reads these batches back even if this process is killed right after). Raises the recorder's error."""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from conftest import WORKER_ENV, Cluster, assert_supervision_equal, make_batch, reference_eagle3
 
-from draftfeed.launch import processes
+from draftfeed.processes import commands
 
 VOCAB = 1000  # the tiny target's
 
@@ -19,11 +19,11 @@ def pairs_of(cluster: Cluster, worker: str) -> dict[str, dict]:
     return {pair["rank"]: pair for pair in (status or {}).get("pairs", [])}
 
 
-def add_faulty_worker(cluster: Cluster, target: Path | str, fault: str, *args: str) -> processes.Process:
+def add_faulty_worker(cluster: Cluster, target: Path | str, fault: str, *args: str) -> commands.Process:
     """A real worker (the worker ``args``) whose N-th send fails as ``fault`` (``KIND:N``) says: its NIXL writes
     (FAKE_NIXL_FAULT) with ``--data-plane nixl``, else its sends on pair groups (FAKE_PAIR_FAULT)."""
     nixl = "nixl" in [value for flag, value in zip(args, args[1:]) if flag == "--data-plane"]
-    worker = processes.start(
+    worker = commands.start(
         ["worker", "--broker", cluster.backend, "--target", str(target), *args],
         env={**WORKER_ENV, "FAKE_NIXL_FAULT" if nixl else "FAKE_PAIR_FAULT": fault},
         module="fake_pair_faults",

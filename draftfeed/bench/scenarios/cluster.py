@@ -22,8 +22,8 @@ from pathlib import Path
 
 from draftfeed.bench.cluster import Load, merge
 from draftfeed.bench.harness import Row, cpu_seconds
-from draftfeed.launch import children, processes
-from draftfeed.launch.status import fetch_status
+from draftfeed.observe.status_client import fetch_status
+from draftfeed.processes import children, commands
 
 SETTINGS = Load
 
@@ -32,7 +32,7 @@ def run(quick: bool, workdir: Path, settings: Load | None = None) -> list[Row]:
     load = settings or Load()
     if quick:
         load = load.model_copy(update={"warmup_s": min(load.warmup_s, 2.0), "measure_s": min(load.measure_s, 6.0)})
-    broker = processes.start_broker(extra=["--log-level", "WARNING", "--heartbeat-interval", str(load.heartbeat_s)])
+    broker = commands.start_broker(extra=["--log-level", "WARNING", "--heartbeat-interval", str(load.heartbeat_s)])
     try:
         measured = _measure(broker.ready, broker.pid, load, status=True)
         after = _after_byes(broker.ready["frontend"])

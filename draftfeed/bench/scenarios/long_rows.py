@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from draftfeed.bench.harness import Row
-from draftfeed.launch import processes
+from draftfeed.processes import commands
 
 VOCAB, DRAFT = 32_000, 2_000
 LONGEST = 16_384
@@ -37,7 +37,7 @@ def run(quick: bool, workdir: Path) -> list[Row]:
     torch.set_num_threads(1)
     in_process = Eagle3Task(HFEngine(str(target_dir)), chunk_tokens=CHUNK_TOKENS)
     vocab_map = VocabMap(draft_ids, draft_mask)
-    broker = processes.start_broker(extra=["--log-level", "WARNING"])
+    broker = commands.start_broker(extra=["--log-level", "WARNING"])
     try:
         chunked = _worker(broker, target_dir, "chunked", CHUNK_TOKENS)
         whole = None if quick else _worker(broker, target_dir, "whole", 0)
@@ -89,8 +89,8 @@ def run(quick: bool, workdir: Path) -> list[Row]:
     return rows
 
 
-def _worker(broker: processes.Process, target_dir: Path, service: str, chunk_tokens: int) -> processes.Process:
-    return processes.start_worker(
+def _worker(broker: commands.Process, target_dir: Path, service: str, chunk_tokens: int) -> commands.Process:
+    return commands.start_worker(
         broker.ready["backend"],
         str(target_dir),
         "--service",
@@ -110,7 +110,7 @@ def _row(seq: int) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "loss_mask": torch.ones_like(input_ids)}
 
 
-def _peak_kib(process: processes.Process) -> int:
+def _peak_kib(process: commands.Process) -> int:
     """The process's peak resident set (VmHWM), in KiB."""
     status = Path(f"/proc/{process.pid}/status").read_text()
     found = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)

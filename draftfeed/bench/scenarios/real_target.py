@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from draftfeed.bench.harness import Row, seconds_per_call, token_batch
-from draftfeed.launch import processes
+from draftfeed.processes import commands
 
 
 def run(quick: bool, workdir: Path) -> list[Row]:
@@ -22,9 +22,9 @@ def run(quick: bool, workdir: Path) -> list[Row]:
     torch.set_num_threads(1)
     task = Eagle3Task(HFEngine(str(target_dir)))
     in_process = seconds_per_call(lambda: task.compute(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None), count)
-    broker = processes.start_broker(extra=["--log-level", "WARNING"])
+    broker = commands.start_broker(extra=["--log-level", "WARNING"])
     try:
-        worker = processes.start_worker(
+        worker = commands.start_worker(
             broker.ready["backend"], str(target_dir), "--service", "tiny", "--log-level", "WARNING", env={"OMP_NUM_THREADS": "1"}
         )
         try:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from draftfeed.bench.harness import Row
-from draftfeed.launch import processes
+from draftfeed.processes import commands
 
 FORMS = ("probs", "probs-bf16", "hidden")
 # A batch: 8,192 tokens, about 39 MB of probs-form supervision (an 8B target makes about that much from 260 tokens).
@@ -27,7 +27,7 @@ def run(quick: bool, workdir: Path) -> list[Row]:
     target_dir = build_tiny_target(workdir / "store-target", num_hidden_layers=8, hidden_size=64, vocab_size=1000)
     count = 6 if quick else 16
     batches = [_batch(seed) for seed in range(count)]
-    broker = processes.start_broker(extra=["--log-level", "WARNING"])
+    broker = commands.start_broker(extra=["--log-level", "WARNING"])
     forms = ("probs", "hidden") if quick else FORMS
     workers = []
     try:
@@ -122,8 +122,8 @@ def _epochs(frontend: str, batches: list[dict], workdir: Path) -> list[Row]:
     ]
 
 
-def _worker(broker: processes.Process, target_dir: Path, form: str) -> processes.Process:
-    return processes.start_worker(
+def _worker(broker: commands.Process, target_dir: Path, form: str) -> commands.Process:
+    return commands.start_worker(
         broker.ready["backend"],
         str(target_dir),
         "--service",

@@ -17,7 +17,7 @@ import torch
 
 from draftfeed.bench.harness import Row, last_json, probe, seconds_per_call, token_batch
 from draftfeed.bench.hosts import Hosts, unavailable_reason
-from draftfeed.launch import processes
+from draftfeed.processes import commands
 
 DEGREE = 2
 ROWS, TOKENS, VOCAB = 4, 256, 4096
@@ -41,10 +41,10 @@ def run(quick: bool, workdir: Path) -> list[Row]:
         in_process = seconds_per_call(lambda: task.compute(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], None), count)
     finally:
         engine.close()
-    broker = processes.start_broker(extra=["--log-level", "WARNING"])
+    broker = commands.start_broker(extra=["--log-level", "WARNING"])
     try:
         flags = ["--service", "tiny-tp", "--tensor-parallel", str(DEGREE), "--log-level", "WARNING"]
-        worker = processes.start_worker(broker.ready["backend"], str(target_dir), *flags, env={"OMP_NUM_THREADS": "1"})
+        worker = commands.start_worker(broker.ready["backend"], str(target_dir), *flags, env={"OMP_NUM_THREADS": "1"})
         try:
             with RemoteEagle3Target(broker.ready["frontend"], "tiny-tp", prefetch_depth=0) as target:
                 remote = seconds_per_call(lambda: target.generate_batch(**batch), count)
@@ -82,9 +82,9 @@ def run(quick: bool, workdir: Path) -> list[Row]:
 def _over_two_hosts(target_dir: Path, count: int) -> float:
     """Seconds a batch end to end, node 0 and node 1 of the worker on hosts of their own, the rank beside the broker."""
     with Hosts(["head", "node-0", "node-1"]) as hosts:
-        started: list[processes.Process] = []
+        started: list[commands.Process] = []
         try:
-            broker = processes.start_broker(hosts.address("head"), extra=["--log-level", "WARNING"], prefix=hosts.command("head"))
+            broker = commands.start_broker(hosts.address("head"), extra=["--log-level", "WARNING"], prefix=hosts.command("head"))
             started.append(broker)
             master = f"{hosts.address('node-0')}:{MASTER_PORT}"
             flags = [
@@ -101,13 +101,13 @@ def _over_two_hosts(target_dir: Path, count: int) -> float:
             ]
             env = {"OMP_NUM_THREADS": "1"}
             # Side by side: node 1 is ready once it has joined node 0, node 0 once node 1's process has loaded.
-            nodes: dict[int, processes.Process] = {}
+            nodes: dict[int, commands.Process] = {}
             errors: list[BaseException] = []
 
             def start(node: int) -> None:
                 try:
                     command = [*flags, "--node-rank", str(node)]
-                    nodes[node] = processes.start_worker(
+                    nodes[node] = commands.start_worker(
                         broker.ready["backend"], str(target_dir), *command, env=env, prefix=hosts.command(f"node-{node}")
                     )
                 except BaseException as exc:  # raised below, on the bench's thread

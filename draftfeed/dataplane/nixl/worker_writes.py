@@ -160,11 +160,6 @@ class NixlSender:
         """How many writes are in flight (the compute loop checks on them every millisecond meanwhile)."""
         return len(self._writing)
 
-    @property
-    def direct_bytes(self) -> int:
-        """Bytes of answers' own memory registered now for writes in flight (or given up on)."""
-        return sum(region.nbytes for region in self._pinned)
-
     def ensure(self) -> NixlAgent:
         """The agent, started on first use; raises NixlError where NIXL cannot run."""
         if self.agent is None:

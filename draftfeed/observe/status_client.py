@@ -1,4 +1,4 @@
-"""``draftfeed status``: ask a broker for its status document, page by page, and print it.
+"""A client of the broker's status query (for `draftfeed status`, the bench and the tests): the status document, page by page, and its table.
 
 A page holds the totals and every service's summary, and as many workers and ranks as fit one reply
 (broker/status.py); ``fetch_status`` asks for the pages in turn on one connection and puts the document together,

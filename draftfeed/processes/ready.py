@@ -1,7 +1,7 @@
 """The ready line: how a draftfeed process tells whoever started it that it is serving, and where.
 
 A process prints ``READY_PREFIX`` then one JSON object (its role and endpoints) once it is ready;
-launch/processes.py waits for that line.
+processes/commands.py waits for that line.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 each process asked of it from itself, so that a worker is ready in a fraction of the CPU time (about 3.8 s of a
 2-core machine's CPU per worker otherwise, nearly all of it imports).
 
-For runs that start many short-lived processes on one machine (the test suite); ``processes.start`` uses it when
-``use_preloaded_starts()`` was called, for a ``python -m MODULE`` start with no prefix command (or ``ip netns exec
+For the test suite, which starts many short-lived processes on one machine: ``use_preloaded_starts()`` makes
+``launch`` the launcher of draftfeed/processes/commands.py, which offers it each start; it takes a ``python -m MODULE`` start with no prefix command (or ``ip netns exec
 NAME``: the forked process enters that namespace itself) whose import-time environment (``IMPORT_TIME_ENV``) is the
 preloader's. The forked process runs ``MODULE`` as ``python -m`` would,
 in its own session, with the environment and arguments it was given and its output on a pipe; ``PreloadedPopen``
@@ -17,6 +17,7 @@ that started it does, SIGKILLed or not (``children.spawn``); what it forked dies
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
@@ -30,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-from draftfeed.launch import children
+from draftfeed.processes import children
 
 # Read when a process starts (by the C libraries as they load, or by Python itself): a process forked from the
 # preloader has the preloader's, so only a start with the same values is preloaded.
@@ -111,7 +112,7 @@ class Preloader:
         self._folder = tempfile.mkdtemp(prefix="draftfeed-preload-")
         self.path = str(Path(self._folder) / "socket")
         self._server = children.spawn(  # it dies with this process; what it forks dies with it
-            [sys.executable, "-m", __name__, self.path], env=self.env, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True
+            [sys.executable, __file__, self.path], env=self.env, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True
         )
         assert self._server.stdout is not None
         ready, _, _ = select.select([self._server.stdout], [], [], START_TIMEOUT_S)
@@ -151,6 +152,38 @@ class Preloader:
                 self._server.kill()
         Path(self.path).unlink(missing_ok=True)
         os.rmdir(self._folder)
+
+
+# ---------------------------------------------------------------- the suite's launcher
+_PRELOADERS: dict[tuple[str | None, ...], Preloader] = {}
+
+
+def network_namespace_of(prefix: Sequence[str]) -> str | None:
+    """The namespace a prefix ``ip netns exec NAME`` runs its command in (a preloaded start enters it itself), else None."""
+    parts = list(prefix)
+    return parts[3] if len(parts) == 4 and parts[:3] == ["ip", "netns", "exec"] else None
+
+
+def launch(module: str, args: Sequence[str], env: dict[str, str], prefix: Sequence[str]) -> PreloadedPopen | None:
+    """draftfeed.processes.commands's launcher for the suite: workers and other ``python -m`` processes (not brokers),
+    also those run in a network namespace, forked from the preloader of their import-time environment (started on
+    first use); None (spawn it) for any other start."""
+    netns = network_namespace_of(prefix)
+    if (prefix and netns is None) or (module == "draftfeed.launch" and args[:1] != ["worker"]):
+        return None
+    key = tuple(env.get(name) for name in IMPORT_TIME_ENV)
+    preloader = _PRELOADERS.get(key)
+    if preloader is None or not preloader.serves(env):
+        preloader = _PRELOADERS[key] = Preloader(env)
+    return preloader.popen(module, args, env, netns)
+
+
+def use_preloaded_starts() -> None:
+    """From now on, start processes through ``launch``; the preloaders end with this process."""
+    from draftfeed.processes import commands
+
+    commands.use_launcher(launch)
+    atexit.register(lambda: [preloader.close() for preloader in _PRELOADERS.values()])
 
 
 # ---------------------------------------------------------------- the preloader process

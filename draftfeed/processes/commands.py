@@ -5,7 +5,6 @@ Every process started here dies with the process that started it, however that o
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import queue
@@ -14,13 +13,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from draftfeed.launch import children
-from draftfeed.launch.ready import READY_PREFIX
+from draftfeed.processes import children
+from draftfeed.processes.ready import READY_PREFIX
 
 
 @dataclass
@@ -32,26 +30,7 @@ class Process:
     log_tail: list[str] = field(default_factory=list)
     lines_seen: int = 0  # every line it printed, counted (the tail keeps the last ones)
     output_ended: bool = False
-    _printed: threading.Condition = field(default_factory=threading.Condition, repr=False)
-
-    def wait_for_line(self, pattern: str, timeout_s: float, after: int = 0) -> str:
-        """The first line matching ``pattern`` (a regular expression) among those printed after the first ``after``
-        lines (``lines_seen`` at some earlier moment); raises TimeoutError with the log's tail if none comes within
-        ``timeout_s`` or the process ends without printing one."""
-        regex = re.compile(pattern)
-        deadline = time.monotonic() + timeout_s
-        with self._printed:
-            while True:
-                new = min(self.lines_seen - after, len(self.log_tail))
-                for line in self.log_tail[len(self.log_tail) - new :] if new > 0 else ():
-                    if regex.search(line):
-                        return line
-                after = self.lines_seen
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or self.output_ended:
-                    ended = "the process ended" if self.output_ended else f"{timeout_s:.0f} s passed"
-                    raise TimeoutError(f"no line matching {pattern!r} before {ended}:\n" + "\n".join(self.log_tail[-40:]))
-                self._printed.wait(remaining)
+    printed: threading.Condition = field(default_factory=threading.Condition, repr=False)  # notified at each line
 
     @property
     def pid(self) -> int:
@@ -80,15 +59,15 @@ class Process:
 
 def _pump(stream: IO[str], lines: queue.Queue[str | None], process: Process, keep: int = 400) -> None:
     for line in stream:
-        with process._printed:
+        with process.printed:
             process.log_tail.append(line.rstrip("\n"))
             del process.log_tail[:-keep]
             process.lines_seen += 1
-            process._printed.notify_all()
+            process.printed.notify_all()
         lines.put(line)
-    with process._printed:
+    with process.printed:
         process.output_ended = True
-        process._printed.notify_all()
+        process.printed.notify_all()
     lines.put(None)
 
 
@@ -107,11 +86,8 @@ def start(
     that command must exec the process (its pid is the one signalled). ``ready_pattern``: a line matching this regular
     expression counts as ready too (for a process that will not get as far as its ready line)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    netns = network_namespace_of(prefix)
-    preloadable = (not prefix or netns is not None) and (module != "draftfeed.launch" or args[:1] == ["worker"])
-    preloader = _preloader(full_env) if preloadable else None
-    if preloader is not None:
-        popen: Any = preloader.popen(module, args, full_env, netns)
+    popen: Any = _LAUNCHER(module, args, full_env, prefix) if _LAUNCHER is not None else None
+    if popen is not None:
         children.adopt(popen)
     else:
         popen = children.spawn(
@@ -146,41 +122,16 @@ def start(
         raise
 
 
-_PRELOADERS: dict[tuple[str | None, ...], Any] | None = None  # None: every start spawns a fresh interpreter
+# Starts a ``python -m MODULE ARGS`` process some other way (the test suite forks them from a preloaded process):
+# (module, args, env, prefix) -> a Popen-like handle, or None to spawn it as usual.
+Launcher = Callable[[str, Sequence[str], dict[str, str], Sequence[str]], Any]
+_LAUNCHER: Launcher | None = None
 
 
-def network_namespace_of(prefix: Sequence[str]) -> str | None:
-    """The namespace a prefix ``ip netns exec NAME`` runs its command in (a preloaded start enters it itself), else None."""
-    parts = list(prefix)
-    return parts[3] if len(parts) == 4 and parts[:3] == ["ip", "netns", "exec"] else None
-
-
-def use_preloaded_starts() -> None:
-    """From now on, start workers and other ``python -m`` processes (not brokers) by forking them from a preloaded
-    process (draftfeed/launch/preload.py), also those run in a network namespace (``ip netns exec NAME``): for runs
-    that start many of them on one machine, such as the tests."""
-    global _PRELOADERS
-    if _PRELOADERS is None:
-        _PRELOADERS = {}
-        atexit.register(_close_preloaders)
-
-
-def _preloader(env: dict[str, str]) -> Any:
-    """The preloader for ``env``'s import-time variables (started on first use), or None when starts spawn."""
-    if _PRELOADERS is None:
-        return None
-    from draftfeed.launch.preload import IMPORT_TIME_ENV, Preloader
-
-    key = tuple(env.get(name) for name in IMPORT_TIME_ENV)
-    preloader = _PRELOADERS.get(key)
-    if preloader is None or not preloader.serves(env):
-        preloader = _PRELOADERS[key] = Preloader(env)
-    return preloader
-
-
-def _close_preloaders() -> None:
-    for preloader in (_PRELOADERS or {}).values():
-        preloader.close()
+def use_launcher(launcher: Launcher | None) -> None:
+    """From now on, offer every start to ``launcher`` first (None: spawn every one)."""
+    global _LAUNCHER
+    _LAUNCHER = launcher
 
 
 def start_broker(host: str = "127.0.0.1", extra: Sequence[str] = (), **kwargs: object) -> Process:
