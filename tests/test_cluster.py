@@ -1,4 +1,4 @@
-"""A real broker with a few thousand simulated peers speaking the protocol (draftfeed/bench/cluster.py): every
+"""A real broker with a few thousand simulated peers speaking the protocol (draftfeed/bench/cluster/): every
 peer heartbeats and none is expired, every request is dispatched once and each rank's in order, ``draftfeed
 status`` answers with every worker and rank (over several pages), and the broker holds nothing once they leave.
 Speed is the bench's (``draftfeed bench --scenario cluster``), never asserted here."""

@@ -77,7 +77,7 @@ absolute figures (shared hosts are noisy). Regenerate with `draftfeed bench --re
   between two processes.
 - **encryption**: supervision and 1-token requests through a `--secure` pipeline (CURVE on every socket)
   against the same pipeline in plaintext, in the same run.
-- **cluster**: one broker for a cluster: simulated ranks and workers (draftfeed/bench/cluster.py, 1,000 x 256 at
+- **cluster**: one broker for a cluster: simulated ranks and workers (draftfeed/bench/cluster/, 1,000 x 256 at
   60 ms a request by default; flags `--ranks`, `--workers`, `--compute-ms`, `--prefetch`, `--capacity`) speaking
   the protocol to a real broker, and to a policy-free forwarder of the same messages with the same peers in the same
   run. The broker's main thread has one core, the simulator's the other. Rate against the ideal (workers / compute

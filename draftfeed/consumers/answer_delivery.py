@@ -1,16 +1,16 @@
 """Delivering one answer (a result or a failure) to one rank; the outcome says what became of it.
 
-A result goes on the plane chosen for that pair (pair_planes.py): frames on the rank's direct socket
-(rank_links.py), or the pair's ready plane carries it (pair_plane.py: a header on the socket and the tensors on
-the pair's own torch.distributed group, pair_group_plane.py, or written into a slot the rank granted,
-nixl_plane.py). A pair that fails is torn down and the answer goes again as frames. A failure always goes as frames.
+A result goes on the plane chosen for that pair (dataplane/worker_pairs.py): frames on the rank's direct socket
+(dataplane/frames/worker.py), or the pair's ready plane carries it (dataplane/worker_plane.py: a header on the socket and the tensors on
+the pair's own torch.distributed group, dataplane/pair_group/worker.py, or written into a slot the rank granted,
+dataplane/nixl/worker.py). A pair that fails is torn down and the answer goes again as frames. A failure always goes as frames.
 
 Every wait is bounded. A send is tried until the rank takes it, the broker reports the rank gone (the broker
 link counts each ``forget_ranks``: one that arrives mid-delivery ends the wait at once, before the compute loop
 files it), the rank was never reached within --connect-timeout (it is not tried again), it took nothing for
 --send-timeout, or, once the worker is stopping, --drain-timeout has passed. A nixl grant is awaited at most
 --pair-timeout, and at most ``ARENAS`` nixl writes are in flight (a staged answer's arena must be free again:
-nixl_plane.py, nixl_senders.py).
+dataplane/nixl/worker.py, worker_writes.py).
 
 Called from the worker's compute loop only, except ``links``/``pairs`` (the heartbeat thread). The worker opens
 the sockets and planes and hands them over; it turns each outcome into its ``done`` for the broker.
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import zmq
 
-from draftfeed.consumers.pair_planes import PairPlanes, PlaneRefused
+from draftfeed.dataplane.worker_pairs import PairPlanes, PlaneRefused
 from draftfeed.consumers.settings import WorkerSettings
 from draftfeed.dataplane.frames.codec import pack_tensors, tensor_bytes
 from draftfeed.dataplane.frames.worker import RankLinks, SendResult

@@ -34,7 +34,7 @@ from draftfeed.consumers.broker_link import BrokerLink
 from draftfeed.consumers.computation import Computation
 from draftfeed.consumers.engines.base import RETRYABLE_ERRORS, EngineLost
 from draftfeed.consumers.mappings import MissingMapping, WorkerMappings
-from draftfeed.consumers.pair_planes import PairPlanes
+from draftfeed.dataplane.worker_pairs import PairPlanes
 from draftfeed.consumers.pair_report import PairReport
 from draftfeed.consumers.settings import WorkerSettings
 from draftfeed.consumers.tasks.base import Task

@@ -1,5 +1,5 @@
-"""One pair's plane on the worker, whatever carries it: the interface ``PairGroupPlane`` (pair_group_plane.py) and
-``NixlPlane`` (nixl_plane.py) both have, which PairPlanes (pair_planes.py) and AnswerDelivery (answer_delivery.py)
+"""One pair's plane on the worker, whatever carries it: the interface ``PairGroupPlane`` (dataplane/pair_group/worker.py) and
+``NixlPlane`` (dataplane/nixl/worker.py) both have, which PairPlanes (dataplane/worker_pairs.py) and AnswerDelivery (answer_delivery.py)
 use without asking which it is.
 
 A plane object is one generation of one pair: made when the pair opens, never used again once it fails or closes (a

@@ -11,8 +11,8 @@ What the rank says to the broker and makes of what it hears (hello, welcome, res
 refusals, first-answer-wins) is its session (rank_session.py), which holds no socket; the IO thread runs it
 in the peers' loop (peer_loop.py), the same loop a worker's broker link runs.
 
-Supervision a worker sends on a pair group (docs/data-planes.md) is received by pair_receivers.py, on a
-nixl pair by nixl_receivers.py. When such an answer is lost with its group or pair, the rank asks for the
+Supervision a worker sends on a pair group (docs/data-planes.md) is received by dataplane/pair_group/rank.py, on a
+nixl pair by dataplane/nixl/rank.py. When such an answer is lost with its group or pair, the rank asks for the
 request again under a new request id; the request answers to both ids, so whichever answer comes first (the
 worker's frames fallback, a requeue, or the new request) resolves it, and the rest are dropped as duplicates.
 """

@@ -1,4 +1,4 @@
-"""One broker for a cluster: simulated ranks and workers (bench/cluster.py) against a real broker, and against a
+"""One broker for a cluster: simulated ranks and workers (bench/cluster/) against a real broker, and against a
 policy-free forwarder of the same messages with the same peers in the same run.
 
 The broker's main thread is pinned to the first core and the simulator's to the other, so each process's CPU says

@@ -12,7 +12,7 @@ The protocol (docs/data-planes.md), all on the rank's data socket except the byt
 An answer is used only once both its header and its notification are here; a header whose notification does
 not come within the pair's timeout is lost (the rank asks again) and the pair is closed. When a pair closes
 (either side, or the broker reports the worker gone) its answers in waiting are lost and asked for again,
-and the slots granted to it are quarantined (nixl_pool.py). Everything here runs on the rank's IO thread.
+and the slots granted to it are quarantined (rank_slots.py). Everything here runs on the rank's IO thread.
 """
 
 from __future__ import annotations

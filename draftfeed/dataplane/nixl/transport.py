@@ -6,8 +6,8 @@ there is. The package is optional (``pip install draftfeed[nixl]``, module ``nix
 says why it cannot be used here. Agent metadata is opaque bytes each side sends on draftfeed's own sockets;
 descriptors travel as plain ``(address, bytes, device)`` numbers in our JSON, never NIXL's serialised form.
 
-The owners of the protocol (the worker's dataplane/nixl/worker.py and nixl_senders.py, the rank's
-dataplane/nixl/rank.py and nixl_pool.py) decide what to write where and when memory may be reused; this module
+The owners of the protocol (the worker's dataplane/nixl/worker.py and worker_writes.py, the rank's
+dataplane/nixl/rank.py and rank_slots.py) decide what to write where and when memory may be reused; this module
 only wraps the calls and turns NIXL's failures into ``NixlError``. The memory it moves is described in memory.py.
 """
 

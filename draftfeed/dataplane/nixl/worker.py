@@ -9,7 +9,7 @@ one answer on it (docs/data-planes.md, "The nixl plane"; the rank's side is data
     worker -> rank   result       plane nixl, the slot, the tensors' specs
 
 The worker's agent, where an answer is written from and the writes in flight are the worker's, shared by all its
-pairs (nixl_senders.py). A grant is awaited at most the pair's timeout; a write that cannot start, or fails in
+pairs (worker_writes.py). A grant is awaited at most the pair's timeout; a write that cannot start, or fails in
 flight, is reported (``failed``) and the plane is never used again.
 """
 

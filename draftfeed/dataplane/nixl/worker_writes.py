@@ -1,5 +1,5 @@
 """The worker's NIXL agent, where each answer is written from, and the writes in flight, shared by all its nixl
-pairs (nixl_plane.py is one pair's protocol). One write's state is a ``Write``: what it reads (its ``Source``: the
+pairs (dataplane/nixl/worker.py is one pair's protocol). One write's state is a ``Write``: what it reads (its ``Source``: the
 answer's tensors or a staging arena), the rank's slot it fills, its notification, NIXL's handle and its deadline.
 
 An answer is written from one of two sources (``choose_source`` decides, and says why):

@@ -2,8 +2,8 @@
 
 For each rank it serves, the worker chooses a plane once (dataplane/choice.py, logged with the reason).
 A pair plane is opened without stopping work; answers go as frames until it is ready. What opens it and carries
-answers on it is the plane object (pair_plane.py: one interface): ``PairGroupPlane`` (pair_group_plane.py: gloo,
-nccl) or ``NixlPlane`` (nixl_plane.py); this module keeps the bookkeeping every plane shares: which plane a rank's
+answers on it is the plane object (dataplane/worker_plane.py: one interface): ``PairGroupPlane`` (dataplane/pair_group/worker.py: gloo,
+nccl) or ``NixlPlane`` (dataplane/nixl/worker.py); this module keeps the bookkeeping every plane shares: which plane a rank's
 pair uses, its generations, its state, its failures and their backoff, its counts for ``draftfeed status``.
 
 A pair that fails is torn down (``pair_close`` to the rank), the answer in hand goes again as frames, and a
