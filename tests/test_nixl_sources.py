@@ -18,7 +18,6 @@ from draftfeed.dataplane.pair_group.transport import describe
 needs_nixl = pytest.mark.skipif(unavailable() is not None, reason=f"NIXL: {unavailable()}")
 
 
-
 def direct_bytes(sender) -> int:
     """Bytes of answers' own memory the sender holds registered now for writes in flight (or given up on)."""
     return sum(region.nbytes for region in sender._pinned)

@@ -27,10 +27,10 @@ from typing import Any
 import torch
 import zmq
 
-from draftfeed.dataplane.worker_pairs import PairPlanes, PlaneRefused
 from draftfeed.consumers.settings import WorkerSettings
 from draftfeed.dataplane.frames.codec import pack_tensors, tensor_bytes
 from draftfeed.dataplane.frames.worker import RankLinks, SendResult
+from draftfeed.dataplane.worker_pairs import PairPlanes, PlaneRefused
 from draftfeed.dataplane.worker_plane import OutgoingAnswer
 from draftfeed.schemas.errors import MalformedMessage
 from draftfeed.schemas.frames import pack, unpack

@@ -34,13 +34,13 @@ from draftfeed.consumers.broker_link import BrokerLink
 from draftfeed.consumers.computation import Computation
 from draftfeed.consumers.engines.base import RETRYABLE_ERRORS, EngineLost
 from draftfeed.consumers.mappings import MissingMapping, WorkerMappings
-from draftfeed.dataplane.worker_pairs import PairPlanes
 from draftfeed.consumers.pair_report import PairReport
 from draftfeed.consumers.settings import WorkerSettings
 from draftfeed.consumers.tasks.base import Task
 from draftfeed.consumers.worker_session import RESET, STOP, Inbox
 from draftfeed.dataplane.choice import local_offer
 from draftfeed.dataplane.frames.worker import RankLinks, SendResult
+from draftfeed.dataplane.worker_pairs import PairPlanes
 from draftfeed.net import close_quietly, host_identity, send_to_thread
 from draftfeed.observe.worker_metrics import WorkerMetrics
 from draftfeed.schemas.errors import BadRequest, CannotServe, MalformedMessage
