@@ -91,6 +91,10 @@ class TensorParallelEngine:
         self._weights: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
         self._started = False
+        self._closing = False  # from here a follower's end is expected
+        self._end_timer: threading.Timer | None = None  # ends this process LOST_GRACE_S after a follower was lost
+        self._end_lock = threading.Lock()
+        self._end_cancelled = False
         self._calls = 0
         host = nodes.master_host if nodes is not None else LOOPBACK
         self._store = store = host_rendezvous(LOAD_TIMEOUT_S, host, nodes.master_port if nodes is not None else 0)
@@ -179,7 +183,7 @@ class TensorParallelEngine:
 
     def _follower_ended(self, how: str) -> None:
         """Called on a watch thread when a follower ends while the worker runs."""
-        if self.lost is not None:  # already stopping: a follower out of step exits by itself
+        if self.lost is not None or self._closing:  # already stopping: a follower out of step exits by itself
             return
         self.lost = how
         log.error("worker: %s; the worker stops (its requests go back to the broker)", how)
@@ -188,9 +192,11 @@ class TensorParallelEngine:
                 hook(how)
             except Exception:  # a hook must not keep the worker from stopping
                 log.exception("worker: a hook on the lost engine failed")
-        timer = threading.Timer(LOST_GRACE_S, self._end_now)
-        timer.daemon = True
-        timer.start()
+        with self._end_lock:
+            if not self._end_cancelled:
+                self._end_timer = threading.Timer(LOST_GRACE_S, self._end_now)
+                self._end_timer.daemon = True
+                self._end_timer.start()
         if self._started:  # while starting, the start itself fails (await_followers), or the timer ends a stuck one
             self._on_lost(how)
 
@@ -293,6 +299,8 @@ class TensorParallelEngine:
         """Stop the followers (they leave the group), then this rank; a follower that does not exit is killed."""
         if self._followers is None:
             return
+        self._closing = True
+        self._cancel_end()
         if self.lost is None:
             self._channel.send(Stop())
             self._followers.stop()
@@ -306,8 +314,18 @@ class TensorParallelEngine:
         if torch.distributed.is_initialized() and self.lost is None:
             torch.distributed.destroy_process_group()
 
+    def _cancel_end(self) -> None:
+        """Closed in the grace period after a follower was lost: the process that holds the engine lives on (a worker
+        exits by itself; a program that embeds the engine goes on)."""
+        with self._end_lock:
+            self._end_cancelled = True
+            if self._end_timer is not None:
+                self._end_timer.cancel()
+
     def _abandon(self) -> None:
-        """A failed start: no follower is left running, nothing is left bound."""
+        """A failed start: no follower is left running, nothing is left bound, and the process that tried lives on."""
+        self._closing = True
+        self._cancel_end()
         if self._followers is not None:
             self._followers.kill()
             self._followers = None

@@ -25,7 +25,7 @@ import zmq
 log = logging.getLogger("draftfeed.worker")
 
 WATCH_INTERVAL_S = 1.0
-WATCH_SILENCE_S = 5.0
+WATCH_SILENCE_S = 15.0  # long enough for a starved thread on a loaded host (a 2-core machine running many processes)
 
 
 class LeaderWatch:
