@@ -49,9 +49,12 @@ demo: $(STAMP)
 
 # Lint and format first; then the suite in 3 processes (each module whole, so a module's cluster starts once; the
 # tests mostly wait on other processes, so 3 keep 2 cores busy), the 15 slowest tests listed. The vllm engine tests run
-# beside it in .venv-vllm (their output is shown after the main suite's); make test fails if either fails.
+# beside it in .venv-vllm (their output is shown after the main suite's); make test fails if either fails. Each test has
+# its own timeout (pyproject.toml); SUITE_TIMEOUT bounds each whole run besides, so a hang is a failure, not a stalled CI.
+SUITE_TIMEOUT_S = 1500
+SUITE_TIMEOUT = timeout -k 30 $(SUITE_TIMEOUT_S)
 PYTEST_PARALLEL = -n 3 --dist loadscope --durations=15
-VLLM_TESTS = VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) -m pytest -q -p no:cacheprovider --durations=5 tests/test_engines.py
+VLLM_TESTS = VLLM_CPU_KVCACHE_SPACE=1 $(SUITE_TIMEOUT) $(VLLM_PY) -m pytest -q -p no:cacheprovider --durations=5 tests/test_engines.py
 
 test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m ruff check .
@@ -59,7 +62,8 @@ test: $(STAMP) $(VLLM_STAMP)
 	-$(PY) $(BYTECODE) draftfeed tests > /dev/null
 	@log=$$(mktemp); $(VLLM_TESTS) > $$log 2>&1 & vllm=$$!; trap 'kill $$vllm 2>/dev/null; rm -f $$log' EXIT; \
 	echo "$(PY) -m pytest -q $(PYTEST_PARALLEL) tests  (and beside it: $(VLLM_TESTS))"; \
-	$(PY) -m pytest -q $(PYTEST_PARALLEL) tests; main=$$?; \
+	$(SUITE_TIMEOUT) $(PY) -m pytest -q $(PYTEST_PARALLEL) tests; main=$$?; \
+	test $$main -ne 124 || echo "the suite ran past $(SUITE_TIMEOUT_S) s: stopped"; \
 	wait $$vllm; vllm_rc=$$?; echo "---- the vllm engine tests ($(VLLM_VENV)):"; cat $$log; \
 	test $$main -eq 0 && test $$vllm_rc -eq 0
 
