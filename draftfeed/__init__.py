@@ -31,6 +31,7 @@ _PUBLIC = {
     "VispecTargetInfo": "draftfeed.schemas.messages",
     "DraftfeedError": "draftfeed.schemas.errors",
     "MalformedMessage": "draftfeed.schemas.errors",
+    "NonFiniteSupervision": "draftfeed.schemas.errors",
     "RemoteTargetError": "draftfeed.schemas.errors",
     "RemoteTargetTimeout": "draftfeed.schemas.errors",
     "TargetClosed": "draftfeed.schemas.errors",
@@ -47,6 +48,7 @@ __all__ = [
     "EagleSupervision",
     "EagleTargetInfo",
     "MalformedMessage",
+    "NonFiniteSupervision",
     "RemoteDFlashTarget",
     "RemoteDSparkTarget",
     "RemoteEagle3Target",
@@ -72,7 +74,7 @@ if TYPE_CHECKING:
         RemoteTarget,
         RemoteVispecTarget,
     )
-    from draftfeed.schemas.errors import DraftfeedError, MalformedMessage, RemoteTargetError, RemoteTargetTimeout, TargetClosed
+    from draftfeed.schemas.errors import DraftfeedError, MalformedMessage, NonFiniteSupervision, RemoteTargetError, RemoteTargetTimeout, TargetClosed
     from draftfeed.schemas.messages import DFlashTargetInfo, DSparkTargetInfo, Eagle3TargetInfo, EagleTargetInfo, VispecTargetInfo
 
 

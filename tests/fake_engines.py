@@ -58,3 +58,26 @@ class FakeCrashingEngine(FakeSlowEngine):
             time.sleep(0.3)  # some way into the forward
             os._exit(3)
         return super().forward(input_ids, attention_mask, layer_ids)
+
+
+# Token ids at input_ids[0, 0] that make FakeNonFiniteEngine's output not finite, and where it puts the bad value:
+# (row, position, column) of the output of the second layer it captures (NaN), of the last one (Inf).
+NAN_MARKER, NAN_AT = 10, (0, 2, 5)
+INF_MARKER, INF_AT = 12, (1, 3, 6)
+
+
+class FakeNonFiniteEngine(HFEngine):
+    """The hf engine, with NaN in one element of a batch that starts with NAN_MARKER and +Inf in one of a batch that
+    starts with INF_MARKER: a target overflowing its dtype, or a bad shard, on one batch."""
+
+    name = "fake-nonfinite"
+
+    def forward(self, input_ids, attention_mask, capture, documents=None, images=None):
+        out = super().forward(input_ids, attention_mask, capture, documents, images)
+        first = int(input_ids[0, 0])
+        layers = sorted(out.layer_outputs)
+        if first == NAN_MARKER:
+            out.layer_outputs[layers[1]][NAN_AT] = float("nan")
+        elif first == INF_MARKER:
+            out.layer_outputs[layers[-1]][INF_AT] = float("inf")
+        return out

@@ -34,7 +34,7 @@ from draftfeed.dataplane.worker_pairs import PairPlanes, PlaneRefused
 from draftfeed.dataplane.worker_plane import OutgoingAnswer
 from draftfeed.schemas.errors import MalformedMessage
 from draftfeed.schemas.frames import pack, unpack
-from draftfeed.schemas.messages import DATA_OUTBOUND, Dispatch, Failure, PairClose, PairStatus, Result
+from draftfeed.schemas.messages import DATA_OUTBOUND, Dispatch, Failure, NonFiniteAt, PairClose, PairStatus, Result
 
 log = logging.getLogger("draftfeed.worker")
 
@@ -159,10 +159,10 @@ class AnswerDelivery:
                 return _outcome(delivery, plane.name, nbytes)
         return _outcome(self._send(data_endpoint, pack_tensors(Result, tensors, **fields), since), "frames", nbytes)
 
-    def failure(self, dispatch: Dispatch, message: str) -> Outcome:
+    def failure(self, dispatch: Dispatch, message: str, nonfinite: NonFiniteAt | None = None) -> Outcome:
         """Tell the rank why its request could not be served (as frames)."""
         request = dispatch.request
-        failure = Failure(request_id=request.request_id, token=request.token, worker=self.worker, message=message)
+        failure = Failure(request_id=request.request_id, token=request.token, worker=self.worker, message=message, nonfinite=nonfinite)
         return _outcome(self._send(dispatch.data_endpoint, pack(failure)), "frames", 0)
 
     # ------------------------------------------------------------ waits

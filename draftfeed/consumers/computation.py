@@ -1,5 +1,6 @@
 """What a dispatched request asks of the worker's task and engine: a batch's supervision, checked first (its
-tensors, its rows' length, its image inputs, its vocab mapping), or the target's embedding weights."""
+tensors, its rows' length, its image inputs, its vocab mapping) and after (finite: contract/finite.py), or the
+target's embedding weights."""
 
 from __future__ import annotations
 
@@ -11,17 +12,36 @@ from draftfeed.consumers.engines.base import image_policy
 from draftfeed.consumers.mappings import WorkerMappings
 from draftfeed.consumers.tasks.base import Task
 from draftfeed.consumers.validation import image_tensors, validate_batch
+from draftfeed.contract.finite import NonFinite, first_nonfinite
 from draftfeed.dataplane.frames.codec import decode_tensors
 from draftfeed.schemas.errors import BadRequest
 from draftfeed.schemas.messages import CLIENTS, TASKS, Dispatch
 
 
+class NonFiniteResult(Exception):
+    """The supervision computed for a request held NaN or Inf (``at`` says where): it is not sent."""
+
+    def __init__(self, at: NonFinite) -> None:
+        super().__init__(f"supervision is not finite: {at.describe()}")
+        self.at = at
+
+
 class Computation:
     """Computes the requests of one worker's service (``name`` and ``service`` as the worker's; rows longer than
-    ``max_seq_len`` refused, None: no limit)."""
+    ``max_seq_len`` refused, None: no limit; supervision checked finite unless ``check_finite`` is False)."""
 
-    def __init__(self, task: Task, mappings: WorkerMappings, name: str, service: str, max_request_bytes: int, max_seq_len: int | None) -> None:
+    def __init__(
+        self,
+        task: Task,
+        mappings: WorkerMappings,
+        name: str,
+        service: str,
+        max_request_bytes: int,
+        max_seq_len: int | None,
+        check_finite: bool = True,
+    ) -> None:
         self.task = task
+        self.check_finite = check_finite
         self.mappings = mappings
         self.name = name
         self.service = service
@@ -39,7 +59,10 @@ class Computation:
             documents = validate_batch(tensors, self.task.shape.vocab_size, self.max_seq_len, accepted, refusal)
             vocab = self.mappings.get(request.mapping_digest)
             images = image_tensors(tensors) or None
-            return self.task.compute(tensors["input_ids"], tensors["attention_mask"], tensors["loss_mask"], vocab, documents, images=images)
+            supervision = self.task.compute(tensors["input_ids"], tensors["attention_mask"], tensors["loss_mask"], vocab, documents, images=images)
+            if self.check_finite and (at := first_nonfinite(supervision, self.task.layer_fields(), self.task.shape.hidden_size)) is not None:
+                raise NonFiniteResult(at)
+            return supervision
         if request.kind == "input_embeddings":
             return {"weight": self.task.engine.input_embeddings()}
         if request.kind == "output_embeddings":

@@ -203,6 +203,9 @@ class WorkerSettings(Settings):
     max_seq_len: int | None = setting(
         None, "the longest row this worker takes; longer ones are refused (default: the target's max_position_embeddings)"
     )
+    skip_finite_check: bool = setting(
+        False, "send supervision unchecked for NaN and Inf (the check is one pass over each tensor on its device: docs/contract.md)"
+    )
     # CURVE to the broker and to ranks (docs/security.md); the command reads them from --keys, --key and --broker-key.
     keys: PeerKeys | None = setting(None, flag=None)
     target: TargetSettings

@@ -31,7 +31,7 @@ import zmq
 
 from draftfeed.consumers.answer_delivery import AnswerDelivery, Outcome, Refused, Undelivered
 from draftfeed.consumers.broker_link import BrokerLink
-from draftfeed.consumers.computation import Computation
+from draftfeed.consumers.computation import Computation, NonFiniteResult
 from draftfeed.consumers.engines.base import RETRYABLE_ERRORS, EngineLost
 from draftfeed.consumers.mappings import MissingMapping, WorkerMappings
 from draftfeed.consumers.pair_report import PairReport
@@ -45,7 +45,18 @@ from draftfeed.net import close_quietly, host_identity, send_to_thread
 from draftfeed.observe.worker_metrics import WorkerMetrics
 from draftfeed.schemas.errors import BadRequest, CannotServe, MalformedMessage
 from draftfeed.schemas.frames import pack
-from draftfeed.schemas.messages import Computing, Dispatch, Done, Draining, ForgetMapping, ForgetRanks, Register, VocabMapping, WorkerHeartbeat
+from draftfeed.schemas.messages import (
+    Computing,
+    Dispatch,
+    Done,
+    Draining,
+    ForgetMapping,
+    ForgetRanks,
+    NonFiniteAt,
+    Register,
+    VocabMapping,
+    WorkerHeartbeat,
+)
 
 log = logging.getLogger("draftfeed.worker")
 
@@ -66,7 +77,9 @@ class Worker:
         self.service = settings.service_name
         self.name = settings.name or f"{host_identity()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._mappings = WorkerMappings(task.shape.vocab_size, task.engine.device)
-        self._computation = Computation(task, self._mappings, self.name, self.service, settings.max_request_bytes, self.max_seq_len)
+        self._computation = Computation(
+            task, self._mappings, self.name, self.service, settings.max_request_bytes, self.max_seq_len, check_finite=not settings.skip_finite_check
+        )
         self._queue: deque[_Queued] = deque()
         self._stop = threading.Event()
         self._delivery: AnswerDelivery | None = None
@@ -309,6 +322,9 @@ class Worker:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             return Done(ticket=dispatch.ticket, outcome="retry", message=f"{type(exc).__name__}: {exc}")
+        except NonFiniteResult as exc:
+            self._in_engine = None
+            return self._refuse_nonfinite(dispatch, exc)
         except (BadRequest, MalformedMessage) as exc:
             failure: str | None = str(exc)
         except Exception as exc:  # the engine failed on this batch; the worker serves on
@@ -323,10 +339,19 @@ class Worker:
         assert self._delivery is not None
         return self._done(dispatch, self._delivery.result(dispatch, tensors, queued.forgets), ok=True)
 
-    def _fail(self, dispatch: Dispatch, message: str) -> Done:
+    def _fail(self, dispatch: Dispatch, message: str, nonfinite: NonFiniteAt | None = None) -> Done:
         """Tell the rank why its request could not be served."""
         assert self._delivery is not None
-        return self._done(dispatch, self._delivery.failure(dispatch, message), ok=False)
+        return self._done(dispatch, self._delivery.failure(dispatch, message, nonfinite), ok=False)
+
+    def _refuse_nonfinite(self, dispatch: Dispatch, exc: NonFiniteResult) -> Done:
+        """Supervision with NaN or Inf is not sent: the rank is told where (it raises NonFiniteSupervision, or skips
+        the batch), the worker counts it and serves on."""
+        at = exc.at
+        message = f"request {dispatch.request.request_id}: {exc}; it was not sent (a target that overflows its dtype, or a bad shard)"
+        log.error("worker %s: %s of %s: %s", self.name, message, dispatch.rank, "the rank is told")
+        self.metrics.nonfinite()
+        return self._fail(dispatch, message, NonFiniteAt(tensor=at.tensor, index=list(at.index), value=at.value, layer=at.layer))
 
     def _done(self, dispatch: Dispatch, outcome: Outcome, *, ok: bool) -> Done:
         """The broker's done for how the answer went; a result that could not be sent goes as a failure instead."""

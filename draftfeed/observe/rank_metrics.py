@@ -35,6 +35,9 @@ class RankMetrics:
         )
         self._batches = Counter("draftfeed_rank_batches_received", "batches of supervision received", names, registry=self.registry)
         self._bytes = Counter("draftfeed_rank_supervision_bytes", "supervision bytes received", names, registry=self.registry)
+        self._skipped = Counter(
+            "draftfeed_rank_nonfinite_skipped", "batches iterate() left out: their supervision held NaN or Inf", names, registry=self.registry
+        )
         self._store = Counter(
             "draftfeed_rank_store_batches",
             "batches through the supervision store, by source (store: read from it; workers: computed)",
@@ -47,6 +50,9 @@ class RankMetrics:
 
     def waited(self, seconds: float) -> None:
         self._wait.labels(**self._labels).observe(seconds)
+
+    def skipped_nonfinite(self) -> None:
+        self._skipped.labels(**self._labels).inc()
 
     def from_store(self, hit: bool) -> None:
         """One batch of a rank with a store: read from it (hit) or computed by the workers (and recorded)."""

@@ -24,6 +24,9 @@ class WorkerMetrics:
         self._bytes = Counter(
             "draftfeed_worker_supervision_bytes", "supervision bytes delivered to ranks, by data plane", [*names, "plane"], registry=self.registry
         )
+        self._nonfinite = Counter(
+            "draftfeed_worker_nonfinite", "batches whose supervision held NaN or Inf (not sent; the rank was told)", names, registry=self.registry
+        )
         self._in_flight = Gauge("draftfeed_worker_in_flight", "requests queued at the worker or computing", names, registry=self.registry)
         self._registered = Gauge("draftfeed_worker_registered", "1 while registered with a broker", names, registry=self.registry)
         self._labels = labels
@@ -45,6 +48,9 @@ class WorkerMetrics:
 
     def computed(self, seconds: float) -> None:
         self._forward.labels(**self._labels).observe(seconds)
+
+    def nonfinite(self) -> None:
+        self._nonfinite.labels(**self._labels).inc()
 
     def answered(self, outcome: str) -> None:
         self._requests.labels(**self._labels, outcome=outcome).inc()

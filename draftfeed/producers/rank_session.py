@@ -29,7 +29,7 @@ from draftfeed.broker_view import BrokerView
 from draftfeed.logs import RateLimitedLog
 from draftfeed.peer_loop import Outbox
 from draftfeed.producers.requests import RequestTable
-from draftfeed.schemas.errors import RemoteTargetError
+from draftfeed.schemas.errors import NonFiniteSupervision, RemoteTargetError
 from draftfeed.schemas.frames import pack, with_request_id
 from draftfeed.schemas.messages import (
     Ack,
@@ -266,7 +266,13 @@ class RankSession:
             )
             return
         if isinstance(message, Failure):
-            error = RemoteTargetError(f"worker {message.worker} of service {self.service!r} could not serve the request: {message.message}")
+            said = f"worker {message.worker} of service {self.service!r} could not serve the request: {message.message}"
+            at = message.nonfinite
+            error = (
+                RemoteTargetError(said)
+                if at is None
+                else NonFiniteSupervision(said, tensor=at.tensor, index=tuple(at.index), value=at.value, layer=at.layer)
+            )
             self._resolve(message.request_id, error=error)
         else:
             self._resolve(message.request_id, header=message, tensors=tensors())

@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from typing import Any, Generic, TypeVar
 
 from draftfeed.producers.prefetch import prefetch
+from draftfeed.schemas.errors import NonFiniteSupervision
 
 R = TypeVar("R")
 STATE_FORMAT = 1  # the layout of state_dict(); load_state_dict() refuses others
@@ -34,12 +35,21 @@ def saves_state(dataloader: object) -> bool:
     return callable(getattr(dataloader, "state_dict", None)) and callable(getattr(dataloader, "load_state_dict", None))
 
 
+class _Skipped:
+    """A batch left out: its supervision was not finite."""
+
+    def __init__(self, error: NonFiniteSupervision) -> None:
+        self.error = error
+
+
 class ResumableIteration(Generic[R]):
     """An iterator of ``(batch, supervision)`` whose ``state_dict()`` resumes after the last batch it yielded.
 
     ``submit`` sends a batch and returns its future, ``wait`` takes its result; ``depth`` batches are in flight.
     ``before_state`` runs when a state is taken (the rank's store writes what it recorded, so a run resumed from the
-    state reads those batches back instead of asking workers).
+    state reads those batches back instead of asking workers). With ``on_skipped``, a batch whose supervision was not
+    finite (NonFiniteSupervision) is left out and handed to it, and the state moves past it as past a yielded one;
+    without, the error is raised.
     """
 
     def __init__(
@@ -49,12 +59,15 @@ class ResumableIteration(Generic[R]):
         wait: Callable[[Future], R],
         depth: int,
         before_state: Callable[[], None] = lambda: None,
+        on_skipped: Callable[[NonFiniteSupervision], None] | None = None,
     ) -> None:
         self._dataloader = dataloader
         self._submit = submit
         self._wait = wait
         self._depth = depth
         self._before_state = before_state
+        self._on_skipped = on_skipped
+        self._skipped = 0
         self._saves = saves_state(dataloader)
         self._results: Iterator[tuple[tuple[Mapping[str, Any], Any], R]] | None = None
         self._state: Any = None  # the dataloader's state as of the last batch yielded (or as of the start)
@@ -65,11 +78,24 @@ class ResumableIteration(Generic[R]):
 
     def __next__(self) -> tuple[Mapping[str, Any], R]:
         if self._results is None:
-            self._results = prefetch(self._drawn(), lambda drawn: self._submit(drawn[0]), self._wait, self._depth)
-        (batch, state), supervision = next(self._results)
-        self._state = state
-        self._yielded += 1
-        return batch, supervision
+            self._results = prefetch(self._drawn(), lambda drawn: self._submit(drawn[0]), self._outcome, self._depth)
+        while True:
+            (batch, state), outcome = next(self._results)
+            self._state = state
+            if not isinstance(outcome, _Skipped):
+                self._yielded += 1
+                return batch, outcome
+            self._skipped += 1
+            assert self._on_skipped is not None
+            self._on_skipped(outcome.error)
+
+    def _outcome(self, future: Future) -> R | _Skipped:
+        try:
+            return self._wait(future)
+        except NonFiniteSupervision as exc:
+            if self._on_skipped is None:
+                raise
+            return _Skipped(exc)
 
     def _drawn(self) -> Iterator[tuple[Mapping[str, Any], Any]]:
         """The dataloader's batches, each with the dataloader's state right after it was drawn."""
@@ -86,13 +112,18 @@ class ResumableIteration(Generic[R]):
         """Batches of this pass over the dataloader yielded so far, those before a resume included."""
         return self._yielded
 
+    @property
+    def batches_skipped(self) -> int:
+        """Batches of this pass left out because their supervision was not finite, those before a resume included."""
+        return self._skipped
+
     def state_dict(self) -> dict[str, Any]:
         """The state to resume from: the dataloader's state as of the last batch yielded, and how many were."""
         if not self._saves:
             raise TypeError(f"iterate().state_dict(): the dataloader ({type(self._dataloader).__name__}) {STATELESS}")
         self._before_state()
         state = self._state if self._state is not None else self._snapshot()
-        return {"format": STATE_FORMAT, "dataloader": state, "batches_yielded": self._yielded}
+        return {"format": STATE_FORMAT, "dataloader": state, "batches_yielded": self._yielded, "batches_skipped": self._skipped}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume after the batch a ``state_dict()`` was taken at; call it before the first batch is drawn."""
@@ -108,6 +139,7 @@ class ResumableIteration(Generic[R]):
         self._dataloader.load_state_dict(state["dataloader"])  # type: ignore[attr-defined]
         self._state = copy.deepcopy(state["dataloader"])
         self._yielded = int(state.get("batches_yielded", 0))
+        self._skipped = int(state.get("batches_skipped", 0))
 
     def close(self) -> None:
         """Cancel the batches in flight (also done when the iterator is garbage)."""

@@ -29,7 +29,7 @@ class RankSettings(Settings):
     data_plane: Annotated[DataPlaneMode, Field(description="how supervision reaches this rank (docs/data-planes.md)")] = "auto"
     max_result_bytes: Annotated[StrictInt, Field(gt=0, description="the largest answer this rank takes")] = DEFAULT_MAX_MESSAGE_BYTES
     device: Annotated[str | None, Field(description="where supervision lands; None: the CPU, as received")] = None
-    nixl_pool_bytes: Annotated[StrictInt, Field(gt=0, description="the most receive memory the nixl plane registers (allocated as used)")] = 4 << 30
+    nixl_pool_bytes: Annotated[StrictInt, Field(gt=0, description="the most receive memory the nixl plane registers (allocated as used)")] = 32 << 30
     metrics_port: Annotated[
         Annotated[StrictInt, Field(gt=0, lt=65536)] | None,
         Field(description="serve GET /health and GET /metrics (Prometheus) on this port, on every interface; None: not served"),
@@ -40,6 +40,10 @@ class RankSettings(Settings):
     ] = None
     store_shard_bytes: Annotated[StrictInt, Field(ge=1 << 10, description="the size of one shard file (gathered in memory)")] = 256 << 20
     store_queue_batches: Annotated[StrictInt, Field(ge=1, description="recorded batches waiting for the disk before the loop waits")] = 8
+    on_nonfinite: Annotated[
+        Literal["raise", "skip"],
+        Field(description="a batch whose supervision held NaN or Inf: raise NonFiniteSupervision, or skip it in iterate() (logged, counted)"),
+    ] = "raise"
 
     @classmethod
     def checked(cls, owner: str, **values: object) -> RankSettings:

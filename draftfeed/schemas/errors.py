@@ -19,6 +19,19 @@ class RemoteTargetError(DraftfeedError):
     """A worker or the broker could not serve a request; the text names who and why."""
 
 
+class NonFiniteSupervision(RemoteTargetError):
+    """A batch's supervision held NaN or Inf, so the worker did not send it; the text names the batch, the tensor, the
+    first row and position, and the layer. ``tensor``, ``index`` (row and position first), ``value`` and ``layer``
+    say the same as fields. A rank made with ``on_nonfinite="skip"`` leaves such batches out of ``iterate()``."""
+
+    def __init__(self, message: str, *, tensor: str, index: tuple[int, ...], value: str, layer: int | None = None) -> None:
+        super().__init__(message)
+        self.tensor = tensor
+        self.index = index
+        self.value = value
+        self.layer = layer
+
+
 class RemoteTargetTimeout(RemoteTargetError, TimeoutError):
     """No answer came within the configured time."""
 

@@ -20,9 +20,10 @@ FIRST_TENSOR_FRAME = 2
 
 # Largest header frame a peer accepts; headers are small JSON documents.
 MAX_HEADER_BYTES = 1 << 20
-# Default cap on one tensor frame and on all tensor frames of one message.
-DEFAULT_MAX_TENSOR_BYTES = 8 << 30
-DEFAULT_MAX_MESSAGE_BYTES = 16 << 30
+# Default cap on one tensor frame and on all tensor frames of one message: a 128k row of a 7168-wide target fits
+# (DSpark's five layers in bfloat16: 9.4 GB in one tensor, 11.3 GB in all).
+DEFAULT_MAX_TENSOR_BYTES = 16 << 30
+DEFAULT_MAX_MESSAGE_BYTES = 32 << 30
 # Default cap on any one frame the broker accepts (libzmq drops a peer that sends more, before allocating),
 # and on the tensors of one request (settable per service).
 DEFAULT_MAX_FRAME_BYTES = 256 << 20

@@ -1,4 +1,5 @@
-"""The codec against memcpy: packing and unpacking an EAGLE-3 dict, beside a one-blob copy of the same bytes."""
+"""The codec against memcpy: packing and unpacking an EAGLE-3 dict, beside a one-blob copy of the same bytes; and the
+worker's finite check of the dict (contract/finite.py) against a copy of the same bytes."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from draftfeed.bench.harness import MB, Row, best_of
 from draftfeed.bench.synthetic import DRAFT_VOCAB, HIDDEN
+from draftfeed.contract.finite import first_nonfinite
 from draftfeed.dataplane.frames.codec import DTYPES, decode_tensors, encode_tensors, pack_tensors, tensor_bytes
 from draftfeed.schemas.messages import Result
 
@@ -74,6 +76,11 @@ def run(quick: bool, workdir: Path) -> list[Row]:
             offset += size
         return time.perf_counter() - started
 
+    def finite_check() -> float:
+        started = time.perf_counter()
+        assert first_nonfinite(tensors) is None
+        return time.perf_counter() - started
+
     repeat = 3 if quick else 5
     t_memcpy = best_of(memcpy, repeat)
     case = f"{nbytes / MB:.1f} MB EAGLE-3 dict"
@@ -84,4 +91,5 @@ def run(quick: bool, workdir: Path) -> list[Row]:
             "codec", f"decode {case}", nbytes / best_of(decode, repeat) / 1e9, nbytes / t_memcpy / 1e9, "GB/s", "memcpy", "receives copy at most once"
         ),
         Row("codec", f"one-blob decode {case}", nbytes / best_of(blob_decode, repeat) / 1e9, nbytes / t_memcpy / 1e9, "GB/s", "memcpy"),
+        Row("codec", f"finite check of {case}", nbytes / best_of(finite_check, repeat) / 1e9, nbytes / t_memcpy / 1e9, "GB/s", "memcpy"),
     ]

@@ -58,6 +58,11 @@ class Task:
         """The task's own fields of its target info (its layer ids, its image token)."""
         return {}
 
+    def layer_fields(self) -> dict[str, list[int]]:
+        """Its fields that concatenate layers along the last dimension (each hidden_size wide), with their layer ids:
+        a finding in one names its layer (contract/finite.py)."""
+        return {}
+
     @torch.inference_mode()
     def compute(
         self,

@@ -75,6 +75,9 @@ class DFlashTask(Task):
     def info_fields(self) -> dict[str, object]:
         return {"target_layer_ids": self.target_layer_ids, "capture_logits": self.capture_logits}
 
+    def layer_fields(self) -> dict[str, list[int]]:
+        return {"hidden_states": list(self.target_layer_ids)}
+
     def supervise(self, batch: TaskBatch) -> dict[str, torch.Tensor]:
         """hidden_states [B, S, len(ids) * H]; with logits captured, logits [B, S, V] or (compact) final_hidden_states
         [B, S, H]; nothing shifted. The rank keeps its own input_ids, loss_mask and packing fields; the vocab is not used."""

@@ -61,6 +61,9 @@ class DSparkTask(Task):
     def info_fields(self) -> dict[str, object]:
         return {"target_layer_ids": self.target_layer_ids}
 
+    def layer_fields(self) -> dict[str, list[int]]:
+        return {"target_hidden_states": list(self.target_layer_ids)}
+
     def supervise(self, batch: TaskBatch) -> dict[str, torch.Tensor]:
         """target_hidden_states [B, S, len(ids) * H] and target_last_hidden_states [B, S, H].
 

@@ -124,6 +124,9 @@ class Eagle3Task(Task):
     def info_fields(self) -> dict[str, object]:
         return {"aux_layer_ids": self.aux_layer_ids}
 
+    def layer_fields(self) -> dict[str, list[int]]:
+        return {"aux_hidden_states": list(self.aux_layer_ids)}
+
     def identity_vocab(self) -> VocabMap:
         if self._identity is None:
             self._identity = VocabMap.identity(self.shape.vocab_size, self.engine.device)

@@ -30,7 +30,7 @@ from draftfeed.producers.sources import Served, Source, open_source
 from draftfeed.producers.tasks.view import RankView
 from draftfeed.producers.tasks.weights import TargetWeights
 from draftfeed.producers.waits import wait_for
-from draftfeed.schemas.errors import RemoteTargetError
+from draftfeed.schemas.errors import NonFiniteSupervision, RemoteTargetError
 from draftfeed.schemas.messages import AnyTargetInfo
 from draftfeed.schemas.protocol import DEFAULT_HTTP_HOST
 from draftfeed.security.curve import PeerKeys
@@ -98,6 +98,7 @@ class RemoteTarget(RankView, Generic[Sup, Info]):
         store_mode: str | None = _DEFAULTS.store_mode,
         store_shard_bytes: int = _DEFAULTS.store_shard_bytes,
         store_queue_batches: int = _DEFAULTS.store_queue_batches,
+        on_nonfinite: str = _DEFAULTS.on_nonfinite,
     ) -> None:
         given = locals()  # the parameters above that are settings: RankSettings checks them, with its own words
         settings = RankSettings.checked(type(self).__name__, **{name: given[name] for name in RankSettings.model_fields if name in given})
@@ -263,7 +264,13 @@ class RemoteTarget(RankView, Generic[Sup, Info]):
             self.wait,
             self.prefetch_depth,
             before_state=self._write_store,
+            on_skipped=self._skipped if self.settings.on_nonfinite == "skip" else None,
         )
+
+    def _skipped(self, error: NonFiniteSupervision) -> None:
+        """A batch iterate() leaves out (on_nonfinite="skip"): said and counted."""
+        log.warning("draftfeed rank %s: a batch is skipped (on_nonfinite='skip'): %s", self.rank_id, error)
+        self.metrics.skipped_nonfinite()
 
     def _write_store(self) -> None:
         """Have the store write what it recorded so far (a closed rank's store has written everything)."""

@@ -37,7 +37,7 @@ from draftfeed.schemas.messages.common import (
     Token,
     default_supervision,
 )
-from draftfeed.schemas.messages.data import Failure, NixlGrant, NixlOpen, NixlReady, NixlWant, PairClose, PairOpen, Result
+from draftfeed.schemas.messages.data import Failure, NixlGrant, NixlOpen, NixlReady, NixlWant, NonFiniteAt, PairClose, PairOpen, Result
 from draftfeed.schemas.messages.ranks import (
     Ack,
     Hello,
@@ -125,6 +125,7 @@ __all__ = [
     "FRONTEND_INBOUND",
     "FRONTEND_OUTBOUND",
     "Failure",
+    "NonFiniteAt",
     "ForgetMapping",
     "ForgetRanks",
     "FrontendInbound",

@@ -96,11 +96,23 @@ class NixlGrant(Strict):
     refused: Annotated[str, Field(max_length=512)] | None = None
 
 
+class NonFiniteAt(Strict):
+    """Where a batch's supervision first held NaN or Inf (contract/finite.py): its tensor, its index there (row and
+    position first), the value, and the layer id whose slice holds it where the tensor concatenates layers."""
+
+    tensor: Name
+    index: list[Annotated[int, Field(ge=0)]] = Field(max_length=8)
+    value: Literal["nan", "inf", "-inf"]
+    layer: int | None = None
+
+
 class Failure(Strict):
-    """A request the worker could not serve, with the reason for the user."""
+    """A request the worker could not serve, with the reason for the user; ``nonfinite`` where the reason is that its
+    supervision held NaN or Inf (the rank raises NonFiniteSupervision)."""
 
     type: Literal["failure"] = "failure"
     request_id: RequestId
     token: Token = 0
     worker: Name
     message: str
+    nonfinite: NonFiniteAt | None = None
