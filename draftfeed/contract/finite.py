@@ -1,9 +1,9 @@
 """Supervision is finite (docs/contract.md, "Finite supervision"): the check a worker runs on every tensor it sends.
 
 A target that overflows (float16 activations, a bad shard, a broken kernel) gives NaN or Inf, and a draft trained on
-them is silently wrong. The check is one reduction per slice of at most ``CHECK_ELEMENTS`` elements, on the tensor's
-own device, so its extra memory is one boolean mask of a slice, whatever the tensor weighs; only a tensor that fails
-is searched for its first bad element. Padded positions are zeros by the contract, so the first bad element is always
+them is silently wrong. The check is one reduction per tensor, on the tensor's own device, that allocates nothing
+(``torch.aminmax``: NaN propagates to both ends, and an Inf is one of them); only a tensor that fails is searched for
+its first bad element, one slice of at most ``CHECK_ELEMENTS`` elements at a time (a boolean mask of a slice). Padded positions are zeros by the contract, so the first bad element is always
 at a real position.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-CHECK_ELEMENTS = 1 << 26  # elements per reduction: a 64 MiB boolean mask at most
+CHECK_ELEMENTS = 1 << 26  # elements per slice of the search: a 64 MiB boolean mask at most
 
 
 @dataclass(frozen=True)
@@ -47,11 +47,21 @@ def _unravel(flat_index: int, shape: Sequence[int]) -> tuple[int, ...]:
 
 
 def _first_in(tensor: torch.Tensor) -> tuple[tuple[int, ...], float] | None:
-    """The index and value of the first non-finite element of ``tensor``, or None; checked slice by slice."""
+    """The index and value of the first non-finite element of ``tensor``, or None. One reduction decides (its least
+    and greatest values: NaN propagates through both, and Inf is one of them); only a tensor that fails is searched,
+    slice by slice."""
+    low, high = torch.aminmax(tensor)
+    if bool(torch.isfinite(low)) and bool(torch.isfinite(high)):
+        return None
+    return _search(tensor)
+
+
+def _search(tensor: torch.Tensor) -> tuple[tuple[int, ...], float] | None:
+    """The first non-finite element of a tensor that has one, slice by slice (a mask of a slice at most)."""
     if not tensor.is_contiguous():
         if tensor.dim() > 1:  # each row is a view of its own; its index is prefixed by the row's
             for row in range(tensor.shape[0]):
-                found = _first_in(tensor[row])
+                found = _search(tensor[row])
                 if found is not None:
                     return (row, *found[0]), found[1]
             return None
