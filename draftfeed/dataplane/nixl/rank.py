@@ -12,14 +12,17 @@ The protocol (docs/data-planes.md), all on the rank's data socket except the byt
 An answer is used only once both its header and its notification are here; a header whose notification does
 not come within the pair's timeout is lost (the rank asks again) and the pair is closed. When a pair closes
 (either side, or the broker reports the worker gone) its answers in waiting are lost and asked for again,
-and the slots granted to it are quarantined (rank_slots.py). Everything here runs on the rank's IO thread.
+and the slots granted to it are quarantined (rank_slots.py). Everything here runs on the rank's IO thread, except the
+making of a large slot's memory (``_Allocation``: its want is granted once it is made, wants behind it wait their turn).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +30,8 @@ from typing import Any
 import torch
 
 from draftfeed.dataplane.nixl.layout import packed_layout, parse_notification
-from draftfeed.dataplane.nixl.rank_slots import PoolFull, ReceivePool
+from draftfeed.dataplane.nixl.memory import host_memory
+from draftfeed.dataplane.nixl.rank_slots import NeedsMemory, PoolFull, ReceivePool
 from draftfeed.dataplane.nixl.transport import NixlAgent, NixlError
 from draftfeed.logs import RateLimitedLog
 from draftfeed.schemas.errors import MalformedMessage
@@ -47,6 +51,33 @@ SendToWorker = Callable[[bytes, list[Any]], None]
 class _Waiting:
     header: Result
     deadline: float
+
+
+class _Allocation:
+    """A large host slot's memory, made on a thread of its own (touching gigabytes takes seconds)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.memory: Any = None
+        self.done = threading.Event()
+        threading.Thread(target=self._make, args=(size,), name="draftfeed-nixl-slot", daemon=True).start()
+
+    def _make(self, size: int) -> None:
+        try:
+            self.memory = host_memory(size)
+        except MemoryError as exc:
+            log.warning("draftfeed: cannot allocate a nixl receive slot of %d bytes: %s", size, exc)
+        finally:
+            self.done.set()
+
+
+@dataclass
+class _Preparing:
+    """A want waiting for its turn, or for the memory of its slot (``allocation``)."""
+
+    identity: bytes
+    message: NixlWant
+    allocation: _Allocation | None = None
 
 
 @dataclass
@@ -81,6 +112,7 @@ class NixlReceivers:
         self._by_agent: dict[str, str] = {}  # the worker's agent name -> worker name
         self._filled: set[tuple[str, int]] = set()  # (worker, slot) whose notification came before the header
         self._full = RateLimitedLog(log)
+        self._preparing: deque[_Preparing] = deque()  # wants waiting for a large slot's memory, in order
 
     # ------------------------------------------------------------ messages from workers
     def open(self, identity: bytes, message: NixlOpen) -> None:
@@ -100,19 +132,31 @@ class NixlReceivers:
         self._send(identity, pack(ready, [agent.metadata()]))
 
     def want(self, identity: bytes, message: NixlWant) -> None:
-        grant = NixlGrant(generation=message.generation, want=message.want)
-        extra: list[bytes] = []
+        """Grant a slot for a worker's answer, or refuse it (the answer then comes as frames). A want that needs a
+        large new host slot waits, in order, for its memory to be made on a thread of its own (``poll`` grants it)."""
         pair = self._pairs.get(message.worker)
         if pair is None or pair.opened.generation != message.generation or self._pool is None:
             reason = f"no open nixl pair {message.generation} with worker {message.worker} here"
-            self._send(identity, pack(grant.model_copy(update={"refused": reason})))
+            self._send(identity, pack(NixlGrant(generation=message.generation, want=message.want, refused=reason)))
             self._send(identity, pack(PairClose(worker=message.worker, generation=message.generation, reason=reason)))  # so it stops asking
             return
+        if self._preparing:  # grants go in the order asked
+            self._preparing.append(_Preparing(identity, message))
+            return
+        self._grant(identity, message, pair)
+
+    def _grant(self, identity: bytes, message: NixlWant, pair: _Pair, memory: Any = None) -> None:
+        assert self._pool is not None
+        grant = NixlGrant(generation=message.generation, want=message.want)
+        extra: list[bytes] = []
         if message.nbytes > self.max_result_bytes:
             grant = grant.model_copy(update={"refused": f"{message.nbytes} bytes is over this rank's max_result_bytes of {self.max_result_bytes}"})
         else:
             try:
-                slot = self._pool.grant((message.worker, message.generation, message.want), message.nbytes)
+                slot = self._pool.grant((message.worker, message.generation, message.want), message.nbytes, memory)
+            except NeedsMemory as need:
+                self._preparing.appendleft(_Preparing(identity, message, _Allocation(need.size)))
+                return
             except (PoolFull, NixlError) as exc:  # full, or the memory could not be registered
                 self._full.warning("full", "draftfeed rank %s: %s", self.rank, exc)
                 grant = grant.model_copy(update={"refused": str(exc)[:512]})
@@ -128,6 +172,22 @@ class NixlReceivers:
                     else:
                         pair.known.add(slot.index)
         self._send(identity, pack(grant, extra))
+
+    def _granting(self) -> None:
+        """Grant the wants that waited for memory, in order, as their memory is made (IO thread)."""
+        while self._preparing:
+            head = self._preparing[0]
+            if head.allocation is not None and not head.allocation.done.is_set():
+                return
+            self._preparing.popleft()
+            pair = self._pairs.get(head.message.worker)
+            if pair is None or pair.opened.generation != head.message.generation or self._pool is None:
+                continue  # the pair closed meanwhile: the worker gave up on this want
+            if head.allocation is not None and head.allocation.memory is None:
+                refused = f"no host memory for a receive slot of {head.allocation.size} bytes"
+                self._send(head.identity, pack(NixlGrant(generation=head.message.generation, want=head.message.want, refused=refused)))
+                continue
+            self._grant(head.identity, head.message, pair, head.allocation.memory if head.allocation is not None else None)
 
     def receive(self, header: Result) -> None:
         """A header of plane nixl: its tensors are (or are about to be) in the slot it names."""
@@ -162,11 +222,13 @@ class NixlReceivers:
     # ------------------------------------------------------------ the IO loop
     @property
     def waiting(self) -> bool:
-        """Whether a header waits for its notification (the IO loop then polls often)."""
-        return any(pair.waiting for pair in self._pairs.values())
+        """Whether a header waits for its notification, or a want for its slot's memory (the IO loop then polls often)."""
+        return bool(self._preparing) or any(pair.waiting for pair in self._pairs.values())
 
     def poll(self) -> None:
-        """Take the notifications that arrived; complete the answers they finish; give up on overdue ones."""
+        """Grant the wants whose memory is made; take the notifications that arrived; complete the answers they
+        finish; give up on overdue ones."""
+        self._granting()
         if self._agent is None or not self._pairs:
             return
         self._take_notifications()

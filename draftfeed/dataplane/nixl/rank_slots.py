@@ -3,7 +3,9 @@
 A worker asks for room for one answer (``nixl_want``); the pool grants a slot: a free one of a fitting size
 (at least the answer, at most 5/4 of it), else a new one while the pool's registered bytes stay within
 ``limit_bytes`` (freeing unused slots of other sizes to make room), else none, and the answer goes as
-frames. Host slots are allocated once and touched once, so receives into them take no page faults.
+frames. Host slots are allocated once and touched once, so receives into them take no page faults; a large one is
+allocated off the rank's IO thread (NeedsMemory: touching gigabytes takes seconds, and that thread keeps the rank's
+heartbeats).
 
 A slot's life: free -> granted (to one want of one worker's pair) -> filled (the notification came) ->
 taken (the tensors handed to the user view it) -> free again when the last of those tensors is freed
@@ -53,6 +55,19 @@ class PoolFull(Exception):
     """No slot for this answer: the reason names the setting to change."""
 
 
+class NeedsMemory(Exception):
+    """A new host slot of ``size`` bytes is needed: allocating and touching that much takes seconds for a large
+    answer, so the caller prepares it apart (``host_memory``, off the thread that keeps the rank's heartbeats) and
+    grants again with it. There is room for it in the pool now."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(f"a new slot of {size} bytes")
+        self.size = size
+
+
+PREPARED_BYTES = 64 << 20  # new host slots of this size or more are allocated apart (NeedsMemory)
+
+
 class ReceivePool:
     """Slots for one rank. ``register``/``deregister`` are the agent's; every method is thread-safe (a slot is
     freed on whichever thread drops the user's last tensor over it)."""
@@ -74,13 +89,14 @@ class ReceivePool:
         self.kind = "VRAM" if device.type == "cuda" else "DRAM"
 
     # ------------------------------------------------------------ grants (IO thread)
-    def grant(self, holder: tuple[str, int, int], nbytes: int) -> Slot:
-        """A slot of at least ``nbytes`` for ``holder``; raises PoolFull with the reason."""
+    def grant(self, holder: tuple[str, int, int], nbytes: int, memory: np.ndarray | None = None) -> Slot:
+        """A slot of at least ``nbytes`` for ``holder``; raises PoolFull with the reason, or NeedsMemory for a large
+        new host slot, to be granted again with ``memory`` of that size (from ``host_memory``)."""
         with self._lock:
             self._end_quarantines()
             slot = self._fitting_free(nbytes)
             if slot is None:
-                slot = self._new(nbytes)
+                slot = self._new(nbytes, memory)
             slot.state, slot.holder = "granted", holder
             return slot
 
@@ -172,7 +188,7 @@ class ReceivePool:
         fitting = [s for s in self._slots.values() if s.state == "free" and nbytes <= s.region.nbytes <= max(_ROUND, nbytes * _REUSE_SLACK)]
         return min(fitting, key=lambda s: s.region.nbytes) if fitting else None
 
-    def _new(self, nbytes: int) -> Slot:
+    def _new(self, nbytes: int, prepared: np.ndarray | None) -> Slot:
         size = max(_ROUND, -(-nbytes // _ROUND) * _ROUND)
         if size > self.limit_bytes:
             raise PoolFull(f"an answer of {nbytes} bytes is larger than the whole receive pool (nixl_pool_bytes={self.limit_bytes})")
@@ -195,7 +211,12 @@ class ReceivePool:
             memory = torch.empty(size, dtype=torch.uint8, device=self.device)
             region = Region(memory.data_ptr(), size, self.device.index or 0, "VRAM")
         else:
-            memory = host_memory(size)  # every page touched now, once, rather than at the first receives
+            if prepared is not None and prepared.nbytes == size:
+                memory = prepared
+            elif size >= PREPARED_BYTES:
+                raise NeedsMemory(size)
+            else:
+                memory = host_memory(size)  # every page touched now, once, rather than at the first receives
             region = Region(memory.ctypes.data, size, 0, "DRAM")
         self._register(region)
         slot = Slot(self._next, region, memory)
