@@ -23,6 +23,7 @@ import time
 
 from draftfeed.dataplane.pair_group.transport import DataPlaneError, PairGroup
 from draftfeed.launch.cli import launch_main
+from draftfeed.schemas.protocol import DEFAULT_TRANSFER_CHUNK_BYTES
 
 EXIT_CODE = 17
 
@@ -77,12 +78,12 @@ def install() -> None:
     real_send = PairGroup.send
     sends = [0]
 
-    def send(self: PairGroup, tensors):
+    def send(self: PairGroup, tensors, chunk_bytes=DEFAULT_TRANSFER_CHUNK_BYTES):
         sends[0] += 1
         if sends[0] != int(nth):
-            return real_send(self, tensors)
+            return real_send(self, tensors, chunk_bytes)
         first = next(iter(tensors))
-        real_send(self, {first: tensors[first]})
+        real_send(self, {first: tensors[first]}, chunk_bytes)
         if kind == "exit":
             os._exit(EXIT_CODE)
         self.close()

@@ -119,3 +119,21 @@ def test_an_engine_that_cannot_run_a_batch_counts_draining_does_not(state):
     (failure,) = errors(out)
     assert failure.message.count("OutOfMemoryError: CUDA out of memory") == 3
     assert state.status()["requeues"] == {"draining": 1, "retry": 2}
+
+
+def test_an_answer_that_stalled_is_sent_again_once_uncharged_then_fails_naming_both_stalls(state):
+    """A rank that stopped taking its answer (the worker's --send-timeout passed, partway through a large one or before
+    it): the request goes out again, not charged against --max-attempts; a second stall fails it."""
+    hello(state, "r", window=4)
+    register(state, "w1", capacity=1)
+    register(state, "w2", capacity=1)
+    peer, dispatch = dispatches(submit(state, "r", 0, tensors=INPUT))[0]
+    out = state.on_done(peer, Done(ticket=dispatch.ticket, outcome="stalled", message="answer not delivered: rank stalled"))
+    pending = state.ranks[b"r"].requests[0]
+    assert pending.failures == 0 and pending.stalled and errors(out) == []
+    peer, dispatch = dispatches(out)[0]
+    out = state.on_done(peer, Done(ticket=dispatch.ticket, outcome="stalled", message="answer not delivered: rank stalled"))
+    (failure,) = errors(out)
+    assert "stalled twice on the way to the rank" in failure.message and "\n" not in failure.message, failure.message
+    assert 0 not in state.ranks[b"r"].requests
+    assert state.status()["requeues"] == {"stalled": 1} and state.status()["counters"]["requests_failed"] == 1

@@ -71,6 +71,11 @@ class Delivery:
         worker.handed_back += 1
         if done.outcome == "retry":  # the engine could not run it here: it counts against the request
             pending.charge(worker.peer, f"worker {worker.name}: {done.message}")
+        if done.outcome == "stalled":  # its rank stopped taking the answer: sent again, once
+            if pending.stalled:
+                why = f"{pending.describe()}: its answer stalled twice on the way to the rank (last: worker {worker.name}: {done.message})"
+                return self._fail(pending, why, service) + self.scheduler.dispatch(service)
+            pending.stalled = True
         return self.requeue([(pending, done.outcome)], service)
 
     def missing_mapping(self, worker: WorkerRecord, pending: Pending, digest: str, service: ServiceRecord) -> list[Outgoing]:
@@ -122,18 +127,22 @@ class Delivery:
             if pending.rank.gone:
                 continue  # its rank was forgotten; if it came back, it sent the request again under a new record
             if pending.failures >= self.settings.max_attempts:
-                self.counters["requests_failed"] += 1
                 tries = "; ".join(what for _worker, what in pending.attempts)
                 message = (
                     f"{pending.describe()} failed on {pending.failures} workers of service {service.name!r} "
                     f"(--max-attempts {self.settings.max_attempts}): {tries}"
                 )
-                log.warning("broker: %s", message)
-                out.append(to_rank(pending.rank.peer, ErrorReply(request_id=pending.request.request_id, message=message, code="failed")))
-                out.extend(self.complete(pending, service))
+                out.extend(self._fail(pending, message, service))
                 continue
             self.counters["requeued"] += 1
             self.requeues[cause] += 1
             back.append(pending)
         service.queue.push_front(back)
         return out + self.scheduler.dispatch(service)
+
+    def _fail(self, pending: Pending, message: str, service: ServiceRecord) -> list[Outgoing]:
+        """The request will not be tried again: its rank is told why, and it leaves the broker's care."""
+        self.counters["requests_failed"] += 1
+        log.warning("broker: %s", message)
+        out = [to_rank(pending.rank.peer, ErrorReply(request_id=pending.request.request_id, message=message, code="failed"))]
+        return out + self.complete(pending, service)

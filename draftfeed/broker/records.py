@@ -64,6 +64,7 @@ class Pending:
     attempts: list[tuple[bytes, str]] = field(default_factory=list)  # each failed try: the worker, what it said
     finished: bool = False  # completed, or its rank forgotten: it holds no mapping and is never dispatched again
     mapping_refused_by: set[bytes] = field(default_factory=set)  # workers that said they lack its mapping
+    stalled: bool = False  # its answer stalled once on the way to its rank (sent again once; a second stall fails it)
 
     @property
     def mapping(self) -> str | None:

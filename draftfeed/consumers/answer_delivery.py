@@ -8,7 +8,9 @@ dataplane/nixl/worker.py). A pair that fails is torn down and the answer goes ag
 Every wait is bounded. A send is tried until the rank takes it, the broker reports the rank gone (the broker
 link counts each ``forget_ranks``: one that arrives mid-delivery ends the wait at once, before the compute loop
 files it), the rank was never reached within --connect-timeout (it is not tried again), it took nothing for
---send-timeout, or, once the worker is stopping, --drain-timeout has passed. A nixl grant is awaited at most
+--send-timeout, or, once the worker is stopping, for --drain-timeout. An answer over --transfer-chunk-bytes goes in
+pieces, each with a wait of its own: a transfer that keeps moving is never given up, one that stops is (the broker
+sends its request again, once). A nixl grant is awaited at most
 --pair-timeout, and at most ``ARENAS`` nixl writes are in flight (a staged answer's arena must be free again:
 dataplane/nixl/worker.py, worker_writes.py).
 
@@ -30,6 +32,7 @@ import zmq
 from draftfeed.consumers.settings import WorkerSettings
 from draftfeed.dataplane.frames.codec import pack_tensors, tensor_bytes
 from draftfeed.dataplane.frames.worker import RankLinks, SendResult
+from draftfeed.dataplane.frames.worker_chunks import ChunkedResult
 from draftfeed.dataplane.worker_pairs import PairPlanes, PlaneRefused
 from draftfeed.dataplane.worker_plane import OutgoingAnswer
 from draftfeed.schemas.errors import MalformedMessage
@@ -119,9 +122,10 @@ class AnswerDelivery:
         self.planes.close()
 
     def close(self) -> None:
-        """Let every nixl write land (each is bounded by --pair-timeout), then shut the planes and links down."""
+        """Let every nixl write land (each is bounded by --pair-timeout), then shut the planes and links down; what a
+        link still holds for its rank goes out for up to --drain-timeout."""
         self.planes.shut_down()
-        self.ranks.close()
+        self.ranks.close(linger_s=self.settings.drain_timeout_s)
 
     # ------------------------------------------------------------ one answer
     def forgets(self, data_endpoint: str) -> int:
@@ -151,19 +155,35 @@ class AnswerDelivery:
                 gone=lambda: self._forgets(data_endpoint) != since,
                 take_from_ranks=self.take_from_ranks,
                 await_rank=lambda ms: self.ranks.socket(data_endpoint).poll(ms, zmq.POLLIN),
+                chunk_bytes=self.settings.transfer_chunk_bytes,
             )
             delivery = plane.deliver(answer)
             if delivery is SendResult.SENT:
                 self.planes.sent(data_endpoint)
             if delivery is not None:
                 return _outcome(delivery, plane.name, nbytes)
-        return _outcome(self._send(data_endpoint, pack_tensors(Result, tensors, **fields), since), "frames", nbytes)
+        return _outcome(self._send_frames(data_endpoint, tensors, fields, since), "frames", nbytes)
 
     def failure(self, dispatch: Dispatch, message: str, nonfinite: NonFiniteAt | None = None) -> Outcome:
         """Tell the rank why its request could not be served (as frames)."""
         request = dispatch.request
         failure = Failure(request_id=request.request_id, token=request.token, worker=self.worker, message=message, nonfinite=nonfinite)
         return _outcome(self._send(dispatch.data_endpoint, pack(failure)), "frames", 0)
+
+    def _send_frames(self, data_endpoint: str, tensors: dict[str, torch.Tensor], fields: dict[str, Any], since: int) -> SendResult:
+        """A result as frames: in one message up to --transfer-chunk-bytes, else its header and then each piece
+        (dataplane/frames/worker_chunks.py). Each message has its own wait, so an answer that keeps moving is never
+        given up, however long it takes; one that stops for --send-timeout is (STALLED)."""
+        chunk_bytes = self.settings.transfer_chunk_bytes
+        if tensor_bytes(tensors) <= chunk_bytes:
+            return self._send(data_endpoint, pack_tensors(Result, tensors, **fields), since)
+        answer = ChunkedResult(tensors, chunk_bytes, **fields)
+        sent = self._send(data_endpoint, answer.header, since)
+        for piece in answer.pieces():
+            if sent is not SendResult.SENT:
+                break
+            sent = self._send(data_endpoint, piece, since)
+        return sent
 
     # ------------------------------------------------------------ waits
     def finish_writes(self, block: bool) -> None:
@@ -205,7 +225,7 @@ class AnswerDelivery:
                 self.forget(data_endpoint)
                 return SendResult.UNREACHABLE
             stopping_since = self._stopping_since()
-            if stopping_since is not None and time.monotonic() - stopping_since > self.settings.drain_timeout_s:
+            if stopping_since is not None and time.monotonic() - max(started, stopping_since) > self.settings.drain_timeout_s:
                 log.error(
                     "worker %s: stopping, and rank at %s took nothing for %.0f s (--drain-timeout): giving up on it",
                     self.worker,

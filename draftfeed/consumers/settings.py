@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import Field
 
 from draftfeed.consumers.devices import placement_problem, tensor_parallel_devices
 from draftfeed.consumers.nodes import NodePlan, node_plan
 from draftfeed.schemas.messages import TASK_FORMS, DataPlaneMode, SupervisionForm, TaskName
-from draftfeed.schemas.protocol import DEFAULT_MAX_REQUEST_BYTES
+from draftfeed.schemas.protocol import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TRANSFER_CHUNK_BYTES, MAX_TRANSFER_CHUNK_BYTES
 from draftfeed.schemas.settings import Settings, setting
 from draftfeed.security.curve import PeerKeys
 
@@ -200,6 +202,11 @@ class WorkerSettings(Settings):
         1 << 20, "answers smaller than this go as frames on a nixl pair too (a slot's round trip costs more than copying them)"
     )
     max_request_bytes: int = setting(DEFAULT_MAX_REQUEST_BYTES, "largest request (and frame) this worker takes from the broker")
+    transfer_chunk_bytes: Annotated[int, Field(gt=0, le=MAX_TRANSFER_CHUNK_BYTES)] = setting(
+        DEFAULT_TRANSFER_CHUNK_BYTES,
+        "answers larger than this go to a rank in pieces of this many bytes, frames and pair groups alike: neither side "
+        "holds a second copy of a large answer, and a transfer is given up only when it stops moving (docs/data-planes.md)",
+    )
     max_seq_len: int | None = setting(
         None, "the longest row this worker takes; longer ones are refused (default: the target's max_position_embeddings)"
     )

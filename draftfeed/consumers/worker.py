@@ -359,6 +359,8 @@ class Worker:
             return self._fail(dispatch, outcome.message)
         if isinstance(outcome, Undelivered):
             message = f"answer not delivered: rank {outcome.why.value}"
+            if outcome.why is SendResult.STALLED:  # the rank stopped taking it: the broker sends the request again, once
+                return Done(ticket=dispatch.ticket, outcome="stalled", message=f"{message} (it took nothing for --send-timeout)")
             return Done(ticket=dispatch.ticket, outcome="undelivered", message=message, rank_unreachable=outcome.rank_unreachable)
         if ok:
             self.served += 1

@@ -47,6 +47,7 @@ class OutgoingAnswer:
     gone: Callable[[], bool]  # whether the broker reported the rank gone since the delivery began
     take_from_ranks: Callable[[], None]  # file what ranks sent back (grants, readiness, closes) with their planes
     await_rank: Callable[[int], None]  # wait up to so many milliseconds for this rank to send something back
+    chunk_bytes: int  # the pieces a plane that moves the tensors itself sends them in (--transfer-chunk-bytes)
 
 
 class PairPlane(Protocol):

@@ -37,6 +37,7 @@ class Answer(Future):
         self._finished = False
         self._value: Any = None
         self._error: BaseException | None = None
+        self.progressed_at: float | None = None  # when a piece of its answer last arrived (time.monotonic); waits.py
 
     def result(self, timeout: float | None = None) -> Any:
         self._take(timeout)

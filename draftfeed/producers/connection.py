@@ -19,9 +19,11 @@ worker's frames fallback, a requeue, or the new request) resolves it, and the re
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +31,7 @@ from typing import Any
 import zmq
 
 from draftfeed.dataplane.frames.codec import decode_tensors
+from draftfeed.dataplane.frames.rank_chunks import ChunkAssemblies
 from draftfeed.dataplane.nixl.rank import NixlReceivers
 from draftfeed.dataplane.pair_group.rank import PairReceivers
 from draftfeed.net import bind, close_quietly, host_identity, is_loopback, local_address_towards, send_to_thread
@@ -43,6 +46,7 @@ from draftfeed.schemas.messages import (
     DATA_INBOUND,
     FRONTEND_OUTBOUND,
     Bye,
+    Chunk,
     DataPlaneOffer,
     Hello,
     NixlOpen,
@@ -51,7 +55,7 @@ from draftfeed.schemas.messages import (
     PairOpen,
     Result,
 )
-from draftfeed.schemas.protocol import DEFAULT_MAX_FRAME_BYTES
+from draftfeed.schemas.protocol import DEFAULT_MAX_FRAME_BYTES, MAX_TRANSFER_CHUNK_BYTES
 from draftfeed.security.curve import DATA, PeerKeys, RoleGate, make_client, make_server, start_authenticator
 from draftfeed.security.handshake import HandshakeWatch
 
@@ -67,6 +71,9 @@ _TO_WORKER = b"worker"  # a pair receiver: send these frames to this worker on t
 _TO_BROKER = b"broker"  # the caller: send these frames to the broker (a new hello)
 # Control messages (hello, heartbeats, model info, mapping, status) that may be queued beside the window.
 _CONTROL_SLACK = 16
+# Messages read from the data socket in one turn of the loop: a stream of answer pieces never holds the broker's
+# heartbeats back for longer than copying this many pieces takes (8 x 16 MiB by default).
+DATA_MESSAGES_PER_TURN = 8
 
 
 class Connection:
@@ -115,6 +122,15 @@ class Connection:
             self.session.refuse_answer,
             lambda identity, frames: self._tell_io_thread([_TO_WORKER, identity, *frames]),
             max_result_bytes,
+        )
+        self.chunks = ChunkAssemblies(
+            data_plane.device if data_plane is not None else "cpu",
+            max_result_bytes,
+            self._awaiting,
+            self._progressed,
+            lambda header, tensors: self.session.on_answer(header, lambda: tensors),
+            self.session.refuse_answer,
+            self._on_pair_lost,
         )
         pipe_endpoint = f"inproc://draftfeed-rank-{uuid.uuid4().hex}"
         self._pipe = self._context.socket(zmq.PAIR)
@@ -209,6 +225,7 @@ class Connection:
         self.pairs.close()
         if not self._thread.is_alive():
             self.nixl.close()  # the IO thread's: only once it has ended
+            self.chunks.close()
         self.requests.fail_all(TargetClosed("the remote target was closed while this request was outstanding"))
         with self._lock:
             close_quietly(self._pipe)
@@ -235,7 +252,7 @@ class Connection:
             control.connect(self.broker)
             self.session.say_hello()
             readers = [
-                (data, lambda: self._read_all(data, self._on_data)),
+                (data, lambda: self._read_all(data, self._on_data, DATA_MESSAGES_PER_TURN)),
                 (control, lambda: self._read_all(control, lambda frames: self.session.on_broker(unpack(frames, FRONTEND_OUTBOUND)[0]))),
                 (pipe, lambda: self._take_commands(pipe, data)),
             ]
@@ -263,8 +280,9 @@ class Connection:
         control.setsockopt(zmq.ROUTING_ID, self.rank_id.encode())
         control.setsockopt(zmq.MAXMSGSIZE, DEFAULT_MAX_FRAME_BYTES)  # the broker sends headers and small tensors only
         data.setsockopt(zmq.RCVHWM, self.window + 1)
-        # A frame over the limit is refused by libzmq before it is allocated (workers check first, see hello).
-        data.setsockopt(zmq.MAXMSGSIZE, self.max_result_bytes)
+        # A frame over the limit is refused by libzmq before it is allocated (workers check first, see hello): answers
+        # come in pieces of at most MAX_TRANSFER_CHUNK_BYTES (dataplane/frames/chunks.py).
+        data.setsockopt(zmq.MAXMSGSIZE, min(self.max_result_bytes, MAX_TRANSFER_CHUNK_BYTES))
         if self.keys is not None:
             make_client(control, self.keys.own, self.keys.broker)
             gate = RoleGate("worker of this service", lambda: self.session.worker_keys)
@@ -320,9 +338,10 @@ class Connection:
             elif command == _TO_BROKER:
                 self.session.outbox.put(frames[1:])
 
-    def _read_all(self, sock: zmq.Socket, handle: Callable[[list[Any]], None]) -> bool:
-        """Hand every message ``sock`` holds to ``handle``; a malformed one is dropped, counted and logged."""
-        while True:
+    def _read_all(self, sock: zmq.Socket, handle: Callable[[list[Any]], None], limit: int | None = None) -> bool:
+        """Hand every message ``sock`` holds (at most ``limit``: the rest next turn) to ``handle``; a malformed one is
+        dropped, counted and logged."""
+        for _ in itertools.repeat(None) if limit is None else range(limit):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -332,6 +351,7 @@ class Connection:
             except MalformedMessage as exc:
                 self.session.stats.malformed_dropped += 1
                 self.session.bad_input.warning(str(exc)[:40], "draftfeed rank %s: ignoring a malformed message: %s", self.rank_id, exc)
+        return True
 
     # ------------------------------------------------------------ answers from workers (IO thread, receiver threads)
     def _on_data(self, frames: list[Any]) -> None:
@@ -349,10 +369,26 @@ class Connection:
             self.nixl.want(frames[0].bytes, message)
         elif isinstance(message, Result) and message.plane == "nixl":
             self.nixl.receive(message)
+        elif isinstance(message, Result) and message.chunk_bytes is not None:
+            self.chunks.begin(message)
+        elif isinstance(message, Chunk):
+            self.chunks.piece(message, tensor_frames)
         else:
             self.session.on_answer(message, lambda: decode_tensors(message.tensors, tensor_frames, max_message_bytes=self.max_result_bytes))
 
+    def _awaiting(self, request_id: int, token: int) -> int | None:
+        """The request (its waiter's identity) an answer to ``request_id`` with ``token`` is for, None if none waits."""
+        waiter = self.requests.get(request_id)
+        return None if waiter is None or waiter.token != token else id(waiter)
+
+    def _progressed(self, request_id: int) -> None:
+        """A piece of the request's answer arrived: its wait is not over while pieces come (waits.py)."""
+        waiter = self.requests.get(request_id)
+        if waiter is not None:
+            waiter.future.progressed_at = time.monotonic()
+
     def _on_worker_gone(self, worker: str) -> None:
+        self.chunks.worker_gone(worker)
         self.pairs.close_worker(worker, "the broker reports the worker gone")
         self.nixl.close_worker(worker, "the broker reports the worker gone")
 

@@ -61,7 +61,7 @@ class ConnectionStats:
     resyncs: int = 0
     busy_retries: int = 0
     received_over_pair: int = 0
-    lost_over_pair: int = 0  # answers lost with a failed pair group or nixl pair, asked for again
+    lost_over_pair: int = 0  # answers lost with a failed pair group or nixl pair, or partway in pieces; asked for again
     received_over_nixl: int = 0
 
 
@@ -128,14 +128,15 @@ class RankSession:
             self.outbox.put(waiter.frames)
 
     def ask_again(self, request_id: int, reason: str) -> None:
-        """An answer was lost with its pair group or nixl pair: the request goes again under a new id."""
+        """An answer was lost with its pair group or nixl pair, or partway through its pieces: the request goes again
+        under a new id."""
         aliased = self.requests.alias(request_id)
         if aliased is None:
             return  # answered meanwhile (the worker's frames fallback came first)
         new_id, waiter = aliased
         self.stats.lost_over_pair += 1
         log.warning(
-            "draftfeed rank %s: the answer to request %d was lost on a pair group (%s); asking again as request %d",
+            "draftfeed rank %s: the answer to request %d was lost on its way (%s); asking again as request %d",
             self.rank_id,
             request_id,
             reason,

@@ -24,10 +24,11 @@ def wait_for(
     in_flight: Callable[[], int],
 ) -> Any:
     """``future``'s result; every ``log_interval_s`` a warning says what it waits for and why no answer came yet
-    (``why_no_answer``); after ``timeout_s`` (request_timeout) a RemoteTargetTimeout says the same."""
+    (``why_no_answer``); after ``timeout_s`` (request_timeout) a RemoteTargetTimeout says the same. An answer that
+    arrives in pieces (the future's ``progressed_at``) keeps the wait going: the timeout runs from its last piece."""
     started = time.monotonic()
-    deadline = started + timeout_s
     while True:
+        deadline = max(started, getattr(future, "progressed_at", None) or started) + timeout_s
         remaining = deadline - time.monotonic()
         try:
             return future.result(timeout=max(0.0, min(remaining, log_interval_s)))

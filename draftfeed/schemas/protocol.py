@@ -12,7 +12,7 @@ Peers with another protocol version are rejected with an error that names both v
 from __future__ import annotations
 
 PROTOCOL_NAME = b"draftfeed"
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 SIGNATURE = PROTOCOL_NAME + b"/" + str(PROTOCOL_VERSION).encode()
 
 # Where a message's tensor frames begin, after any ROUTER identity frame has been taken off: [signature, header, *tensors].
@@ -28,6 +28,12 @@ DEFAULT_MAX_MESSAGE_BYTES = 32 << 30
 # and on the tensors of one request (settable per service).
 DEFAULT_MAX_FRAME_BYTES = 256 << 20
 DEFAULT_MAX_REQUEST_BYTES = 256 << 20
+# Supervision over frames moves in chunks of at most a worker's --transfer-chunk-bytes (dataplane/frames/chunks.py), so
+# that neither side holds a second copy of a multi-gigabyte answer. The default stays under glibc's largest mmap
+# threshold (32 MiB), so the rank's allocator reuses each chunk's memory instead of mapping (and faulting) it anew;
+# the largest is the most any frame on a rank's data socket may be (libzmq refuses more before allocating it).
+DEFAULT_TRANSFER_CHUNK_BYTES = 16 << 20
+MAX_TRANSFER_CHUNK_BYTES = 1 << 30
 # Most tensors one message may carry.
 MAX_TENSORS_PER_MESSAGE = 64
 # What no message grows past, however large the cluster: the pairs one worker heartbeat reports (the changed ones,

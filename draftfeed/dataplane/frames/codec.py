@@ -64,16 +64,19 @@ def tensor_frame(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
 
 
-def encode_tensors(tensors: Mapping[str, torch.Tensor]) -> tuple[list[TensorSpec], list[memoryview]]:
-    """Split named tensors into header specs and one buffer each, in the same order."""
+def encode_specs(tensors: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
+    """The header specs of named tensors, in their order."""
     specs: list[TensorSpec] = []
-    buffers: list[memoryview] = []
     for name, tensor in tensors.items():
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name!r} must be a torch.Tensor, got {type(tensor).__name__}")
         specs.append(TensorSpec(name=name, dtype=dtype_name(tensor.dtype), shape=list(tensor.shape)))
-        buffers.append(tensor_frame(tensor))
-    return specs, buffers
+    return specs
+
+
+def encode_tensors(tensors: Mapping[str, torch.Tensor]) -> tuple[list[TensorSpec], list[memoryview]]:
+    """Split named tensors into header specs and one buffer each, in the same order."""
+    return encode_specs(tensors), [tensor_frame(tensor) for tensor in tensors.values()]
 
 
 def decode_tensors(

@@ -118,6 +118,11 @@ class RankLinks:
         self._reached.discard(data_endpoint)
         close_quietly(self._sockets.pop(data_endpoint, None))
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close every link; what a link still holds for its rank (the last pieces of an answer reported done) may go
+        out for ``linger_s`` more, while the context terminates."""
         for data_endpoint in list(self._sockets):
-            self.drop(data_endpoint)
+            sock = self._sockets.pop(data_endpoint)
+            self._reached.discard(data_endpoint)
+            if not sock.closed:
+                sock.close(linger=int(linger_s * 1000))

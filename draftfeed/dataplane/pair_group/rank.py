@@ -23,7 +23,7 @@ import torch
 
 from draftfeed.dataplane.pair_group.transport import RECEIVER, PairGroup, join_store
 from draftfeed.schemas.messages import PairClose, PairOpen, Result
-from draftfeed.schemas.protocol import DEFAULT_MAX_MESSAGE_BYTES
+from draftfeed.schemas.protocol import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TRANSFER_CHUNK_BYTES
 from draftfeed.schemas.tensor_specs import declared_bytes
 
 log = logging.getLogger("draftfeed.producer")
@@ -82,7 +82,7 @@ class _Receiver:
                 if header is None:
                     return
                 try:
-                    tensors = group.receive(header.tensors, self.device)
+                    tensors = group.receive(header.tensors, self.device, header.chunk_bytes or DEFAULT_TRANSFER_CHUNK_BYTES)
                 except Exception as exc:
                     self.owner.on_lost(header, f"receive failed: {exc}")
                     self.close(f"a receive failed: {exc}", tell_worker=True)

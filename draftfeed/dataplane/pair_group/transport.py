@@ -12,24 +12,31 @@ A send or receive that fails or passes its timeout leaves the group out of step:
 is built for the next attempt. The worker's side of the protocol is dataplane/pair_group/worker.py, the rank's
 dataplane/pair_group/rank.py; this module is the transport alone.
 
-gloo carries CPU tensors: on gloo the sender copies CUDA tensors to the host first and the receiver
-allocates on the CPU. On NCCL both sides use CUDA tensors and a wait ends when the device has finished.
+Tensors go in the pieces dataplane/frames/chunks.py plans for frames (the worker's --transfer-chunk-bytes, named in
+the header), a few at a time, each wait bounded: a long transfer that keeps moving never times out. gloo carries CPU
+tensors: on gloo the sender copies each piece of a CUDA tensor to the host as it goes, and a CUDA receiver takes each
+piece through a host buffer of its own into the tensor it allocated on its device. On NCCL both sides use CUDA
+tensors and a wait ends when the device has finished.
 """
 
 from __future__ import annotations
 
 import socket
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from draftfeed.dataplane.frames.chunks import Piece, chunk_plan
 from draftfeed.dataplane.frames.codec import DTYPES, dtype_name
 from draftfeed.schemas.messages import TensorSpec
+from draftfeed.schemas.protocol import DEFAULT_TRANSFER_CHUNK_BYTES
 
 BACKENDS = ("gloo", "nccl")
+WINDOW = 4  # pieces in flight at once: overlap without holding more than a few pieces' staging memory
 SENDER, RECEIVER = 0, 1
 
 
@@ -96,11 +103,20 @@ class PairGroup:
             raise DataPlaneError(f"the {backend} group of this pair could not be built: {exc}") from exc
         self.closed = False
 
-    def send(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Send every tensor's bytes to the receiver (tag = its index); returns when the backend is done with them."""
+    def send(self, tensors: Mapping[str, torch.Tensor], chunk_bytes: int = DEFAULT_TRANSFER_CHUNK_BYTES) -> None:
+        """Send every tensor's bytes to the receiver in the pieces dataplane/frames/chunks.py plans (tag = the piece's
+        index), at most ``WINDOW`` in flight; returns when the backend is done with them. On gloo a CUDA tensor's
+        piece is copied to the host as it is sent, never the whole tensor."""
         self._check_open()
-        flats = [_as_bytes(tensor.cpu() if self.backend == "gloo" else tensor) for tensor in tensors.values()]
-        self._transfer([(self._group.send, flat, RECEIVER, tag) for tag, flat in enumerate(flats)], what=f"sending {', '.join(tensors)}")
+        flats = [_as_bytes(tensor) for tensor in tensors.values()]
+        staged = self.backend == "gloo"
+
+        def piece(tensor: int, offset: int, nbytes: int) -> torch.Tensor:
+            flat = flats[tensor][offset : offset + nbytes]
+            return flat.cpu() if staged else flat
+
+        specs = describe(tensors)
+        self._transfer(self._group.send, RECEIVER, chunk_plan(specs, chunk_bytes), piece, None, what=f"sending {', '.join(tensors)}")
 
     def warm_up(self) -> None:
         """One byte across, right after both sides built the group: NCCL sets its communicator up here (it does so
@@ -110,17 +126,25 @@ class PairGroup:
         else:
             self.receive([TensorSpec(name="warm_up", dtype="uint8", shape=[1])])
 
-    def receive(self, specs: Sequence[TensorSpec], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        """Receive the tensors ``specs`` describe (from the sender's ``describe``), allocated on ``device``
-        (always the CPU on gloo)."""
+    def receive(
+        self, specs: Sequence[TensorSpec], device: torch.device | str = "cpu", chunk_bytes: int = DEFAULT_TRANSFER_CHUNK_BYTES
+    ) -> dict[str, torch.Tensor]:
+        """Receive the tensors ``specs`` describe (from the sender's ``describe``), allocated on ``device``, piece by
+        piece as the sender sends them. On gloo a CUDA ``device`` takes each piece through host memory of its own."""
         self._check_open()
-        if self.backend == "gloo":
-            device = "cpu"
-        buffers = [torch.empty(spec.numel() * DTYPES[spec.dtype].itemsize, dtype=torch.uint8, device=device) for spec in specs]
-        self._transfer(
-            [(self._group.recv, buffer, SENDER, tag) for tag, buffer in enumerate(buffers)], what=f"receiving {', '.join(s.name for s in specs)}"
-        )
-        return {spec.name: buffer.view(DTYPES[spec.dtype]).reshape(spec.shape) for spec, buffer in zip(specs, buffers)}
+        device = torch.device(device)
+        bounced = self.backend == "gloo" and device.type != "cpu"
+        flats = [torch.empty(spec.numel() * DTYPES[spec.dtype].itemsize, dtype=torch.uint8, device=device) for spec in specs]
+
+        def piece(tensor: int, offset: int, nbytes: int) -> torch.Tensor:
+            return torch.empty(nbytes, dtype=torch.uint8) if bounced else flats[tensor][offset : offset + nbytes]
+
+        def landed(tensor: int, offset: int, buffer: torch.Tensor) -> None:
+            flats[tensor][offset : offset + buffer.numel()].copy_(buffer)
+
+        what = f"receiving {', '.join(s.name for s in specs)}"
+        self._transfer(self._group.recv, SENDER, chunk_plan(specs, chunk_bytes), piece, landed if bounced else None, what=what)
+        return {spec.name: flat.view(DTYPES[spec.dtype]).reshape(spec.shape) for spec, flat in zip(specs, flats)}
 
     def close(self) -> None:
         """Abort the group (a group that failed may be mid-transfer); safe to call twice."""
@@ -132,19 +156,38 @@ class PairGroup:
         except RuntimeError:
             pass
 
-    def _transfer(self, operations: list[tuple[Callable[..., dist.Work], torch.Tensor, int, int]], what: str) -> None:
-        """Start every send or receive (each on its own tag, so they overlap), then wait for all; a failure
-        closes the group and raises DataPlaneError."""
+    def _transfer(
+        self,
+        start: Callable[..., dist.Work],
+        peer: int,
+        pieces: Sequence[Piece],
+        buffer_of: Callable[[int, int, int], torch.Tensor],
+        landed: Callable[[int, int, torch.Tensor], None] | None,
+        what: str,
+    ) -> None:
+        """Send or receive ``pieces`` (each on its own tag, ``WINDOW`` overlapping), each wait bounded by the timeout:
+        a transfer fails only when a piece stops moving. A failure closes the group and raises DataPlaneError."""
+        in_flight: deque[tuple[dist.Work, Piece, torch.Tensor]] = deque()
         try:
-            works = [start([tensor], peer, tag) for start, tensor, peer, tag in operations]
-            for work in works:
-                if self.backend == "gloo":
-                    work.wait(self.timeout)  # blocks the CPU until done; a dead peer ends it at once
-                else:
-                    self._wait_for_device(work)
+            for tag, piece in enumerate(pieces):
+                buffer = buffer_of(*piece)
+                in_flight.append((start([buffer], peer, tag), piece, buffer))
+                if len(in_flight) >= WINDOW:
+                    self._finish(in_flight.popleft(), landed)
+            while in_flight:
+                self._finish(in_flight.popleft(), landed)
         except RuntimeError as exc:
             self.close()
             raise DataPlaneError(f"{self.backend} pair group failed {what}: {exc}") from exc
+
+    def _finish(self, started: tuple[dist.Work, Piece, torch.Tensor], landed: Callable[[int, int, torch.Tensor], None] | None) -> None:
+        work, piece, buffer = started
+        if self.backend == "gloo":
+            work.wait(self.timeout)  # blocks the CPU until done; a dead peer ends it at once
+        else:
+            self._wait_for_device(work)
+        if landed is not None:
+            landed(piece.tensor, piece.offset, buffer)
 
     def _wait_for_device(self, work: dist.Work) -> None:
         """NCCL work finishes on the device: poll it (its completion is a CUDA event) until the timeout,

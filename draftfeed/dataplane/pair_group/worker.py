@@ -105,12 +105,12 @@ class PairGroupPlane:
         group = self._group
         if group is None:
             return None
-        header = Result(tensors=describe(answer.tensors), plane="pair", generation=self.generation, **answer.fields)
+        header = Result(tensors=describe(answer.tensors), plane="pair", generation=self.generation, chunk_bytes=answer.chunk_bytes, **answer.fields)
         delivery = answer.send(pack(header))
         if delivery is not SendResult.SENT:
             return delivery  # the rank is gone or unreachable: its pair was released with it
         try:
-            group.send(answer.tensors)
+            group.send(answer.tensors, answer.chunk_bytes)
             return SendResult.SENT
         except DataPlaneError as exc:
             self._failed(str(exc))  # the rank drops what it got; frames follow

@@ -37,7 +37,7 @@ from draftfeed.schemas.messages.common import (
     Token,
     default_supervision,
 )
-from draftfeed.schemas.messages.data import Failure, NixlGrant, NixlOpen, NixlReady, NixlWant, NonFiniteAt, PairClose, PairOpen, Result
+from draftfeed.schemas.messages.data import Chunk, Failure, NixlGrant, NixlOpen, NixlReady, NixlWant, NonFiniteAt, PairClose, PairOpen, Result
 from draftfeed.schemas.messages.ranks import (
     Ack,
     Hello,
@@ -124,6 +124,7 @@ __all__ = [
     "ErrorReply",
     "FRONTEND_INBOUND",
     "FRONTEND_OUTBOUND",
+    "Chunk",
     "Failure",
     "NonFiniteAt",
     "ForgetMapping",

@@ -9,10 +9,12 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from draftfeed.schemas.messages.common import Generation, Name, PairBackend, RequestId, Seconds, Strict, SubmitKind, TensorSpec, Token
+from draftfeed.schemas.protocol import MAX_TRANSFER_CHUNK_BYTES
 
 
 class Result(Strict):
-    """Supervision. On plane ``frames`` the tensors follow as frames; on ``pair`` this header carries no
+    """Supervision. On plane ``frames`` the tensors follow as frames, or, with ``chunk_bytes``, in ``chunk`` messages
+    of at most that many bytes each, in the order dataplane/frames/chunks.py plans them; on ``pair`` this header carries no
     frames and the tensors follow on the pair group of ``generation``, in the order of ``tensors``; on
     ``nixl`` the tensors were written into the rank's receive slot ``slot`` (granted to ``generation``), laid
     out as dataplane/nixl/layout.py packed_layout says."""
@@ -26,6 +28,18 @@ class Result(Strict):
     plane: Literal["frames", "pair", "nixl"] = "frames"
     generation: Generation | None = None
     slot: Annotated[int, Field(ge=0, lt=2**31)] | None = None
+    chunk_bytes: Annotated[int, Field(gt=0, le=MAX_TRANSFER_CHUNK_BYTES)] | None = None
+
+
+class Chunk(Strict):
+    """Piece ``index`` of a chunked result's tensor bytes (``Result.chunk_bytes``): one frame follows, written by the rank
+    at the place dataplane/frames/chunks.py gives that index."""
+
+    type: Literal["chunk"] = "chunk"
+    request_id: RequestId
+    token: Token = 0
+    worker: Name
+    index: Annotated[int, Field(ge=0, lt=2**40)]
 
 
 class PairOpen(Strict):

@@ -9,7 +9,7 @@ from typing import Annotated, Any, get_args, get_origin
 from pydantic import Field, TypeAdapter, ValidationError
 
 from draftfeed.schemas.messages.common import Bye, ErrorReply, Goodbye, Heartbeat
-from draftfeed.schemas.messages.data import Failure, NixlGrant, NixlOpen, NixlReady, NixlWant, PairClose, PairOpen, Result
+from draftfeed.schemas.messages.data import Chunk, Failure, NixlGrant, NixlOpen, NixlReady, NixlWant, PairClose, PairOpen, Result
 from draftfeed.schemas.messages.ranks import (
     Ack,
     Hello,
@@ -55,7 +55,7 @@ BackendOutbound = Annotated[
 ]
 
 
-DataInbound = Annotated[Result | Failure | PairOpen | PairClose | NixlOpen | NixlWant, Field(discriminator="type")]
+DataInbound = Annotated[Result | Chunk | Failure | PairOpen | PairClose | NixlOpen | NixlWant, Field(discriminator="type")]
 
 
 # rank -> worker, back on the worker's connection to the rank's data socket

@@ -59,11 +59,12 @@ class Register(Strict):
 
 # How a worker is finished with a ticket (Done.outcome). The rank has been answered: served (its result), failed
 # (a failure that says why: its request's own fault, or the engine's error on it), undelivered (neither reached it:
-# it is gone, stalled or unreachable). The rank has been told nothing and the request goes back to the queue: retry
+# it is gone or unreachable). The rank has been told nothing and the request goes back to the queue: retry
 # (the engine could not run it here, e.g. out of memory; it counts against the request, another worker may succeed),
 # draining (the worker is stopping: no fault of the request), missing_mapping (the worker lacks the vocab mapping the
-# request names: the broker sends it the mapping first next time).
-DoneOutcome = Literal["served", "failed", "undelivered", "retry", "draining", "missing_mapping"]
+# request names: the broker sends it the mapping first next time), stalled (the rank took nothing of its answer for
+# --send-timeout, before or partway through it: sent again once, then the rank is told it failed).
+DoneOutcome = Literal["served", "failed", "undelivered", "retry", "draining", "missing_mapping", "stalled"]
 
 
 class Done(Strict):
@@ -80,7 +81,7 @@ class Done(Strict):
 
     @property
     def hands_back(self) -> bool:
-        return self.outcome in ("retry", "draining", "missing_mapping")
+        return self.outcome in ("retry", "draining", "missing_mapping", "stalled")
 
 
 class PairStatus(Strict):
