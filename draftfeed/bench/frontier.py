@@ -95,8 +95,8 @@ class FakeFrontierEngine:
 # ---------------------------------------------------------------- a rank of it, in a process of its own
 def first_difference(received: dict, input_ids: torch.Tensor, layer_ids: Sequence[int], num_hidden_layers: int, hidden_size: int) -> str | None:
     """Where DSpark supervision from this engine differs from ``frontier_dspark`` (one row of it at a time, a few
-    thousand positions at a time, so that checking a sample costs little memory), or None when every byte is equal."""
-    step = 4096
+    thousand positions at a time, so that checking a sample costs little memory: about 100 MB), or None when every byte is equal."""
+    step = 1024
     for row in range(input_ids.shape[0]):
         for start in range(0, input_ids.shape[1], step):
             ids = input_ids[row : row + 1, start : start + step]
@@ -121,8 +121,9 @@ def resident_bytes(pid: int | str = "self", field: str = "VmRSS") -> int:
 def rank_main(argv: Sequence[str] | None = None) -> None:
     """``python -m draftfeed.bench.frontier FRONTEND SERVICE TOKENS COUNT DEPTH LAYER_IDS [HIDDEN LAYERS]``: a
     training rank iterating COUNT one-row batches of TOKENS through ``RemoteDSparkTarget`` with DEPTH in flight,
-    checking every byte; one JSON line: the sample's bytes, seconds per batch, the peak resident memory above the
-    connected rank's, and the first difference (null when exact)."""
+    checking every byte (with ``--data-plane gloo``, ``nccl`` or ``nixl``, small rows first until one came over that
+    plane); one JSON line: the sample's bytes, seconds per batch, the peak resident memory above the connected rank's,
+    and the first difference (null when exact)."""
     import argparse
     import json
     import time
@@ -141,14 +142,20 @@ def rank_main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
-    def batch(number: int) -> dict[str, torch.Tensor]:
-        ids = torch.randint(0, 1000, (1, args.tokens), generator=torch.Generator().manual_seed(number))
+    def batch(number: int, tokens: int = args.tokens) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 1000, (1, tokens), generator=torch.Generator().manual_seed(number))
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
 
     batches = [batch(number) for number in range(args.count)]
     difference, seconds, nbytes = None, [], 0
     with RemoteDSparkTarget(args.frontend, args.service, prefetch_depth=args.depth, data_plane=args.data_plane) as remote:
         remote.model_info()
+        if args.data_plane in ("gloo", "nccl", "nixl"):  # small rows until one comes over the plane: it is open
+            deadline = time.monotonic() + 120
+            stats = remote.connection_stats
+            while stats.received_over_pair + stats.received_over_nixl == 0 and time.monotonic() < deadline:
+                remote.generate_batch(**batch(0, tokens=64))
+        warm_up = (remote.connection_stats.received_over_pair, remote.connection_stats.received_over_nixl)
         baseline = resident_bytes()
         started = time.perf_counter()
         for sent, supervision in remote.iterate(batches):
@@ -160,13 +167,18 @@ def rank_main(argv: Sequence[str] | None = None) -> None:
             started = time.perf_counter()
         peak = resident_bytes(field="VmHWM") - baseline
         stats = remote.connection_stats
+        partial = remote.partial_answers()
     result = {
         "bytes": nbytes,
         "seconds": seconds,
         "peak_above_baseline": peak,
         "difference": difference,
-        "received_over_pair": stats.received_over_pair,
-        "received_over_nixl": stats.received_over_nixl,
+        "received_over_pair": stats.received_over_pair - warm_up[0],
+        "received_over_nixl": stats.received_over_nixl - warm_up[1],
+        "received_in_pieces": stats.received_in_pieces,
+        "asked_again": stats.lost_over_pair,
+        "partial_answers_left": partial,
+        "transfer_bytes_per_s": stats.bytes_in_pieces / stats.seconds_in_pieces if stats.seconds_in_pieces else None,
     }
     print(json.dumps(result), flush=True)
 

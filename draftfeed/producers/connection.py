@@ -23,37 +23,26 @@ import itertools
 import logging
 import os
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 import zmq
 
-from draftfeed.dataplane.frames.codec import decode_tensors
-from draftfeed.dataplane.frames.rank_chunks import ChunkAssemblies
-from draftfeed.dataplane.nixl.rank import NixlReceivers
-from draftfeed.dataplane.pair_group.rank import PairReceivers
 from draftfeed.net import bind, close_quietly, host_identity, is_loopback, local_address_towards, send_to_thread
 from draftfeed.peer_loop import run_peer_loop
 from draftfeed.producers.answers import Answer, Finish
 from draftfeed.producers.rank_session import RankSession
+from draftfeed.producers.receivers import Receivers
 from draftfeed.producers.requests import RequestKind, RequestTable
 from draftfeed.producers.settings import RankSettings
 from draftfeed.schemas.errors import MalformedMessage, RemoteTargetError, RemoteTargetTimeout, TargetClosed
 from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import (
-    DATA_INBOUND,
     FRONTEND_OUTBOUND,
     Bye,
-    Chunk,
     DataPlaneOffer,
     Hello,
-    NixlOpen,
-    NixlWant,
-    PairClose,
-    PairOpen,
-    Result,
 )
 from draftfeed.schemas.protocol import DEFAULT_MAX_FRAME_BYTES, MAX_TRANSFER_CHUNK_BYTES
 from draftfeed.security.curve import DATA, PeerKeys, RoleGate, make_client, make_server, start_authenticator
@@ -96,7 +85,7 @@ class Connection:
         self.broker, self.service, self.window, self.task = broker, service, window, task
         self.requests = RequestTable(window)
         self.rank_id = f"{host_identity()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.session = RankSession(self.rank_id, broker, service, self.requests, self._on_worker_gone)
+        self.session = RankSession(self.rank_id, broker, service, self.requests, lambda worker: self.receivers.worker_gone(worker))
         self._data_bind = data_endpoint or f"tcp://{local_address_towards(broker)}:*"
         self._context = zmq.Context()
         self._lock = threading.Lock()  # guards the pipe, which every thread writes
@@ -105,32 +94,14 @@ class Connection:
         self.keys = keys
         self.max_result_bytes = max_result_bytes
         self._authenticator = None
-        self.pairs = PairReceivers(
-            data_plane.device if data_plane is not None else "cpu",
-            self._on_pair_result,
-            self._on_pair_lost,
-            self._on_pair_closed,
-            self.session.refuse_answer,
-            max_result_bytes,
-        )
-        self.nixl = NixlReceivers(
-            self.rank_id,
+        self.receivers = Receivers(
+            self.session,
+            self.requests,
             data_plane.device if data_plane is not None else "cpu",
             nixl_pool_bytes,
-            self._on_nixl_result,
-            self._on_pair_lost,
-            self.session.refuse_answer,
-            lambda identity, frames: self._tell_io_thread([_TO_WORKER, identity, *frames]),
             max_result_bytes,
-        )
-        self.chunks = ChunkAssemblies(
-            data_plane.device if data_plane is not None else "cpu",
-            max_result_bytes,
-            self._awaiting,
-            self._progressed,
-            lambda header, tensors: self.session.on_answer(header, lambda: tensors),
-            self.session.refuse_answer,
-            self._on_pair_lost,
+            ask_again=lambda header, reason: self._tell_io_thread([_ASK_AGAIN, header.request_id.to_bytes(8, "little"), reason.encode()]),
+            to_worker=lambda identity, frames: self._tell_io_thread([_TO_WORKER, identity, *frames]),
         )
         pipe_endpoint = f"inproc://draftfeed-rank-{uuid.uuid4().hex}"
         self._pipe = self._context.socket(zmq.PAIR)
@@ -222,10 +193,7 @@ class Connection:
         if self._thread.is_alive():
             self._tell_io_thread([_STOP])
         self._thread.join(timeout_s)
-        self.pairs.close()
-        if not self._thread.is_alive():
-            self.nixl.close()  # the IO thread's: only once it has ended
-            self.chunks.close()
+        self.receivers.close(io_thread_ended=not self._thread.is_alive())
         self.requests.fail_all(TargetClosed("the remote target was closed while this request was outstanding"))
         with self._lock:
             close_quietly(self._pipe)
@@ -252,7 +220,7 @@ class Connection:
             control.connect(self.broker)
             self.session.say_hello()
             readers = [
-                (data, lambda: self._read_all(data, self._on_data, DATA_MESSAGES_PER_TURN)),
+                (data, lambda: self._read_all(data, self.receivers.on_data, DATA_MESSAGES_PER_TURN)),
                 (control, lambda: self._read_all(control, lambda frames: self.session.on_broker(unpack(frames, FRONTEND_OUTBOUND)[0]))),
                 (pipe, lambda: self._take_commands(pipe, data)),
             ]
@@ -309,12 +277,12 @@ class Connection:
 
     def _wait_cap_s(self) -> float:
         """A nixl header waiting for its notification: wait a millisecond a turn, then ask NIXL (``_poll_nixl``)."""
-        return 0.001 if self.nixl.waiting else 0.05
+        return 0.001 if self.receivers.nixl.waiting else 0.05
 
     def _poll_nixl(self) -> None:
         """Only while a header waits: NIXL keeps notifications until asked, and asking is not free."""
-        if self.nixl.waiting:
-            self.nixl.poll()
+        if self.receivers.nixl.waiting:
+            self.receivers.nixl.poll()
 
     def _take_commands(self, pipe: zmq.Socket, data: zmq.Socket) -> bool:
         """Carry out what the other threads asked for; False on stop."""
@@ -352,56 +320,3 @@ class Connection:
                 self.session.stats.malformed_dropped += 1
                 self.session.bad_input.warning(str(exc)[:40], "draftfeed rank %s: ignoring a malformed message: %s", self.rank_id, exc)
         return True
-
-    # ------------------------------------------------------------ answers from workers (IO thread, receiver threads)
-    def _on_data(self, frames: list[Any]) -> None:
-        message, tensor_frames = unpack(frames[1:], DATA_INBOUND)
-        if isinstance(message, PairOpen):
-            self.pairs.open(frames[0].bytes, message)
-        elif isinstance(message, PairClose):
-            self.pairs.worker_closed(message)
-            self.nixl.worker_closed(message)
-        elif isinstance(message, Result) and message.plane == "pair":
-            self.pairs.receive(message)  # always, even for an answer no longer awaited: the group stays in step
-        elif isinstance(message, NixlOpen):
-            self.nixl.open(frames[0].bytes, message)
-        elif isinstance(message, NixlWant):
-            self.nixl.want(frames[0].bytes, message)
-        elif isinstance(message, Result) and message.plane == "nixl":
-            self.nixl.receive(message)
-        elif isinstance(message, Result) and message.chunk_bytes is not None:
-            self.chunks.begin(message)
-        elif isinstance(message, Chunk):
-            self.chunks.piece(message, tensor_frames)
-        else:
-            self.session.on_answer(message, lambda: decode_tensors(message.tensors, tensor_frames, max_message_bytes=self.max_result_bytes))
-
-    def _awaiting(self, request_id: int, token: int) -> int | None:
-        """The request (its waiter's identity) an answer to ``request_id`` with ``token`` is for, None if none waits."""
-        waiter = self.requests.get(request_id)
-        return None if waiter is None or waiter.token != token else id(waiter)
-
-    def _progressed(self, request_id: int) -> None:
-        """A piece of the request's answer arrived: its wait is not over while pieces come (waits.py)."""
-        waiter = self.requests.get(request_id)
-        if waiter is not None:
-            waiter.future.progressed_at = time.monotonic()
-
-    def _on_worker_gone(self, worker: str) -> None:
-        self.chunks.worker_gone(worker)
-        self.pairs.close_worker(worker, "the broker reports the worker gone")
-        self.nixl.close_worker(worker, "the broker reports the worker gone")
-
-    def _on_pair_result(self, header: Result, tensors: dict[str, Any]) -> None:
-        self.session.stats.received_over_pair += 1
-        self.session.on_answer(header, lambda: tensors)
-
-    def _on_nixl_result(self, header: Result, tensors: dict[str, Any]) -> None:
-        self.session.stats.received_over_nixl += 1
-        self.session.on_answer(header, lambda: tensors)
-
-    def _on_pair_lost(self, header: Result, reason: str) -> None:
-        self._tell_io_thread([_ASK_AGAIN, header.request_id.to_bytes(8, "little"), reason.encode()])
-
-    def _on_pair_closed(self, identity: bytes, message: PairClose) -> None:
-        self._tell_io_thread([_TO_WORKER, identity, *pack(message)])

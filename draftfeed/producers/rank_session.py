@@ -63,6 +63,9 @@ class ConnectionStats:
     received_over_pair: int = 0
     lost_over_pair: int = 0  # answers lost with a failed pair group or nixl pair, or partway in pieces; asked for again
     received_over_nixl: int = 0
+    received_in_pieces: int = 0  # answers over --transfer-chunk-bytes, on frames
+    bytes_in_pieces: int = 0
+    seconds_in_pieces: float = 0.0  # from each such answer's header to its last piece
 
 
 class RankSession:

@@ -171,13 +171,17 @@ class BrokerSource:
         return self.connection.session.stats
 
     def data_planes(self) -> dict[str, str]:
-        return self.connection.pairs.planes() | self.connection.nixl.planes()
+        return self.connection.receivers.pairs.planes() | self.connection.receivers.nixl.planes()
 
     def nixl_pool(self) -> dict[str, int]:
-        return self.connection.nixl.stats()
+        return self.connection.receivers.nixl.stats()
+
+    def partial_answers(self) -> dict[str, int]:
+        chunks = self.connection.receivers.chunks
+        return {"answers": len(chunks), "bytes": chunks.held_bytes, "pieces_dropped": chunks.pieces_dropped}
 
     def pair_group(self, worker: str) -> PairOpen | None:
-        return self.connection.pairs.opened(worker)
+        return self.connection.receivers.pairs.opened(worker)
 
     def flush(self, timeout_s: float) -> None:
         """Nothing is recorded without a store."""
@@ -290,6 +294,9 @@ class StoredSource:
 
     def nixl_pool(self) -> dict[str, int]:
         return self.broker.nixl_pool() if self.broker is not None else {}
+
+    def partial_answers(self) -> dict[str, int]:
+        return self.broker.partial_answers() if self.broker is not None else {}
 
     def pair_group(self, worker: str) -> PairOpen | None:
         return self.broker.pair_group(worker) if self.broker is not None else None

@@ -21,6 +21,7 @@ _MODULES = {
     "real-target": "real_target",
     "tensor-parallel": "tensor_parallel",
     "long-rows": "long_rows",
+    "frontier-rows": "frontier_rows",
     "store": "store",
 }
 SCENARIO_NAMES = tuple(_MODULES)

@@ -28,7 +28,7 @@ from draftfeed.schemas.tensor_specs import declared_bytes, frame_buffer
 log = logging.getLogger("draftfeed.producer")
 
 Awaiting = Callable[[int, int], Hashable | None]  # (request_id, token) -> the request it answers, None if answered
-OnComplete = Callable[[Result, dict[str, torch.Tensor]], None]
+OnComplete = Callable[[Result, dict[str, torch.Tensor], float], None]  # header, tensors, seconds from header to last piece
 OnRefused = Callable[[Result, str], None]
 OnLost = Callable[[Result, str], None]
 
@@ -59,8 +59,9 @@ class ChunkAssemblies:
         on_lost: OnLost,
     ) -> None:
         """``awaiting``: which request an answer is for, if it still waits; ``on_progress(request_id)``: a piece of its
-        answer arrived (its wait is not over while pieces come); ``on_complete``: the whole answer, or, for one whose
-        request no longer waits, its header alone (the session drops it, and counts it as it counts any duplicate)."""
+        answer arrived (its wait is not over while pieces come); ``on_complete``: the whole answer and the seconds from its
+        header to its last piece, or, for one whose request no longer waits, its header alone (the session drops it,
+        and counts it as it counts any duplicate)."""
         self.device = torch.device(device)
         self.max_result_bytes = max_result_bytes
         self._awaiting, self._on_progress = awaiting, on_progress
@@ -84,7 +85,7 @@ class ChunkAssemblies:
             if assembly.request == request or key == (header.worker, header.request_id):
                 self._drop(key, f"a new answer to request {header.request_id} began (from worker {header.worker})")
         if request is None:  # answered already (or not ours): the session counts it dropped; its pieces are as they come
-            self._on_complete(header, {})
+            self._on_complete(header, {}, 0.0)
             return
         total = declared_bytes(header.tensors)
         if total is None:
@@ -125,7 +126,7 @@ class ChunkAssemblies:
         if assembly.next == len(assembly.pieces):
             del self._assemblies[key]
             self.completed += 1
-            self._on_complete(assembly.header, assembly.tensors)
+            self._on_complete(assembly.header, assembly.tensors, time.monotonic() - assembly.started_at)
 
     def worker_gone(self, worker: str) -> None:
         """The broker reports the worker gone: its partial answers will not complete. Each request that still waits is

@@ -42,6 +42,11 @@ class RankView:
         """The nixl plane's receive pool: open pairs, slots, bytes registered, slots your tensors still view, quarantined."""
         return self._made().nixl_pool()
 
+    def partial_answers(self) -> dict[str, int]:
+        """Answers arriving in pieces not yet whole: how many, the bytes allocated for them, and the pieces dropped
+        (of answers no longer awaited, or freed when they could not complete)."""
+        return self._made().partial_answers()
+
     def pair_group(self, worker: str) -> PairOpen | None:
         """How the pair group with ``worker`` was opened (backend, generation, its rendezvous store), or None."""
         return self._made().pair_group(worker)
