@@ -74,6 +74,7 @@ def test_every_scenario_is_a_module_with_one_signature():
         "real-target",
         "tensor-parallel",
         "long-rows",
+        "frontier-rows",
         "store",
     )
     for name in SCENARIO_NAMES:
