@@ -98,7 +98,7 @@ absolute figures (shared hosts are noisy). Regenerate with `draftfeed bench --re
 - **long rows**: tokens per second at S = 2k to 16k end to end against the same row in process, and a worker's peak
   memory serving a 16k row with its vocab-sized step chunked and whole.
 - **frontier rows**: DSpark samples of 1, 4 and 16 GB (a 7168-wide target, FakeFrontierEngine: no model) from a
-  worker to a rank at prefetch 1, in pieces of `--transfer-chunk-bytes`: the rate from each sample's header to its
+  worker to a rank at prefetch 0, in pieces of `--transfer-chunk-bytes`: the rate from each sample's header to its
   last piece against raw pyzmq moving one message of the same size between two processes, and the rank's and the
   worker's peak memory in samples (sizes this machine's memory cannot hold are left out, said on stderr).
 

@@ -41,6 +41,9 @@ def prefetch(batches: Iterable[B], submit: Callable[[B], Future], wait: Callable
             result = wait(future)
             top_up(depth)
             yield batch, result
+            # What the caller was given is theirs alone from here: held here (the future holds it too) it would stay
+            # alive through the next wait, one sample more than the caller's own.
+            del batch, future, result
     finally:
         for _batch, future in pending:
             future.cancel()

@@ -2,10 +2,10 @@
 bfloat16: a 64k row is 5.6 GB, a 128k row 11.3 GB) from a worker to a rank, against raw pyzmq moving the same bytes
 between two processes, and the rank's peak memory per sample.
 
-The worker runs FakeFrontierEngine (bench/frontier.py: no model) behind the real DSpark task, at prefetch 1; the rank is
-``python -m draftfeed.bench.frontier``, which checks every byte. The rate is the sample's bytes over the time from its
-header to its last piece at the rank (the worker's compute is not in it); the baseline receives one message of the
-same size as raw pyzmq. A size is left out, and said so on stderr, where this machine's memory cannot hold a sample at
+The worker runs FakeFrontierEngine (bench/frontier.py: no model) behind the real DSpark task; the rank is
+``python -m draftfeed.bench.frontier``, which checks every byte, at prefetch 0, so that nothing else runs while a
+sample moves. The rate is the sample's bytes over the time from its header to its last piece at the rank (the
+worker's compute is not in it); the baseline receives one message of the same size as raw pyzmq. A size is left out, and said so on stderr, where this machine's memory cannot hold a sample at
 the worker (the layers and their concatenation), two at the rank and the baseline's at once.
 """
 
@@ -26,7 +26,7 @@ LAYER_IDS = "1,15,30,45,60"
 BYTES_PER_TOKEN = 6 * HIDDEN * 2  # five layers and the last hidden state, bfloat16
 GB = 1 << 30
 SAMPLE_GB = (1, 4, 16)
-HELD = 5  # samples' worth of memory a size needs: worker 2 (layers + concatenation), rank 2 (prefetch 1), one spare
+HELD = 5  # samples' worth of memory a size needs: worker 2 (layers + concatenation), rank 1, the baseline's 1, one spare
 
 
 def run(quick: bool, workdir: Path) -> list[Row]:
@@ -74,11 +74,11 @@ def run(quick: bool, workdir: Path) -> list[Row]:
             rows.append(
                 Row(
                     "frontier",
-                    f"rank peak memory, {nbytes / 1e9:.2f} GB samples at prefetch 1",
+                    f"rank peak memory, {nbytes / 1e9:.2f} GB samples at prefetch 0",
                     ours["peak_above_baseline"] / nbytes,
-                    2.0,
+                    1.0,
                     "samples",
-                    "prefetch + 1",
+                    "the sample",
                 )
             )
             rows.append(
@@ -92,7 +92,7 @@ def run(quick: bool, workdir: Path) -> list[Row]:
 
 
 def _rank(frontend: str, tokens: int, count: int) -> dict:
-    args = [sys.executable, "-m", "draftfeed.bench.frontier", frontend, "frontier", str(tokens), str(count), "1", LAYER_IDS, "--data-plane", "frames"]
+    args = [sys.executable, "-m", "draftfeed.bench.frontier", frontend, "frontier", str(tokens), str(count), "0", LAYER_IDS, "--data-plane", "frames"]
     done = subprocess.run(args, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"the frontier rank failed: {done.stderr[-2000:]}")
