@@ -30,7 +30,7 @@ from draftfeed.dataplane.frames.rank_chunks import ChunkAssemblies
 from draftfeed.dataplane.frames.worker_chunks import ChunkedResult
 from draftfeed.dataplane.nixl.transport import unavailable
 from draftfeed.processes import commands
-from draftfeed.schemas.frames import unpack
+from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import DATA_INBOUND, Result, TensorSpec
 
 pytestmark = pytest.mark.timeout(300)
@@ -324,3 +324,11 @@ def test_a_link_cut_mid_transfer_between_hosts_costs_its_batch_nothing(hosts_ava
         finally:
             for process in started:
                 process.stop(timeout_s=5)
+
+
+def test_an_answer_in_too_many_pieces_is_refused_before_anything_is_allocated():
+    rank = Rank()
+    specs = [TensorSpec(name="h", dtype="bfloat16", shape=[1, 1 << 20, 64])]  # 128 MiB in pieces of 16 bytes: 8M pieces
+    rank.take(pack(Result(tensors=specs, chunk_bytes=16, request_id=0, token=0, kind="dspark", worker="w")))
+    assert rank.assemblies.held_bytes == 0
+    assert rank.refused and "pieces of 16 bytes" in rank.refused[0] and "--transfer-chunk-bytes" in rank.refused[0], rank.refused

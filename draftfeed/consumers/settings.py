@@ -202,9 +202,9 @@ class WorkerSettings(Settings):
         1 << 20, "answers smaller than this go as frames on a nixl pair too (a slot's round trip costs more than copying them)"
     )
     max_request_bytes: int = setting(DEFAULT_MAX_REQUEST_BYTES, "largest request (and frame) this worker takes from the broker")
-    transfer_chunk_bytes: Annotated[int, Field(gt=0, le=MAX_TRANSFER_CHUNK_BYTES)] = setting(
+    transfer_chunk_bytes: Annotated[int, Field(ge=1 << 12, le=MAX_TRANSFER_CHUNK_BYTES)] = setting(
         DEFAULT_TRANSFER_CHUNK_BYTES,
-        "answers larger than this go to a rank in pieces of this many bytes, frames and pair groups alike: neither side "
+        "answers larger than this go to a rank in pieces of this many bytes (4 KiB to 1 GiB), frames and pair groups alike: neither side "
         "holds a second copy of a large answer, and a transfer is given up only when it stops moving (docs/data-planes.md)",
     )
     max_seq_len: int | None = setting(

@@ -37,3 +37,14 @@ def chunk_plan(specs: Sequence[TensorSpec], chunk_bytes: int) -> list[Piece]:
             raise ValueError(f"tensor {spec.name!r} has dtype {spec.dtype!r}, which the wire does not carry")
         pieces.extend(Piece(number, offset, min(chunk_bytes, size - offset)) for offset in range(0, size, chunk_bytes))
     return pieces
+
+
+def piece_count(specs: Sequence[TensorSpec], chunk_bytes: int) -> int | None:
+    """How many pieces ``chunk_plan`` makes, without making them; None for a dtype the wire does not carry."""
+    total = 0
+    for spec in specs:
+        size = spec_bytes(spec)
+        if size is None:
+            return None
+        total += -(-size // chunk_bytes)
+    return total

@@ -20,12 +20,14 @@ from typing import Any
 
 import torch
 
-from draftfeed.dataplane.frames.chunks import Piece, chunk_plan
+from draftfeed.dataplane.frames.chunks import Piece, chunk_plan, piece_count
 from draftfeed.dataplane.frames.codec import DTYPES
 from draftfeed.schemas.messages import Chunk, Result
 from draftfeed.schemas.tensor_specs import declared_bytes, frame_buffer
 
 log = logging.getLogger("draftfeed.producer")
+
+MAX_PIECES = 1 << 22  # pieces one answer may come in (its plan is a list): 64 TiB at the default 16 MiB a piece
 
 Awaiting = Callable[[int, int], Hashable | None]  # (request_id, token) -> the request it answers, None if answered
 OnComplete = Callable[[Result, dict[str, torch.Tensor], float], None]  # header, tensors, seconds from header to last piece
@@ -95,6 +97,13 @@ class ChunkAssemblies:
             self._on_refused(header, f"the answer announces {total} bytes, over this rank's max_result_bytes of {self.max_result_bytes}")
             return
         assert header.chunk_bytes is not None
+        count = piece_count(header.tensors, header.chunk_bytes)
+        if count is not None and count > MAX_PIECES:
+            self._on_refused(
+                header,
+                f"the answer comes in {count} pieces of {header.chunk_bytes} bytes, more than {MAX_PIECES}: raise the worker's --transfer-chunk-bytes",
+            )
+            return
         flats = [torch.empty(spec.numel() * DTYPES[spec.dtype].itemsize, dtype=torch.uint8, device=self.device) for spec in header.tensors]
         tensors = {spec.name: flat.view(DTYPES[spec.dtype]).reshape(spec.shape) for spec, flat in zip(header.tensors, flats)}
         pieces = chunk_plan(header.tensors, header.chunk_bytes)
