@@ -177,6 +177,7 @@ def rank_main(argv: Sequence[str] | None = None) -> None:
         "received_over_nixl": stats.received_over_nixl - warm_up[1],
         "received_in_pieces": stats.received_in_pieces,
         "asked_again": stats.lost_over_pair,
+        "resyncs": stats.resyncs,
         "partial_answers_left": partial,
         "transfer_bytes_per_s": stats.bytes_in_pieces / stats.seconds_in_pieces if stats.seconds_in_pieces else None,
     }
