@@ -146,6 +146,7 @@ class Rank:
         self.awaited = {0: "request-0"} if awaited is None else awaited
         self.answers: list[tuple[Result, dict]] = []
         self.lost: list[str] = []
+        self.changed: list[str] = []
         self.refused: list[str] = []
         self.progress: list[int] = []
         self.assemblies = ChunkAssemblies(
@@ -156,6 +157,7 @@ class Rank:
             lambda header, tensors, _seconds: self.answers.append((header, tensors)),
             lambda header, why: self.refused.append(why),
             lambda header, why: self.lost.append(why),
+            lambda header, why: self.changed.append(why),
         )
 
     def take(self, frames: list) -> None:

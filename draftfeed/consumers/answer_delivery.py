@@ -30,6 +30,7 @@ import torch
 import zmq
 
 from draftfeed.consumers.settings import WorkerSettings
+from draftfeed.dataplane.digests import digests
 from draftfeed.dataplane.frames.codec import pack_tensors, tensor_bytes
 from draftfeed.dataplane.frames.worker import RankLinks, SendResult
 from draftfeed.dataplane.frames.worker_chunks import ChunkedResult
@@ -140,7 +141,9 @@ class AnswerDelivery:
         too_big = _over_limit(tensors, dispatch.max_result_bytes)
         if too_big is not None:
             return Refused(too_big)
-        fields = dict(request_id=request.request_id, token=request.token, kind=request.kind, worker=self.worker)
+        fields: dict[str, Any] = dict(request_id=request.request_id, token=request.token, kind=request.kind, worker=self.worker)
+        if self.settings.checksum:
+            fields["digests"] = digests(tensors)
         try:
             plane = self.planes.plane_for(data_endpoint, dispatch.rank, dispatch.data_plane)
         except PlaneRefused as exc:

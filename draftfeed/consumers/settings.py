@@ -210,6 +210,11 @@ class WorkerSettings(Settings):
     max_seq_len: int | None = setting(
         None, "the longest row this worker takes; longer ones are refused (default: the target's max_position_embeddings)"
     )
+    checksum: bool = setting(
+        False,
+        "send each tensor's XXH3 digest with every answer; the rank checks it and asks again for an answer that arrived "
+        "changed (about 0.04 s per GB each side: docs/data-planes.md)",
+    )
     skip_finite_check: bool = setting(
         False, "send supervision unchecked for NaN and Inf (the check is one pass over each tensor on its device: docs/contract.md)"
     )

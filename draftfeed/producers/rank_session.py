@@ -66,6 +66,7 @@ class ConnectionStats:
     received_in_pieces: int = 0  # answers over --transfer-chunk-bytes, on frames
     bytes_in_pieces: int = 0
     seconds_in_pieces: float = 0.0  # from each such answer's header to its last piece
+    checksum_mismatches: int = 0  # answers whose digests said they arrived changed: dropped, asked for again
 
 
 class RankSession:

@@ -4,17 +4,20 @@ A worker's answer comes as frames in one message, as frames in pieces (dataplane
 tensors on the pair's own group (dataplane/pair_group/rank.py) or written into a nixl slot (dataplane/nixl/rank.py);
 the handshakes of the last two come on the data socket too. ``on_data`` routes each message to its plane's receiver;
 whatever a receiver completes goes to the session (``on_answer``: first answer wins), and an answer a receiver lost
-is asked for again (``ask_again``). Called on the rank's IO thread, and on the pair groups' receiving threads.
+is asked for again (``ask_again``), and so is one whose digests (the worker's ``--checksum``: dataplane/digests.py) say
+it arrived changed. Called on the rank's IO thread, and on the pair groups' receiving threads.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from draftfeed.dataplane.digests import mismatch
 from draftfeed.dataplane.frames.codec import decode_tensors
 from draftfeed.dataplane.frames.rank_chunks import ChunkAssemblies
 from draftfeed.dataplane.nixl.rank import NixlReceivers
@@ -23,6 +26,8 @@ from draftfeed.producers.rank_session import RankSession
 from draftfeed.producers.requests import RequestTable
 from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import DATA_INBOUND, Chunk, NixlOpen, NixlWant, PairClose, PairOpen, Result
+
+log = logging.getLogger("draftfeed.producer")
 
 
 class Receivers:
@@ -48,7 +53,7 @@ class Receivers:
             session.rank_id, device, nixl_pool_bytes, self._on_nixl_result, ask_again, session.refuse_answer, to_worker, max_result_bytes
         )
         self.chunks = ChunkAssemblies(
-            device, max_result_bytes, self._awaiting, self._progressed, self._on_pieced_result, session.refuse_answer, ask_again
+            device, max_result_bytes, self._awaiting, self._progressed, self._on_pieced_result, session.refuse_answer, ask_again, self._changed
         )
 
     def on_data(self, frames: list[Any]) -> None:
@@ -71,6 +76,10 @@ class Receivers:
             self.chunks.begin(message)
         elif isinstance(message, Chunk):
             self.chunks.piece(message, tensor_frames)
+        elif isinstance(message, Result) and message.digests is not None:
+            tensors = decode_tensors(message.tensors, tensor_frames, max_message_bytes=self.max_result_bytes)
+            if self._intact(message, tensors):
+                self.session.on_answer(message, lambda: tensors)
         else:
             self.session.on_answer(message, lambda: decode_tensors(message.tensors, tensor_frames, max_message_bytes=self.max_result_bytes))
 
@@ -108,12 +117,31 @@ class Receivers:
         self.session.on_answer(header, lambda: tensors)
 
     def _on_pair_result(self, header: Result, tensors: dict[str, Any]) -> None:
-        self.session.stats.received_over_pair += 1
-        self.session.on_answer(header, lambda: tensors)
+        if self._intact(header, tensors):
+            self.session.stats.received_over_pair += 1
+            self.session.on_answer(header, lambda: tensors)
 
     def _on_nixl_result(self, header: Result, tensors: dict[str, Any]) -> None:
-        self.session.stats.received_over_nixl += 1
-        self.session.on_answer(header, lambda: tensors)
+        if self._intact(header, tensors):
+            self.session.stats.received_over_nixl += 1
+            self.session.on_answer(header, lambda: tensors)
+
+    def _intact(self, header: Result, tensors: dict[str, Any]) -> bool:
+        """Whether an answer the worker sent digests with arrived as it was sent (or came without digests)."""
+        if header.digests is None or self.requests.check(header.request_id, header.token) != "ok":
+            return True  # no digests, or no longer awaited: the session drops it
+        changed = mismatch(tensors, header.digests)
+        if changed is not None:
+            self._changed(header, changed)
+        return changed is None
+
+    def _changed(self, header: Result, what: str) -> None:
+        """An answer arrived changed: dropped, counted, and its request asked for again."""
+        self.session.stats.checksum_mismatches += 1
+        log.warning(
+            "draftfeed rank %s: worker %s's answer to request %d arrived changed (%s)", self.session.rank_id, header.worker, header.request_id, what
+        )
+        self._ask_again(header, f"its bytes arrived changed: {what}")
 
     def _on_pair_closed(self, identity: bytes, message: PairClose) -> None:
         self._to_worker(identity, pack(message))

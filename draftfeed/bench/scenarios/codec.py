@@ -1,5 +1,6 @@
 """The codec against memcpy: packing and unpacking an EAGLE-3 dict, beside a one-blob copy of the same bytes; and the
-worker's finite check of the dict (contract/finite.py) against a copy of the same bytes."""
+worker's finite check of the dict (contract/finite.py) and its XXH3 digests (dataplane/digests.py, --checksum) against a
+copy of the same bytes."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from draftfeed.bench.harness import MB, Row, best_of
 from draftfeed.bench.synthetic import DRAFT_VOCAB, HIDDEN
 from draftfeed.contract.finite import first_nonfinite
+from draftfeed.dataplane.digests import digests
 from draftfeed.dataplane.frames.codec import DTYPES, decode_tensors, encode_tensors, pack_tensors, tensor_bytes
 from draftfeed.schemas.messages import Result
 
@@ -81,6 +83,11 @@ def run(quick: bool, workdir: Path) -> list[Row]:
         assert first_nonfinite(tensors) is None
         return time.perf_counter() - started
 
+    def digest() -> float:
+        started = time.perf_counter()
+        digests(tensors)
+        return time.perf_counter() - started
+
     repeat = 3 if quick else 5
     t_memcpy = best_of(memcpy, repeat)
     case = f"{nbytes / MB:.1f} MB EAGLE-3 dict"
@@ -92,4 +99,5 @@ def run(quick: bool, workdir: Path) -> list[Row]:
         ),
         Row("codec", f"one-blob decode {case}", nbytes / best_of(blob_decode, repeat) / 1e9, nbytes / t_memcpy / 1e9, "GB/s", "memcpy"),
         Row("codec", f"finite check of {case}", nbytes / best_of(finite_check, repeat) / 1e9, nbytes / t_memcpy / 1e9, "GB/s", "memcpy"),
+        Row("codec", f"XXH3 digests of {case} (--checksum)", nbytes / best_of(digest, repeat) / 1e9, nbytes / t_memcpy / 1e9, "GB/s", "memcpy"),
     ]

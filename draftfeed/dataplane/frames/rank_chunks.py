@@ -7,7 +7,9 @@ hands the tensors over, as a whole answer on frames would be. Called on the rank
 
 A partial answer is freed at once when it can no longer complete: its request was answered another way, a new
 header for the same request came (from the broker's next attempt, on this worker or another), its worker is gone
-or a piece came out of order or of the wrong size (both: the request is asked for again), or the rank closes.
+or a piece came out of order or of the wrong size (both: the request is asked for again), or the rank closes. With
+the worker's ``--checksum`` each piece is also read into its tensor's digest as it lands; an answer whose digests
+differ from the header's is dropped when its last piece comes (``on_changed``: the request is asked for again).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import torch
 
+from draftfeed.dataplane.digests import StreamedDigests
 from draftfeed.dataplane.frames.chunks import Piece, chunk_plan, piece_count
 from draftfeed.dataplane.frames.codec import DTYPES
 from draftfeed.schemas.messages import Chunk, Result
@@ -43,6 +46,7 @@ class _Assembly:
     tensors: dict[str, torch.Tensor]
     flats: list[torch.Tensor]  # each tensor's bytes, flat (uint8), where the pieces go
     nbytes: int
+    streamed: StreamedDigests | None = None  # with the worker's --checksum: each tensor's digest, read as pieces land
     next: int = 0
     started_at: float = field(default_factory=time.monotonic)
 
@@ -59,6 +63,7 @@ class ChunkAssemblies:
         on_complete: OnComplete,
         on_refused: OnRefused,
         on_lost: OnLost,
+        on_changed: OnLost,
     ) -> None:
         """``awaiting``: which request an answer is for, if it still waits; ``on_progress(request_id)``: a piece of its
         answer arrived (its wait is not over while pieces come); ``on_complete``: the whole answer and the seconds from its
@@ -67,7 +72,7 @@ class ChunkAssemblies:
         self.device = torch.device(device)
         self.max_result_bytes = max_result_bytes
         self._awaiting, self._on_progress = awaiting, on_progress
-        self._on_complete, self._on_refused, self._on_lost = on_complete, on_refused, on_lost
+        self._on_complete, self._on_refused, self._on_lost, self._on_changed = on_complete, on_refused, on_lost, on_changed
         self._assemblies: dict[tuple[str, int], _Assembly] = {}
         self.pieces_dropped = 0  # pieces of answers not (or no longer) being assembled
         self.completed = 0
@@ -107,7 +112,8 @@ class ChunkAssemblies:
         flats = [torch.empty(spec.numel() * DTYPES[spec.dtype].itemsize, dtype=torch.uint8, device=self.device) for spec in header.tensors]
         tensors = {spec.name: flat.view(DTYPES[spec.dtype]).reshape(spec.shape) for spec, flat in zip(header.tensors, flats)}
         pieces = chunk_plan(header.tensors, header.chunk_bytes)
-        self._assemblies[(header.worker, header.request_id)] = _Assembly(header, request, pieces, tensors, flats, total)
+        streamed = StreamedDigests(len(flats)) if header.digests is not None else None
+        self._assemblies[(header.worker, header.request_id)] = _Assembly(header, request, pieces, tensors, flats, total, streamed)
 
     def piece(self, message: Chunk, frames: list[Any]) -> None:
         """One piece: into its place; the last one completes the answer."""
@@ -130,12 +136,19 @@ class ChunkAssemblies:
             return
         tensor, offset, nbytes = expected
         assembly.flats[tensor][offset : offset + nbytes].copy_(torch.frombuffer(buffer, dtype=torch.uint8))
+        if assembly.streamed is not None:
+            assembly.streamed.update(tensor, buffer)
         assembly.next += 1
         self._on_progress(message.request_id)
         if assembly.next == len(assembly.pieces):
             del self._assemblies[key]
+            header = assembly.header
+            changed = assembly.streamed.mismatch(list(assembly.tensors), header.digests) if assembly.streamed and header.digests else None
+            if changed is not None:
+                self._on_changed(header, changed)
+                return
             self.completed += 1
-            self._on_complete(assembly.header, assembly.tensors, time.monotonic() - assembly.started_at)
+            self._on_complete(header, assembly.tensors, time.monotonic() - assembly.started_at)
 
     def worker_gone(self, worker: str) -> None:
         """The broker reports the worker gone: its partial answers will not complete. Each request that still waits is

@@ -29,6 +29,8 @@ class Result(Strict):
     generation: Generation | None = None
     slot: Annotated[int, Field(ge=0, lt=2**31)] | None = None
     chunk_bytes: Annotated[int, Field(gt=0, le=MAX_TRANSFER_CHUNK_BYTES)] | None = None
+    # With the worker's --checksum: each tensor's XXH3-64 (16 hex digits), in the order of ``tensors``.
+    digests: list[Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]] | None = Field(default=None, max_length=16)
 
 
 class Chunk(Strict):
