@@ -70,7 +70,9 @@ def run_rank(cluster: Cluster, tokens: int, count: int, depth: int, plane: str) 
 def frontier(tiny_target):
     cluster = Cluster()
     try:
-        worker = frontier_worker(cluster, tiny_target, "frontier-0", "--capacity", "1")
+        # A nixl grant of a 2.8 GB slot waits for its memory to be touched (seconds on a loaded machine): a long pair
+        # timeout keeps the worker from giving up on the grant and sending frames instead.
+        worker = frontier_worker(cluster, tiny_target, "frontier-0", "--capacity", "1", "--pair-timeout", "120")
         yield cluster, worker
     finally:
         cluster.stop()
