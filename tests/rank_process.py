@@ -19,6 +19,7 @@ import sys
 
 import torch
 from reference import difference, draft_vocab, make_batch, reference_dspark, reference_eagle3
+from support.lines import say
 
 from draftfeed import RemoteDSparkTarget, RemoteEagle3Target
 from draftfeed.processes.ready import announce_ready
@@ -68,14 +69,14 @@ def main() -> int:
             announce_ready(role="rank", rank=target.rank_id)
             for index, (batch, supervision) in enumerate(target.iterate(batches)):
                 results.append((batch, supervision))
-                print(f"batch {index}", flush=True)
+                say(f"batch {index}")
             planes = {"over_nixl": target.connection_stats.received_over_nixl, "data_endpoint": target.data_endpoint}
         finally:
             if not args.leave_open:
                 target.close()
     except Exception as exc:  # reported in the result line, for the test to show
         error = f"{type(exc).__name__}: {exc}"
-    print(f"RESULT {json.dumps(check(args, batches, mapping, results, error) | planes)}", flush=True)
+    say(f"RESULT {json.dumps(check(args, batches, mapping, results, error) | planes)}")
     return 0
 
 

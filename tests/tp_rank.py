@@ -16,6 +16,7 @@ import logging
 import sys
 
 import torch
+from support.lines import say
 from tp_reference import batches
 
 from draftfeed import RemoteDSparkTarget, RemoteEagle3Target
@@ -50,11 +51,11 @@ def main() -> int:
                 name = lookup[id(batch)]
                 order.append(name)
                 received |= {f"{name}/{field}": tensor.contiguous().clone() for field, tensor in supervision.as_dict().items()}
-                print(f"batch {index + 1}", flush=True)
+                say(f"batch {index + 1}")
     except Exception as exc:  # reported in the result, for the test to show
         error = f"{type(exc).__name__}: {exc}"
     save_file(received, args.out)
-    print("RESULT " + json.dumps({"order": order, "error": error}), flush=True)
+    say("RESULT " + json.dumps({"order": order, "error": error}))
     return 0
 
 

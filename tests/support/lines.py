@@ -1,8 +1,10 @@
-"""Waiting for what a started process prints (draftfeed.processes.commands.Process keeps the tail of its output)."""
+"""What a started process prints, and waiting for it (draftfeed.processes.commands.Process keeps the tail of its
+output)."""
 
 from __future__ import annotations
 
 import re
+import sys
 import time
 
 from draftfeed.processes.commands import Process
@@ -26,3 +28,10 @@ def wait_for_line(process: Process, pattern: str, timeout_s: float, after: int =
                 ended = "the process ended" if process.output_ended else f"{timeout_s:.0f} s passed"
                 raise TimeoutError(f"no line matching {pattern!r} before {ended}:\n" + "\n".join(process.log_tail[-40:]))
             process.printed.wait(remaining)
+
+
+def say(line: str) -> None:
+    """Print ``line`` in one write and flush: a log line another thread writes to the same pipe cannot land inside it
+    (``print`` writes the line and its newline apart, and "batch 3" once ran into a log line)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
