@@ -94,6 +94,13 @@ def decode_tensors(
     return {spec.name: _view(spec, buffer) for spec, buffer in zip(specs, buffers)}
 
 
+def allocate(specs: Sequence[TensorSpec], device: torch.device | str) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Uninitialised tensors for ``specs`` on ``device``, for a receive to fill: each one's bytes as a flat uint8 tensor
+    (where pieces land), and the tensors by name, viewing those bytes as their dtype and shape."""
+    flats = [torch.empty(spec.numel() * DTYPES[spec.dtype].itemsize, dtype=torch.uint8, device=device) for spec in specs]
+    return flats, {spec.name: flat.view(DTYPES[spec.dtype]).reshape(spec.shape) for spec, flat in zip(specs, flats)}
+
+
 def pack_tensors(make_header: Any, tensors: Mapping[str, torch.Tensor], **fields: Any) -> list[Any]:
     """Encode tensors and pack them with the header ``make_header(tensors=specs, **fields)``."""
     specs, buffers = encode_tensors(tensors)

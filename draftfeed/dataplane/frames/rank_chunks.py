@@ -24,7 +24,7 @@ import torch
 
 from draftfeed.dataplane.digests import StreamedDigests
 from draftfeed.dataplane.frames.chunks import Piece, chunk_plan, piece_count
-from draftfeed.dataplane.frames.codec import DTYPES
+from draftfeed.dataplane.frames.codec import allocate
 from draftfeed.schemas.messages import Chunk, Result
 from draftfeed.schemas.tensor_specs import declared_bytes, frame_buffer
 
@@ -109,8 +109,7 @@ class ChunkAssemblies:
                 f"the answer comes in {count} pieces of {header.chunk_bytes} bytes, more than {MAX_PIECES}: raise the worker's --transfer-chunk-bytes",
             )
             return
-        flats = [torch.empty(spec.numel() * DTYPES[spec.dtype].itemsize, dtype=torch.uint8, device=self.device) for spec in header.tensors]
-        tensors = {spec.name: flat.view(DTYPES[spec.dtype]).reshape(spec.shape) for spec, flat in zip(header.tensors, flats)}
+        flats, tensors = allocate(header.tensors, self.device)
         pieces = chunk_plan(header.tensors, header.chunk_bytes)
         streamed = StreamedDigests(len(flats)) if header.digests is not None else None
         self._assemblies[(header.worker, header.request_id)] = _Assembly(header, request, pieces, tensors, flats, total, streamed)

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from draftfeed.dataplane.frames.chunks import Piece, chunk_plan
-from draftfeed.dataplane.frames.codec import DTYPES, dtype_name
+from draftfeed.dataplane.frames.codec import allocate, dtype_name
 from draftfeed.schemas.messages import TensorSpec
 from draftfeed.schemas.protocol import DEFAULT_TRANSFER_CHUNK_BYTES
 
@@ -134,7 +134,7 @@ class PairGroup:
         self._check_open()
         device = torch.device(device)
         bounced = self.backend == "gloo" and device.type != "cpu"
-        flats = [torch.empty(spec.numel() * DTYPES[spec.dtype].itemsize, dtype=torch.uint8, device=device) for spec in specs]
+        flats, tensors = allocate(specs, device)
 
         def piece(tensor: int, offset: int, nbytes: int) -> torch.Tensor:
             return torch.empty(nbytes, dtype=torch.uint8) if bounced else flats[tensor][offset : offset + nbytes]
@@ -144,7 +144,7 @@ class PairGroup:
 
         what = f"receiving {', '.join(s.name for s in specs)}"
         self._transfer(self._group.recv, SENDER, chunk_plan(specs, chunk_bytes), piece, landed if bounced else None, what=what)
-        return {spec.name: flat.view(DTYPES[spec.dtype]).reshape(spec.shape) for spec, flat in zip(specs, flats)}
+        return tensors
 
     def close(self) -> None:
         """Abort the group (a group that failed may be mid-transfer); safe to call twice."""
