@@ -11,9 +11,10 @@ What the rank says to the broker and makes of what it hears (hello, welcome, res
 refusals, first-answer-wins) is its session (rank_session.py), which holds no socket; the IO thread runs it
 in the peers' loop (peer_loop.py), the same loop a worker's broker link runs.
 
-Supervision a worker sends on a pair group (docs/data-planes.md) is received by dataplane/pair_group/rank.py, on a
-nixl pair by dataplane/nixl/rank.py. When such an answer is lost with its group or pair, the rank asks for the
-request again under a new request id; the request answers to both ids, so whichever answer comes first (the
+What arrives on the data socket goes to receivers.py: answers as frames, in pieces (dataplane/frames/rank_chunks.py),
+on a pair group (dataplane/pair_group/rank.py) or a nixl pair (dataplane/nixl/rank.py). When an answer is lost on its
+way (its group or pair failed, its worker left partway through its pieces), the rank asks for the request again
+under a new request id; the request answers to both ids, so whichever answer comes first (the
 worker's frames fallback, a requeue, or the new request) resolves it, and the rest are dropped as duplicates.
 """
 
