@@ -142,3 +142,35 @@ def test_abandoned_iterator_cancels_what_it_holds():
     next(iterator)
     iterator.close()
     assert all(f.cancelled() for f in futures[1:])
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_a_result_the_loop_dropped_is_freed_before_the_next_wait(depth):
+    """prefetch() holds nothing it yielded: once the training loop lets go of a batch's supervision, it is freed
+    before the loop waits for the next one (a frontier sample is gigabytes: held one wait longer, it is one sample
+    more in memory)."""
+    import gc
+    import weakref
+
+    class Supervision:
+        pass
+
+    alive: list[weakref.ref] = []
+    seen_alive_while_waiting: list[int] = []
+
+    def submit(batch: int) -> Future:
+        future: Future = Future()
+        future.set_result(Supervision())
+        return future
+
+    def wait(future: Future) -> Supervision:
+        gc.collect()
+        seen_alive_while_waiting.append(sum(ref() is not None for ref in alive))
+        result = future.result()
+        alive.append(weakref.ref(result))
+        return result
+
+    for _batch, supervision in prefetch(range(6), submit, wait, depth):
+        del supervision
+    # Each wait sees only what is still in flight (futures hold their results until waited for), never what was yielded.
+    assert seen_alive_while_waiting == [0] * 6, seen_alive_while_waiting
