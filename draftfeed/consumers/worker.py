@@ -349,7 +349,7 @@ class Worker:
         the batch), the worker counts it and serves on."""
         at = exc.at
         message = f"request {dispatch.request.request_id}: {exc}; it was not sent (a target that overflows its dtype, or a bad shard)"
-        log.error("worker %s: %s of %s: %s", self.name, message, dispatch.rank, "the rank is told")
+        log.error("worker %s: %s of %s; the rank is told", self.name, message, dispatch.rank)
         self.metrics.nonfinite()
         return self._fail(dispatch, message, NonFiniteAt(tensor=at.tensor, index=list(at.index), value=at.value, layer=at.layer))
 

@@ -14,17 +14,14 @@ from collections.abc import Mapping, Sequence
 import torch
 import xxhash
 
+from draftfeed.dataplane.frames.codec import flat_bytes
+
 PIECE_BYTES = 64 << 20  # a device tensor's bytes go to the host this much at a time to be read
-
-
-def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    tensor = tensor.detach().contiguous()
-    return tensor.reshape(-1).view(torch.uint8) if tensor.numel() else torch.empty(0, dtype=torch.uint8)
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
     """The hex XXH3-64 of ``tensor``'s bytes."""
-    flat = _flat_bytes(tensor)
+    flat = flat_bytes(tensor)
     hasher = xxhash.xxh3_64()
     if flat.device.type == "cpu":
         hasher.update(memoryview(flat.numpy()))
@@ -41,10 +38,13 @@ def digests(tensors: Mapping[str, torch.Tensor]) -> list[str]:
 
 def mismatch(tensors: Mapping[str, torch.Tensor], expected: Sequence[str]) -> str | None:
     """Which tensor's bytes are not those the worker sent (its digest and the one received), or None."""
-    for (name, tensor), digest in zip(tensors.items(), expected):
-        got = tensor_digest(tensor)
-        if got != digest:
-            return f"{name} arrived with digest {got}, sent with {digest}"
+    return _first_difference(list(tensors), digests(tensors), expected)
+
+
+def _first_difference(names: Sequence[str], got: Sequence[str], expected: Sequence[str]) -> str | None:
+    for name, digest, sent in zip(names, got, expected):
+        if digest != sent:
+            return f"{name} arrived with digest {digest}, sent with {sent}"
     return None
 
 
@@ -58,7 +58,4 @@ class StreamedDigests:
         self._hashers[tensor].update(buffer)
 
     def mismatch(self, names: Sequence[str], expected: Sequence[str]) -> str | None:
-        for name, hasher, digest in zip(names, self._hashers, expected):
-            if hasher.hexdigest() != digest:
-                return f"{name} arrived with digest {hasher.hexdigest()}, sent with {digest}"
-        return None
+        return _first_difference(names, [hasher.hexdigest() for hasher in self._hashers], expected)

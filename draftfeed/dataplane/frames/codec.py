@@ -49,6 +49,14 @@ def tensor_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor on its own device (a contiguous copy first if it is not contiguous)."""
+    tensor = tensor.detach().contiguous()
+    if tensor.dim() == 0:
+        tensor = tensor.reshape(1)
+    return tensor.view(torch.uint8).reshape(-1)
+
+
 def tensor_frame(tensor: torch.Tensor) -> memoryview:
     """A memoryview over the bytes of ``tensor`` (CPU, contiguous), without copying when it already is."""
     if tensor.is_cpu and tensor.dtype is not torch.bfloat16 and not tensor.requires_grad and tensor.is_contiguous() and tensor.numel():

@@ -9,7 +9,6 @@ from typing import Any
 
 import zmq
 
-from draftfeed.net import close_quietly
 from draftfeed.schemas.protocol import DEFAULT_MAX_REQUEST_BYTES
 from draftfeed.security.curve import PeerKeys, make_client
 
@@ -114,15 +113,15 @@ class RankLinks:
         while len(self._forgotten) > _FORGOTTEN_KEPT:
             self._forgotten.popitem(last=False)
 
-    def drop(self, data_endpoint: str) -> None:
+    def drop(self, data_endpoint: str, linger_s: float = 0.0) -> None:
+        """Close the link; what it still holds for its rank may go out for ``linger_s`` more, while the context
+        terminates."""
         self._reached.discard(data_endpoint)
-        close_quietly(self._sockets.pop(data_endpoint, None))
+        sock = self._sockets.pop(data_endpoint, None)
+        if sock is not None and not sock.closed:
+            sock.close(linger=int(linger_s * 1000))
 
     def close(self, linger_s: float = 0.0) -> None:
-        """Close every link; what a link still holds for its rank (the last pieces of an answer reported done) may go
-        out for ``linger_s`` more, while the context terminates."""
+        """Close every link (``linger_s``: as for drop; the last pieces of an answer reported done may still be held)."""
         for data_endpoint in list(self._sockets):
-            sock = self._sockets.pop(data_endpoint)
-            self._reached.discard(data_endpoint)
-            if not sock.closed:
-                sock.close(linger=int(linger_s * 1000))
+            self.drop(data_endpoint, linger_s)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from draftfeed.dataplane.frames.chunks import chunk_plan
-from draftfeed.dataplane.frames.codec import encode_specs, tensor_frame
+from draftfeed.dataplane.frames.codec import encode_specs, flat_bytes, tensor_frame
 from draftfeed.schemas.frames import pack
 from draftfeed.schemas.messages import Chunk, Result
 
@@ -46,6 +46,4 @@ class ChunkedResult:
 def _flat_bytes(tensor: torch.Tensor) -> memoryview | torch.Tensor:
     """A host tensor's bytes as a memoryview (its own memory when contiguous); a device tensor as a flat uint8 view,
     each piece of which goes to the host on its own."""
-    if tensor.device.type == "cpu":
-        return tensor_frame(tensor)
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    return tensor_frame(tensor) if tensor.device.type == "cpu" else flat_bytes(tensor)

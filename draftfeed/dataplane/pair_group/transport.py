@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from draftfeed.dataplane.frames.chunks import Piece, chunk_plan
-from draftfeed.dataplane.frames.codec import allocate, dtype_name
+from draftfeed.dataplane.frames.codec import allocate, dtype_name, flat_bytes
 from draftfeed.schemas.messages import TensorSpec
 from draftfeed.schemas.protocol import DEFAULT_TRANSFER_CHUNK_BYTES
 
@@ -108,7 +108,7 @@ class PairGroup:
         index), at most ``WINDOW`` in flight; returns when the backend is done with them. On gloo a CUDA tensor's
         piece is copied to the host as it is sent, never the whole tensor."""
         self._check_open()
-        flats = [_as_bytes(tensor) for tensor in tensors.values()]
+        flats = [flat_bytes(tensor) for tensor in tensors.values()]
         staged = self.backend == "gloo"
 
         def piece(tensor: int, offset: int, nbytes: int) -> torch.Tensor:
@@ -204,11 +204,3 @@ class PairGroup:
     def _check_open(self) -> None:
         if self.closed:
             raise DataPlaneError("this pair group was closed after a failure; build a new one")
-
-
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of the tensor's bytes (a contiguous copy first if it is not contiguous)."""
-    tensor = tensor.contiguous()
-    if tensor.dim() == 0:
-        tensor = tensor.reshape(1)
-    return tensor.view(torch.uint8).reshape(-1)
