@@ -13,7 +13,7 @@ import torch
 import zmq
 
 from draftfeed.bench.harness import Pipeline, Row, cpu_seconds, last_json, probe
-from draftfeed.processes import children
+from draftfeed.processes import children, commands
 
 
 def run(quick: bool, workdir: Path) -> list[Row]:
@@ -33,7 +33,7 @@ def run(quick: bool, workdir: Path) -> list[Row]:
             for _ in target.iterate(batch for _ in range(count)):
                 pass
             rate = count / (time.perf_counter() - started)
-    broker = started.start_broker(extra=["--log-level", "WARNING"])
+    broker = commands.start_broker(extra=["--log-level", "WARNING"])
     try:
         routed, broker_cpu = routed_rate(broker.ready, broker.pid, count)
     finally:
