@@ -114,3 +114,29 @@ def test_the_broker_and_the_policy_free_forwarder_route_every_request_of_the_raw
         measured(broker.ready, broker.pid)
     finally:
         broker.stop()
+
+
+def test_every_scenario_has_a_section_of_the_report():
+    from draftfeed.bench import SCENARIO_NAMES
+    from draftfeed.bench.report_text import SECTIONS
+
+    assert [section.name for section in SECTIONS] == list(SCENARIO_NAMES)
+
+
+def test_docs_performance_is_the_report_of_its_own_json(tmp_path):
+    """docs/performance.md is what the template renders from docs/bench-results.json, to the byte: nothing in it is
+    written by hand after the run (regenerate with ``draftfeed bench --report``)."""
+    from pathlib import Path
+
+    from draftfeed.bench.harness import Row
+    from draftfeed.bench.report import render
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    data = json.loads((docs / "bench-results.json").read_text())
+    rows = [Row(**{key: value for key, value in row.items() if key != "ratio"}) for row in data["rows"]]
+    assert {row.scenario for row in rows} >= {"codec", "data plane", "broker", "cluster", "nixl plane", "long rows", "frontier"}
+    rendered = render(rows, data["quick"], "draftfeed bench" + (" --quick" if data["quick"] else ""), tmp_path, data["machine"])
+    expected, actual = (docs / "performance.md").read_text().splitlines(), rendered.read_text().splitlines()
+    differing = next((index for index, (a, b) in enumerate(zip(expected, actual)) if a != b), min(len(expected), len(actual)))
+    assert expected == actual, f"docs/performance.md differs from its rendering at line {differing + 1}: run draftfeed bench --report"
+    assert "(not measured)" not in rendered.read_text()

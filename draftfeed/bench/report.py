@@ -1,19 +1,16 @@
-"""Rendering a bench run as docs/performance.md with a plot."""
+"""Rendering one bench run as docs/performance.md (with its plot and its JSON beside it): a
+section a scenario, whose tables and numbers all come from the run's rows (the prose is in report_text.py)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from draftfeed.bench.harness import Row, format_table
-from draftfeed.bench.synthetic import DRAFT_VOCAB, HIDDEN
+from draftfeed.bench.harness import Row
+from draftfeed.bench.report_text import FOOTER, SECTIONS, Found
 
-# Bytes per token of each EAGLE-3 form for an 8B target (H = 4096, 32k draft vocab).
-AUX = 3 * HIDDEN * 2
-FORMS = {
-    "probs (float32, default)": AUX + DRAFT_VOCAB * 4 + 1 + 16,
-    "probs-bf16 (lossy)": AUX + DRAFT_VOCAB * 2 + 1 + 16,
-    "hidden (compact)": AUX + HIDDEN * 2 + 8 + 16,
-}
+PLOT = "performance-data-plane.png"
+RESULTS = "bench-results.json"
 
 
 def plot(rows: list[Row], path: Path) -> bool:
@@ -42,96 +39,63 @@ def plot(rows: list[Row], path: Path) -> bool:
     return True
 
 
-def render(rows: list[Row], quick: bool, command: str, docs: Path, note: str | None = None) -> Path:
+def number(value: float) -> str:
+    """A measured value as the tables print it: three significant digits, thousands separated."""
+    if value != value:
+        return "-"
+    magnitude = abs(value)
+    if magnitude >= 100:
+        return f"{value:,.0f}"
+    if magnitude >= 10:
+        return f"{value:.1f}"
+    if magnitude >= 0.01 or magnitude == 0:
+        return f"{value:.2f}"
+    return f"{value:.2g}"
+
+
+def rows_table(rows: list[Row]) -> str:
+    """One scenario's rows as a markdown table."""
+    lines = ["| case | value | baseline (same run) | ratio | goal |", "|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(
+            f"| {row.case} | {number(row.value)} {row.unit} | {row.baseline_name}: {number(row.baseline)} | {number(row.ratio)} | {row.goal or ''} |"
+        )
+    return "\n".join(lines)
+
+
+def render(rows: list[Row], quick: bool, command: str, docs: Path, machine: dict | None = None) -> Path:
+    """Write docs/performance.md, its plot and the run's JSON (``--from-json`` renders the same page again)."""
+    from draftfeed.bench.harness import to_json
+
     docs.mkdir(parents=True, exist_ok=True)
-    image = docs / "performance-data-plane.png"
-    has_plot = plot(rows, image)
-    probs = FORMS["probs (float32, default)"]
-    forms = "\n".join(
-        f"| {name} | {per_token / 1024:.1f} KiB | {per_token * 2048 / 1e6:.1f} MB | {probs / per_token:.2f}x fewer |"
-        for name, per_token in FORMS.items()
-    )
-    text = f"""# Performance
+    results = to_json(rows, quick)
+    if machine is not None:
+        results["machine"] = machine
+    (docs / RESULTS).write_text(json.dumps(results, indent=2) + "\n")
+    has_plot = plot(rows, docs / PLOT)
+    machine_line = ", ".join(f"{key} {value}" for key, value in results["machine"].items())
+    parts = [
+        f"""# Performance
 
-Numbers from `{command}`{" (quick mode: smaller payloads and fewer repetitions)" if quick else ""}, on this project's
-2-core build machine. Every value is measured beside its baseline in the same run; read the ratios, not the
-absolute figures (shared hosts are noisy). Regenerate with `draftfeed bench --report`.{chr(10) + chr(10) + "Note: " + note + "." if note else ""}
-
-```
-{format_table(rows)}
-```
-{"![data plane](performance-data-plane.png)" if has_plot else ""}
-
-## What each scenario measures
-
-- **codec**: packing the EAGLE-3 supervision of one batch (8B shapes) into frames and rebuilding tensors from
-  them, against a memcpy of the same bytes into a prefaulted buffer, and against the one-blob encoding (header
-  plus every byte copied into one buffer). Encoding makes memoryviews of the tensors (no copy), so its
-  "rate" is far above memcpy; decoding views the frames in place.
-- **data plane**: supervision bytes per second from a synthetic worker to a rank, through the broker's
-  dispatch but not through the broker (one hop), against raw pyzmq zero-copy DEALER -> ROUTER of the same
-  sizes between two processes. Each size runs with and without `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` in the
-  receiving process; page faults per message are shown.
-- **pair plane**: the same synthetic supervision on a gloo pair group (docs/data-planes.md), against frames
-  through the same pipeline in the same run, and against raw gloo send/recv of one tensor of the same size
-  between two processes.
-- **encryption**: supervision and 1-token requests through a `--secure` pipeline (CURVE on every socket)
-  against the same pipeline in plaintext, in the same run.
-- **cluster**: one broker for a cluster: simulated ranks and workers (draftfeed/bench/cluster/, 1,000 x 256 at
-  60 ms a request by default; flags `--ranks`, `--workers`, `--compute-ms`, `--prefetch`, `--capacity`) speaking
-  the protocol to a real broker, and to a policy-free forwarder of the same messages with the same peers in the same
-  run. The broker's main thread has one core, the simulator's the other. Rate against the ideal (workers / compute
-  time), the broker's own dispatch latency (from when a request could go to its dispatch), its CPU per 1,000
-  requests and its memory, `draftfeed status` under the load, every request once and in order.
-- **broker**: one-byte requests routed through broker and synthetic workers and answered, per second, and
-  the latency of one request at a time; the baseline is a direct DEALER -> ROUTER echo.
-- **overlap**: a training loop with a fixed step time and a worker with a fixed compute time shorter than it:
-  the share of wall time the training loop waits for supervision at each prefetch depth.
-- **scaling**: batches per second with 1, 2 and 4 synthetic workers (fixed compute time, standing for a GPU
-  forward) against 1 worker's rate times their number.
-- **real target**: the hf engine on the tiny Llama, end to end one batch at a time, against the same task
-  called in-process: the pipeline's share of the time is 1 - ratio.
-- **tensor parallel**: a worker at `--tensor-parallel 2` (the tiny Llama sharded over two processes, gloo) end to end
-  one batch at a time, against the same task over the same two-process engine in-process (goal 0.9). On 2 cores
-  the two processes of the target take both cores, so the rank's and the broker's work in the end-to-end run
-  takes its time from the forward.
-- **long rows**: tokens per second at S = 2k to 16k end to end against the same row in process, and a worker's peak
-  memory serving a 16k row with its vocab-sized step chunked and whole.
-- **frontier rows**: DSpark samples of 1, 4 and 16 GB (a 7168-wide target, FakeFrontierEngine: no model) from a
-  worker to a rank at prefetch 0, in pieces of `--transfer-chunk-bytes`: the rate from each sample's header to its
-  last piece against raw pyzmq moving one message of the same size between two processes, and the rank's and the
-  worker's peak memory in samples (sizes this machine's memory cannot hold are left out, said on stderr).
-
-## Page faults on large receives
-
-libzmq allocates a fresh buffer for every received message; glibc serves chunks over 32 MB with a new mmap
-and unmaps them on free, so every 4 KiB page of every large message faults (measured here: 1.58 M faults for 6 GB of 64 MB messages, 5-9 s of kernel time against 0.1 s of user time).
-The receiving process is the training rank, which the user starts. glibc reads its tunables once, at
-start, so either start the ranks with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (and `THP_MEM_ALLOC_ENABLE=1`
-for torch's own allocations) in their environment, or call `draftfeed.reexec_with_hugepage_malloc()` first
-thing in the training script: the process restarts in place (same pid, arguments and environment, so
-torchrun notices nothing) with both set. The data-plane rows above show the difference with and without it.
-
-## Fewer bytes: the forms of EAGLE-3 supervision
-
-`draftfeed launch worker --supervision probs|probs-bf16|hidden`. Per token and per B=1, S=2048 batch, 8B target:
-
-| form | per token | per batch | against probs |
-|---|---|---|---|
-{forms}
-
-- `probs`: the contract's float32 probabilities; the default, bit-exact.
-- `probs-bf16`: the same probabilities rounded to bfloat16 on the worker and widened to float32 on the rank:
-  lossy, measured maximum relative error 3.9e-3 (at most 2^-8 by construction; tests/test_compact.py).
-- `hidden`: the worker sends the post-norm final hidden state [B,S,H] and the full-vocab argmax [B,S]
-  instead of the probabilities; the rank rebuilds `target_probs` with the draft rows of the target's lm_head
-  (fetched once) and the target's logit transform (checked against a real forward at worker start), and
-  `position_mask` from the argmax. The probabilities alone shrink 16x (125 KB to 8 KB a token); with the aux
-  hidden states, which every form carries, the batch shrinks 4.6x. Measured on the tiny targets: bit-identical
-  to the probs form with the identity mapping (the same operations in the same order), and maximum absolute
-  difference 0 with a 128-of-1000 draft vocabulary on CPU (a GPU's matmul over fewer rows may differ in the
-  last bits). The rank pays one [S,H] x [H,Vd] matmul per batch: 1.1 ms on an H200 for S = 2048, Vd = 32000.
-"""
+Generated by `{command} --report` from one run{" (quick mode: smaller payloads and fewer repetitions)" if quick else ""}, on
+this project's build machine ({machine_line}); the run's rows are in [{RESULTS}]({RESULTS}), and
+`draftfeed bench --from-json docs/{RESULTS} --report` renders this page from them again. Nothing here is written by
+hand after the run: to change a number, run the bench again. Every value stands beside a baseline measured in the same
+run; read the ratios, not the absolute figures, which move by up to 40% from run to run on shared cores. `draftfeed
+bench` prints the same rows as one table.
+{chr(10) + f"![data plane]({PLOT})" + chr(10) if has_plot else ""}"""
+    ]
+    for section in SECTIONS:
+        own = [row for row in rows if row.scenario == section.scenario]
+        body = [f"## {section.title}", "", f"`draftfeed bench --scenario {section.name}`: {section.measures}", ""]
+        if own:
+            body += [rows_table(own), ""]
+            if section.notes is not None:
+                body += [section.notes(Found(own)), ""]
+        else:
+            body += ["Not measured in this run.", ""]
+        parts.append("\n".join(body))
+    parts.append(FOOTER)
     path = docs / "performance.md"
-    path.write_text(text)
+    path.write_text("\n".join(parts).rstrip() + "\n")
     return path

@@ -25,9 +25,9 @@ def _bench(args: argparse.Namespace) -> int:
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
         rows = [Row(**{k: v for k, v in row.items() if k != "ratio"}) for row in data["rows"]]
-        args.quick, note = data["quick"], data.get("note")
+        args.quick, machine = data["quick"], data.get("machine")
     else:
-        note = None
+        machine = None
         with tempfile.TemporaryDirectory(prefix="draftfeed-bench-") as workdir:
             try:
                 rows = run(args.scenario or SCENARIO_NAMES, args.quick, Path(workdir), settings=[flags.from_args(ClusterLoad, args)])
@@ -40,5 +40,5 @@ def _bench(args: argparse.Namespace) -> int:
     if args.report:
         from draftfeed.bench.report import render
 
-        print(f"wrote {render(rows, args.quick, command, Path(args.docs), note)}")
+        print(f"wrote {render(rows, args.quick, command, Path(args.docs), machine)}")
     return 0
