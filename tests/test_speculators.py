@@ -47,6 +47,7 @@ SHRINK = {  # the same in both runs of an algorithm: a one-layer draft and small
     "dflash2": ["--num-layers", "1", "--block-size", "4", "--max-anchors", "8"],
     "dspark": ["--num-layers", "1", "--block-size", "4", "--max-anchors", "8"],
     "xpress": ["--num-layers", "1", "--block-size", "4", "--max-anchors", "8"],
+    "mtp": [],
 }
 
 
@@ -78,9 +79,9 @@ def offline_hidden_states(model, input_ids: torch.Tensor, ids: list[int]) -> tor
     return torch.stack([captured[k][0] for k in ids], dim=1).contiguous()
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory, tiny_model) -> SimpleNamespace:
-    """One data set twice: ``offline`` with its hidden_states/hs_{i}.safetensors, ``served`` without any."""
+def write_data(root: Path, model, ids: list[int]) -> SimpleNamespace:
+    """One data set twice: ``offline`` with its hidden_states/hs_{i}.safetensors (speculators' ``ids``), ``served``
+    without any."""
     from datasets import Dataset
     from safetensors.torch import save_file
 
@@ -88,16 +89,58 @@ def data(tmp_path_factory, tiny_model) -> SimpleNamespace:
     rows = [torch.randint(0, 900, (int(torch.randint(24, 41, (1,), generator=generator)),), generator=generator) for _ in range(ROWS)]
     masks = [(torch.arange(len(row)) >= len(row) // 4).to(torch.int64) for row in rows]
     columns = {"input_ids": [row.tolist() for row in rows], "loss_mask": [mask.tolist() for mask in masks], "seq_len": [len(row) for row in rows]}
-    root = tmp_path_factory.mktemp("speculators-data")
     for name in ("offline", "served"):
         Dataset.from_dict(columns).with_format("torch").save_to_disk(str(root / name))
     samples = []
     (root / "offline" / "hidden_states").mkdir()
     for index, row in enumerate(rows):
-        sample = {"hidden_states": offline_hidden_states(tiny_model, row, [*SPECULATORS_IDS, LAYERS]), "token_ids": row.clone()}
+        sample = {"hidden_states": offline_hidden_states(model, row, ids), "token_ids": row.clone()}
         save_file(sample, str(root / "offline" / "hidden_states" / f"hs_{index}.safetensors"))
         samples.append(sample)
     return SimpleNamespace(offline=root / "offline", served=root / "served", rows=rows, samples=samples)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, tiny_model) -> SimpleNamespace:
+    return write_data(tmp_path_factory.mktemp("speculators-data"), tiny_model, [*SPECULATORS_IDS, LAYERS])
+
+
+@pytest.fixture(scope="module")
+def mtp_verifier(tmp_path_factory) -> Path:
+    """A tiny Qwen3 whose checkpoint also holds a native multi-token-prediction head (the ``mtp.*`` weights of the
+    Qwen3-Next and Qwen3.5 checkpoints speculators' MTP starts from): one decoder layer shaped like the verifier's,
+    its input projection [H, 2H] and three norms, drawn at random."""
+    from safetensors.torch import load_file, save_file
+
+    from draftfeed.tiny import build_tiny_target
+
+    path = build_tiny_target(tmp_path_factory.mktemp("mtp") / "qwen3-mtp", arch="qwen3", num_hidden_layers=LAYERS)
+    weights = load_file(str(path / "model.safetensors"))
+    hidden = json.loads((path / "config.json").read_text())["hidden_size"]
+    generator = torch.Generator().manual_seed(1)
+    head = {f"mtp.layers.0.{key.removeprefix('model.layers.0.')}": value for key, value in weights.items() if key.startswith("model.layers.0.")}
+    head = {key: torch.randn(value.shape, generator=generator) * 0.02 if value.dim() > 1 else torch.ones_like(value) for key, value in head.items()}
+    head["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=generator) * 0.02
+    for norm in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
+        head[f"mtp.{norm}.weight"] = torch.ones(hidden)
+    save_file({key: value.contiguous() for key, value in {**weights, **head}.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1, "mtp_num_hidden_layers": 1}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def mtp_data(tmp_path_factory, mtp_verifier) -> SimpleNamespace:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(mtp_verifier, dtype=torch.float32).eval()
+    return write_data(tmp_path_factory.mktemp("speculators-mtp-data"), model, [LAYERS])
+
+
+@pytest.fixture(scope="module")
+def offline_runs() -> dict:
+    """speculators' own runs on the offline files, once an algorithm for the module."""
+    return {}
 
 
 @pytest.fixture(scope="module")
@@ -114,11 +157,23 @@ def url(cluster: Cluster, service: str = "speculators", options: str = "") -> st
     return f"draftfeed://{cluster.frontend.removeprefix('tcp://')}/{service}{options}"
 
 
-def flags(tiny_target: Path, data_path: Path, algorithm: str, out: Path, *extra: str) -> list[str]:
+def flags(verifier: Path, data_path: Path, algorithm: str, out: Path, *extra: str) -> list[str]:
+    # MTP reads id L alone, draws from the verifier's own vocabulary and picks its attention itself
+    chosen = (
+        []
+        if algorithm == "mtp"
+        else [
+            "--target-layer-ids",
+            *map(str, SPECULATORS_IDS),
+            "--mask-token-id",
+            str(MASK_TOKEN),
+            "--draft-attn-impl",
+            "sdpa",
+        ]
+    )
     return [
-        "--verifier-name-or-path", str(tiny_target), "--data-path", str(data_path), "--speculator-type", algorithm,
-        "--target-layer-ids", *map(str, SPECULATORS_IDS), "--mask-token-id", str(MASK_TOKEN),
-        "--hidden-states-dtype", "float32", "--loss-implementation", "eager", "--draft-attn-impl", "sdpa",
+        "--verifier-name-or-path", str(verifier), "--data-path", str(data_path), "--speculator-type", algorithm, *chosen,
+        "--hidden-states-dtype", "float32", "--loss-implementation", "eager",
         "--total-seq-len", "64", "--train-data-ratio", "0.75", "--epochs", "1", "--max-steps", "5", "--seed", "42",
         "--num-workers", "0", "--save-path", str(out / "checkpoint"), "--log-dir", str(out / "logs"),
         *SHRINK[algorithm], *extra,
@@ -158,9 +213,11 @@ def train(module_args: list[str], out: Path) -> tuple[list[dict], list[dict]]:
     return finished(*start_training(module_args, out))
 
 
-def offline(tiny_target, data, algorithm: str, out: Path, *extra: str):
-    """speculators' own trainer on its offline files (`python -m speculators.train`)."""
-    return train(["speculators.train", *flags(tiny_target, data.offline, algorithm, out, *extra)], out)
+def offline(runs: dict, verifier, data, algorithm: str, out: Path):
+    """speculators' own trainer on its offline files (`python -m speculators.train`), run once an algorithm."""
+    if algorithm not in runs:
+        runs[algorithm] = train(["speculators.train", *flags(verifier, data.offline, algorithm, out)], out)
+    return runs[algorithm]
 
 
 def on_draftfeed(tiny_target, data, algorithm: str, out: Path, address: str, *extra: str) -> list[str]:
@@ -224,17 +281,25 @@ def test_the_backend_serves_each_row_equal_to_its_offline_file(service, tiny_tar
 
 
 # ---------------------------------------------------------------- speculators' own trainer, 5 steps
-@pytest.mark.parametrize("algorithm", list(SHRINK))
-def test_each_algorithm_trains_on_draftfeed_exactly_as_on_its_offline_files(service, tiny_target, data, tmp_path, algorithm):
-    expected = offline(tiny_target, data, algorithm, tmp_path / "offline")
+@pytest.mark.parametrize("algorithm", [name for name in SHRINK if name != "mtp"])
+def test_each_algorithm_trains_on_draftfeed_exactly_as_on_its_offline_files(service, tiny_target, data, offline_runs, tmp_path, algorithm):
+    expected = offline(offline_runs, tiny_target, data, algorithm, tmp_path / "offline")
     got = train(on_draftfeed(tiny_target, data, algorithm, tmp_path / "draftfeed", url(service)), tmp_path / "draftfeed")
     assert_same_run(expected, got)
     print(f"\n{algorithm}: 5 steps, losses {[step['train']['loss'] for step in got[0]]} on draftfeed and offline")
 
 
-def test_two_dataloader_workers_each_a_rank(service, tiny_target, data, tmp_path):
+def test_mtp_trains_on_the_last_layer_alone(service, mtp_verifier, mtp_data, offline_runs, tmp_path):
+    """MTP (Qwen3-family verifiers with a native MTP head) reads id L alone: a service of DFlash layer L - 1."""
+    add_service(service, mtp_verifier, "speculators-mtp", "--task", "dflash", "--target-layer-ids", str(LAYERS - 1))
+    expected = offline(offline_runs, mtp_verifier, mtp_data, "mtp", tmp_path / "offline")
+    got = train(on_draftfeed(mtp_verifier, mtp_data, "mtp", tmp_path / "draftfeed", url(service, "speculators-mtp")), tmp_path / "draftfeed")
+    assert_same_run(expected, got)
+
+
+def test_two_dataloader_workers_each_a_rank(service, tiny_target, data, offline_runs, tmp_path):
     workers = ("--num-workers", "2", "--prefetch-factor", "2")
-    expected = offline(tiny_target, data, "eagle3", tmp_path / "offline")
+    expected = offline(offline_runs, tiny_target, data, "eagle3", tmp_path / "offline")
     got = train(on_draftfeed(tiny_target, data, "eagle3", tmp_path / "draftfeed", url(service), *workers), tmp_path / "draftfeed")
     assert_same_run(expected, got)
     ranks = [rank for rank in service.status()["ranks"] if rank.get("service") == "speculators"] if "ranks" in service.status() else []
@@ -252,10 +317,10 @@ def test_a_service_with_other_layers_is_refused_in_one_line(service, tiny_target
     assert "serves DFlash layers [1, 3, 4, 7]" in last and "--target-layer-ids 0,2,5,7" in last, last
 
 
-def test_a_worker_stopped_mid_run_costs_the_run_nothing(tiny_target, data, tmp_path):
+def test_a_worker_stopped_mid_run_costs_the_run_nothing(tiny_target, data, offline_runs, tmp_path):
     """Two slow workers (the hf engine at 0.3 s a forward); one is SIGKILLed once training has begun: another serves
     what it held, and the run equals the offline one."""
-    expected = offline(tiny_target, data, "eagle3", tmp_path / "offline")
+    expected = offline(offline_runs, tiny_target, data, "eagle3", tmp_path / "offline")
     cluster = Cluster("--heartbeat-interval", "0.2", "--liveness", "8")
     try:
         slow = ("--engine", "fake_engines:FakeSlowEngine", "--task", "dflash", "--target-layer-ids", ",".join(map(str, DFLASH_IDS)))
