@@ -111,12 +111,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --name: also put NAME.key on OUT/ranks or OUT/workers, the broker's allow-lists",
     )
 
-    store = _parser(commands, "store", help="inspect a supervision store recorded by ranks (docs/store.md)")
+    store = _parser(commands, "store", help="inspect or export a supervision store recorded by ranks (docs/store.md)")
     store_commands = store.add_subparsers(dest="store_command", required=True)
     info = _parser(store_commands, "info", help="batches, tokens, bytes per token, the target and the form")
     info.add_argument("path", help="the store's folder (the store= of the recording ranks)")
     check = _parser(store_commands, "verify", help="check every shard against the index (size, sha256, tensors); exit 1 on a bad one")
     check.add_argument("path", help="the store's folder")
+    export = _parser(store_commands, "export", help="write a DFlash store as speculators' offline hidden-state files, one a dataset row")
+    export.add_argument("path", help="the store's folder (the store= of the speculators backend's ranks)")
+    export.add_argument("--format", required=True, choices=["speculators"], help="the files to write")
+    export.add_argument("--data-path", required=True, help="speculators' --data-path: the save_to_disk dataset whose rows were recorded")
+    export.add_argument("--out", default=None, help="where hs_{i}.safetensors go (default DATA_PATH/hidden_states, speculators' default)")
+    export.add_argument("--skip-missing", action="store_true", help="no file for a row the store lacks, instead of refusing and writing nothing")
     return parser
 
 
