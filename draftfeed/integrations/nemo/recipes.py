@@ -1,4 +1,5 @@
-"""NeMo AutoModel's DFlash, EAGLE-1/2, ViSpec and DSpark recipes on draftfeed, their code unchanged.
+"""NeMo AutoModel's DFlash, EAGLE-1/2, ViSpec and DSpark recipes, and P-EAGLE (peagle.py), on draftfeed, their code
+unchanged.
 
 These recipes have no remote backend: each loads its frozen target itself (DFlash in ``_build_target_model``, the
 others inline in ``setup()``) and wraps it in one of NeMo's target wrappers. ``patch()`` adds three things, each inert
@@ -23,10 +24,11 @@ import functools
 import importlib
 import logging
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
+from draftfeed.integrations.nemo import peagle
 from draftfeed.integrations.nemo.standin import DraftfeedTargetModel
 from draftfeed.integrations.nemo.url import SCHEME, DraftfeedUrl, is_draftfeed_url, one_url
 from draftfeed.integrations.nemo.wrappers import (
@@ -49,13 +51,18 @@ RECIPE_TASKS = (
     ("train_vispec", "TrainVispecStage1Recipe", "eagle"),
     ("train_vispec", "TrainVispecRecipe", "vispec"),
     ("train_dspark", "TrainDSparkRecipe", "dspark"),
+    ("train_eagle3", "TrainEagle3Recipe", "dflash"),  # P-EAGLE only, on the recipe's colocated path (peagle.py)
 )
+# Recipes draftfeed serves for some of their configs only, on another of their paths: the module that says which
+# configs, and what the recipe's own setup runs within (peagle.served_path).
+PARTLY_SERVED = {"TrainEagle3Recipe": peagle}
 SPECULATIVE = "nemo_automodel.components.speculative"
 WRAPPERS = (
     (f"{SPECULATIVE}.dflash.target", "HFDFlashTargetModel", DraftfeedDFlashTarget),
     (f"{SPECULATIVE}.eagle.target_v12", "HFEagleTargetModel", DraftfeedEagleTarget),
     (f"{SPECULATIVE}.eagle.vispec_target", "HFVispecTargetModel", DraftfeedVispecTarget),
     (f"{SPECULATIVE}.dspark.target", "HFDSparkTargetModel", DraftfeedDSparkTarget),
+    (f"{SPECULATIVE}.eagle.target", "HFEagle3TargetModel", peagle.DraftfeedPeagleTarget),
 )
 LOADERS = (("nemo_automodel._transformers", "NeMoAutoModelForCausalLM"), ("transformers", "AutoModelForImageTextToText"))
 # Axes of the `distributed:` section that shard the target: draftfeed's workers hold it, so none applies.
@@ -192,11 +199,15 @@ def _wrap_setup(recipe_class: type, task: str) -> None:
     original = recipe_class.__dict__["setup"]
     if getattr(original, _MARK, False):
         return
+    partly = PARTLY_SERVED.get(recipe_class.__name__)
 
     @functools.wraps(original)
     def setup(self: Any, *args: Any, **kwargs: Any) -> Any:
+        path = partly.served_path(self) if partly is not None else nullcontext()
+        if path is None:  # a config of the recipe's own
+            return original(self, *args, **kwargs)
         nested = _ACTIVE.get() is not None
-        with draftfeed_target(self, task) as target:
+        with draftfeed_target(self, task) as target, path:
             result = original(self, *args, **kwargs)
             if target is not None and not nested:
                 target.check_built(self)

@@ -38,9 +38,11 @@ class DraftfeedWrapper:
         try:
             self.target.check_target_info(expected)
         except ValueError as exc:
-            raise ValueError(
-                f"{model.recipe}: {exc}: start the service's workers for this recipe's target and settings, or change recipe_args"
-            ) from None
+            raise ValueError(f"{model.recipe}: {exc}: {self._remedy()}") from None
+
+    def _remedy(self) -> str:
+        """What a refusal of the service's target tells the user to do (the layer ids are set before it is asked)."""
+        return "start the service's workers for this recipe's target and settings, or change recipe_args"
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.get_input_embeddings()
