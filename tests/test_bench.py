@@ -76,6 +76,7 @@ def test_every_scenario_is_a_module_with_one_signature():
         "long-rows",
         "frontier-rows",
         "store",
+        "speculators",
     )
     for name in SCENARIO_NAMES:
         module = load(name)

@@ -7,7 +7,7 @@ output before the final norm). Every step's metrics, the loss among them, are eq
 speculators caps transformers at 5.19: `make test` runs this file in .venv-vllm, where it is installed; elsewhere it
 is skipped. On a CPU-only machine speculators' trainer needs two patches and four flags, which are about the CPU, not
 about draftfeed: tests/speculators_cpu/sitecustomize.py patches ``get_local_rank`` (to "cpu") and
-``torch.accelerator.synchronize`` (to nothing) in the trainer process, and every run passes ``--hidden-states-dtype
+``torch.accelerator.synchronize`` (to nothing) in the trainer process (draftfeed/bench/speculators_run.py), and every run passes ``--hidden-states-dtype
 float32 --loss-implementation eager --draft-attn-impl sdpa`` and ``--mask-token-id`` (the tiny verifier has no
 tokenizer). The drafts are shrunk for speed (one layer, small blocks) the same way in both runs.
 """
@@ -27,6 +27,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import TESTS_DIR, WORKER_ENV, Cluster, add_service, wait_until
+
+from draftfeed.bench.speculators_run import read_metrics
 
 HAS_SPECULATORS = importlib.util.find_spec("speculators") is not None and importlib.util.find_spec("datasets") is not None
 pytestmark = [
@@ -202,9 +204,8 @@ def finished(popen: subprocess.Popen, metrics: Path) -> tuple[list[dict], list[d
         if popen.poll() is None:
             popen.kill()
     assert popen.returncode == 0, f"exit {popen.returncode}:\n{err[-4000:]}"
-    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-    train = [{key: value for key, value in r.items() if key != "profile"} for r in records if "train" in r]
-    val = [r for r in records if "val" in r]
+    steps, val = read_metrics(metrics)
+    train = [{key: value for key, value in r.items() if key != "profile"} for r in steps]
     assert len(train) == 5, f"{len(train)} train steps logged:\n{err[-2000:]}"
     return train, val
 

@@ -250,6 +250,21 @@ SECTIONS = (
         "shards with safetensors, and against computing the epoch with one worker; and the training loop while "
         "recording against the same loop without a store.",
     ),
+    Section(
+        "speculators",
+        "speculators",
+        "speculators' trainer",
+        "speculators' own trainer (EAGLE-3, 2 rows a step) on draftfeed against the same trainer on its offline files, "
+        "from the same data on the same machine: the time it waits for each step's samples (its own `fetch_ms`) and its "
+        "step time, the first step left out. The service runs `FakeFrontierEngine` at the verifier's shape (no model: a "
+        "target's forward would share the cores with the trainer, which offline files never do), and the offline files "
+        "hold the same values. It runs where speculators is installed: `.venv-vllm/bin/python -m draftfeed bench "
+        "--scenario speculators`.",
+        lambda _: (
+            "The step time includes the trainer's forward and backward, which on 2 cores share the CPU with the "
+            "rank's IO thread, the broker and the worker; on a GPU trainer they do not."
+        ),
+    ),
 )
 
 # Bytes per token of each EAGLE-3 form for an 8B target (H = 4096, 32k draft vocab).

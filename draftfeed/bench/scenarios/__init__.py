@@ -23,6 +23,7 @@ _MODULES = {
     "long-rows": "long_rows",
     "frontier-rows": "frontier_rows",
     "store": "store",
+    "speculators": "speculators",
 }
 SCENARIO_NAMES = tuple(_MODULES)
 
