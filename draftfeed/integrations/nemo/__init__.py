@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from draftfeed.integrations.nemo.eagle3 import DraftfeedEagle3TargetModel, PendingSupervision
 from draftfeed.integrations.nemo.standin import DraftfeedTargetModel
-from draftfeed.integrations.nemo.url import DraftfeedUrl, is_draftfeed_url
 from draftfeed.integrations.nemo.wrappers import (
     DraftfeedDFlashTarget,
     DraftfeedDSparkTarget,
@@ -24,6 +23,7 @@ from draftfeed.integrations.nemo.wrappers import (
     DraftfeedVispecTarget,
     DraftfeedWrapper,
 )
+from draftfeed.integrations.url import DraftfeedUrl, is_draftfeed_url
 
 
 def use_draftfeed() -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from draftfeed.integrations.nemo.url import SCHEME, is_draftfeed_url, one_url
+from draftfeed.integrations.url import SCHEME, is_draftfeed_url, one_url
 from draftfeed.producers.outgoing import takes_arguments_of
 from draftfeed.producers.settings import RankSettings
 from draftfeed.producers.tasks.eagle3 import RemoteEagle3Target

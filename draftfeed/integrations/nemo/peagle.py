@@ -31,8 +31,8 @@ import torch
 
 from draftfeed.integrations.nemo.eagle3 import UNCAPPED
 from draftfeed.integrations.nemo.standin import DraftfeedTargetModel
-from draftfeed.integrations.nemo.url import SCHEME, is_draftfeed_url
 from draftfeed.integrations.nemo.wrappers import DraftfeedWrapper
+from draftfeed.integrations.url import SCHEME, is_draftfeed_url
 
 TASK = "dflash"
 BACKEND = "target_model_backend"

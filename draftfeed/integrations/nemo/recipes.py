@@ -30,7 +30,6 @@ from typing import Any
 
 from draftfeed.integrations.nemo import peagle
 from draftfeed.integrations.nemo.standin import DraftfeedTargetModel
-from draftfeed.integrations.nemo.url import SCHEME, DraftfeedUrl, is_draftfeed_url, one_url
 from draftfeed.integrations.nemo.wrappers import (
     DraftfeedDFlashTarget,
     DraftfeedDSparkTarget,
@@ -38,6 +37,7 @@ from draftfeed.integrations.nemo.wrappers import (
     DraftfeedVispecTarget,
     DraftfeedWrapper,
 )
+from draftfeed.integrations.url import SCHEME, DraftfeedUrl, is_draftfeed_url, one_url
 from draftfeed.schemas.messages import CLIENTS
 
 log = logging.getLogger("draftfeed.nemo")

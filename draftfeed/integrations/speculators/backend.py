@@ -76,7 +76,7 @@ class DraftfeedBackend(HiddenStatesBackend):
     @staticmethod
     def from_train_args(args: argparse.Namespace, data_path: str) -> DraftfeedTransfer:
         from draftfeed import RemoteTargetError
-        from draftfeed.integrations.nemo.url import DraftfeedUrl
+        from draftfeed.integrations.url import DraftfeedUrl
         from draftfeed.producers.tasks.dflash import RemoteDFlashTarget
 
         if not args.draftfeed_url:

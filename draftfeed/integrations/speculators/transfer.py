@@ -61,8 +61,8 @@ class Reader:
     def __init__(self, wanted: Wanted, plan: Plan) -> None:
         from datasets import load_from_disk
 
-        from draftfeed.integrations.nemo.url import DraftfeedUrl
         from draftfeed.integrations.speculators.samples import LayerMismatch
+        from draftfeed.integrations.url import DraftfeedUrl
         from draftfeed.producers.tasks.dflash import RemoteDFlashTarget
 
         self.wanted = wanted

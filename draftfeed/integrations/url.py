@@ -1,4 +1,4 @@
-"""draftfeed:// URLs: the broker, the service and the rank's settings a NeMo recipe names its draftfeed target by."""
+"""draftfeed:// URLs: the broker, the service and the rank's settings a trainer names its draftfeed target by (NeMo's recipes, speculators' --draftfeed-url)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from draftfeed.schemas.protocol import DEFAULT_FRONTEND
 
 SCHEME = "draftfeed"
 DEFAULT_PORT = int(DEFAULT_FRONTEND.rsplit(":", 1)[1])  # the broker's default frontend port
-# Not options of the URL: the recipe passes them to from_urls.
+# Not options of the URL: the trainer gives them (a NeMo recipe to from_urls; speculators through its own flags).
 FROM_THE_RECIPE = {
-    "request_timeout": "it is the recipe's recipe_args.remote_timeout (from_urls' timeout=)",
-    "device": "it is the recipe's training device (from_urls' device=)",
+    "request_timeout": "it is the recipe's recipe_args.remote_timeout (from_urls' timeout=), or speculators' --draftfeed-request-timeout",
+    "device": "it is the trainer's device (a recipe's training device, from_urls' device=)",
 }
 # The options a URL may give: RemoteEagle3Target's settings that the recipe does not pass, and its own two below.
 PATH_OPTIONS = ("keys", "data_endpoint")  # taken as written, never read as numbers
