@@ -343,3 +343,44 @@ def test_a_worker_stopped_mid_run_costs_the_run_nothing(tiny_target, data, offli
         assert cluster.workers[0].popen.poll() is not None
     finally:
         cluster.stop()
+
+
+# ---------------------------------------------------------------- offline again, from what draftfeed served
+def test_a_recorded_run_exports_as_offline_files_the_trainer_reads(service, tiny_target, data, offline_runs, tmp_path):
+    """A run on draftfeed records what it is served (``store=`` in the URL); ``draftfeed store export --format
+    speculators`` writes it as speculators' offline files, each equal to the transformers-computed one, and the
+    trainer on those files runs as on the originals."""
+    import shutil
+
+    expected = offline(offline_runs, tiny_target, data, "eagle3", tmp_path / "offline")
+    store = tmp_path / "store"
+    recorded = url(service, options=f"?store={store}&store_mode=record")
+    assert_same_run(expected, train(on_draftfeed(tiny_target, data, "eagle3", tmp_path / "draftfeed", recorded), tmp_path / "draftfeed"))
+    exported = tmp_path / "exported"
+    shutil.copytree(data.served, exported)
+    command = [
+        sys.executable,
+        "-m",
+        "draftfeed",
+        "store",
+        "export",
+        str(store),
+        "--format",
+        "speculators",
+        "--data-path",
+        str(exported),
+        "--skip-missing",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, **WORKER_ENV})
+    assert done.returncode == 0, done.stdout + done.stderr
+    from safetensors.torch import load_file
+
+    files = sorted((exported / "hidden_states").glob("hs_*.safetensors"))
+    assert len(files) >= 10, f"{len(files)} rows exported:\n{done.stdout}"
+    for path in files:
+        index = int(path.stem.removeprefix("hs_"))
+        sample = load_file(str(path))
+        for key in ("hidden_states", "token_ids"):
+            assert torch.equal(sample[key], data.samples[index][key]), f"{path.name} {key}"
+    again = train(["speculators.train", *flags(tiny_target, exported, "eagle3", tmp_path / "again")], tmp_path / "again")
+    assert_same_run(expected, again)
