@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
-import sys
 
 import pytest
+from support import preload
 
 from draftfeed.consumers.settings import default_service_name
 from draftfeed.launch.cli import build_parser
@@ -14,7 +15,9 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=60)
+    """``python -m MODULE ARGS`` to its end, forked from the suite's preloader (tests/support/preload.py)."""
+    assert args[0] == "-m", args
+    return preload.run_module(args[1], args[2:], dict(os.environ), timeout_s=60)
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import WORKER_ENV, Cluster, assert_supervision_equal, make_batch, reference_eagle3
 from reference import draft_vocab
+from support import preload
 from support.lines import wait_for_line
 
 from draftfeed import RemoteEagle3Target, RemoteTargetError
@@ -26,9 +27,8 @@ SERVICE = "mistakes"
 
 
 def draftfeed_cli(*args: str, env: dict[str, str] | None = None, timeout_s: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "draftfeed", *args], capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **WORKER_ENV, **(env or {})}
-    )
+    """``python -m draftfeed ARGS`` to its end (forked from the suite's preloader: tests/support/preload.py)."""
+    return preload.run_module("draftfeed", args, {**os.environ, **WORKER_ENV, **(env or {})}, timeout_s)
 
 
 def one_line(result: subprocess.CompletedProcess, code: int, *fragments: str) -> None:

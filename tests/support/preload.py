@@ -10,7 +10,7 @@ in its own session, with the environment and arguments it was given and its outp
 stands for it where a ``subprocess.Popen`` would: pid, poll, wait, signals, return code (negative for a signal).
 
 Protocol, on a Unix socket: the client sends one JSON line ``{"module", "args", "env"}`` with the write end of its
-output pipe attached (SCM_RIGHTS); the preloader answers ``{"pid"}`` once forked and ``{"exit"}`` when the process
+output pipe attached (SCM_RIGHTS; two, stdout's and stderr's, to keep them apart); the preloader answers ``{"pid"}`` once forked and ``{"exit"}`` when the process
 has exited, then closes the connection. The preloader is single-threaded when it forks, and ends when the process
 that started it does, SIGKILLed or not (``children.spawn``); what it forked dies with it (``children.die_with_parent``).
 """
@@ -56,6 +56,7 @@ class PreloadedPopen:
         self.args = args
         self.pid = pid
         self.stdout = stdout
+        self.stderr: IO[str] | None = None
         self.returncode: int | None = None
         self._connection = connection
         self._lock = threading.Lock()
@@ -125,23 +126,53 @@ class Preloader:
     def serves(self, env: Mapping[str, str]) -> bool:
         return self._server.poll() is None and all(env.get(name) == self.env.get(name) for name in IMPORT_TIME_ENV)
 
-    def popen(self, module: str, args: Sequence[str], env: Mapping[str, str], netns: str | None = None) -> PreloadedPopen:
+    def popen(
+        self, module: str, args: Sequence[str], env: Mapping[str, str], netns: str | None = None, separate_stderr: bool = False
+    ) -> PreloadedPopen:
         """``python -m MODULE ARGS`` with ``env``, forked from the preloader; ``netns``: in that network namespace
-        (``ip netns``), as ``ip netns exec NETNS`` would run it."""
-        read_end, write_end = os.pipe()
+        (``ip netns``), as ``ip netns exec NETNS`` would run it. Its stdout and stderr on one pipe (``.stdout``), or,
+        ``separate_stderr``, on two (``.stdout`` and ``.stderr``)."""
+        pipes = [os.pipe() for _ in range(2 if separate_stderr else 1)]
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             connection.connect(self.path)
             request = json.dumps({"module": module, "args": list(args), "env": dict(env), "netns": netns}).encode() + b"\n"
-            socket.send_fds(connection, [request], [write_end])
+            socket.send_fds(connection, [request], [write_end for _read_end, write_end in pipes])
             pid = int(_read_answer(connection, f"forked {module}")["pid"])
         except BaseException:
             connection.close()
-            os.close(read_end)
+            for read_end, _write_end in pipes:
+                os.close(read_end)
             raise
         finally:
-            os.close(write_end)
-        return PreloadedPopen([sys.executable, "-m", module, *args], pid, connection, os.fdopen(read_end, "r"))
+            for _read_end, write_end in pipes:
+                os.close(write_end)
+        outputs = [os.fdopen(read_end, "r") for read_end, _write_end in pipes]
+        process = PreloadedPopen([sys.executable, "-m", module, *args], pid, connection, outputs[0])
+        process.stderr = outputs[1] if separate_stderr else None
+        return process
+
+    def run(self, module: str, args: Sequence[str], env: Mapping[str, str], timeout_s: float) -> subprocess.CompletedProcess:
+        """``subprocess.run([python, -m, MODULE, *ARGS], capture_output=True, text=True)``, forked from here."""
+        process = self.popen(module, args, env, separate_stderr=True)
+        read: dict[str, str] = {}
+        readers = [
+            threading.Thread(target=lambda name=name, stream=stream: read.__setitem__(name, stream.read()), daemon=True)
+            for name, stream in (("stdout", process.stdout), ("stderr", process.stderr))
+        ]
+        for reader in readers:
+            reader.start()
+        try:
+            code = process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+            raise
+        for reader in readers:
+            reader.join(timeout_s)
+        process.stdout.close()
+        process.stderr.close()
+        return subprocess.CompletedProcess(process.args, code, read.get("stdout", ""), read.get("stderr", ""))
 
     def close(self) -> None:
         if self._server.poll() is None:
@@ -171,11 +202,22 @@ def launch(module: str, args: Sequence[str], env: dict[str, str], prefix: Sequen
     netns = network_namespace_of(prefix)
     if (prefix and netns is None) or (module == "draftfeed.launch" and args[:1] != ["worker"]):
         return None
+    return _preloader(env).popen(module, args, env, netns)
+
+
+def run_module(module: str, args: Sequence[str], env: Mapping[str, str], timeout_s: float = 120) -> subprocess.CompletedProcess:
+    """``python -m MODULE ARGS`` run to its end with ``env``, as ``subprocess.run(..., capture_output=True,
+    text=True)`` would, forked from the preloader of its import-time environment: for the suite's many one-line
+    commands (a usage error, a refusal), whose own imports would otherwise be most of their time."""
+    return _preloader(env).run(module, args, env, timeout_s)
+
+
+def _preloader(env: Mapping[str, str]) -> Preloader:
     key = tuple(env.get(name) for name in IMPORT_TIME_ENV)
     preloader = _PRELOADERS.get(key)
     if preloader is None or not preloader.serves(env):
         preloader = _PRELOADERS[key] = Preloader(env)
-    return preloader.popen(module, args, env, netns)
+    return preloader
 
 
 def use_preloaded_starts() -> None:
@@ -223,7 +265,7 @@ def serve(path: str) -> None:
 
 
 def _fork(connection: socket.socket, *inherited: object) -> int | None:
-    message, fds, _flags, _address = socket.recv_fds(connection, 1 << 20, 1)
+    message, fds, _flags, _address = socket.recv_fds(connection, 1 << 20, 2)
     request = json.loads(message)
     if not fds:
         connection.close()
@@ -232,13 +274,14 @@ def _fork(connection: socket.socket, *inherited: object) -> int | None:
     pid = os.fork()
     if pid == 0:
         children.die_with_parent(preloader)
-        _run_child(request, fds[0], connection, inherited)
-    os.close(fds[0])
+        _run_child(request, fds[0], fds[-1], connection, inherited)
+    for fd in fds:
+        os.close(fd)
     connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
     return pid
 
 
-def _run_child(request: dict, output: int, connection: socket.socket, inherited: Sequence[object]) -> None:
+def _run_child(request: dict, output: int, errors: int, connection: socket.socket, inherited: Sequence[object]) -> None:
     """In the forked process: become ``python -m MODULE ARGS`` in a session of its own; never returns."""
     import runpy
     import traceback
@@ -257,8 +300,9 @@ def _run_child(request: dict, output: int, connection: socket.socket, inherited:
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.dup2(output, 1)
-        os.dup2(output, 2)
-        os.close(output)
+        os.dup2(errors, 2)
+        for fd in {output, errors}:
+            os.close(fd)
         os.close(devnull)
         sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
         os.environ.clear()
