@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TESTS_DIR, WORKER_ENV, assert_supervision_equal, run_concurrently, wait_until
+from support import preload
 from support.lines import wait_for_line
 from support.tensor_parallel import SERVED, expected, tensor_parallel_reference
 
@@ -284,6 +285,11 @@ def test_a_missing_node_is_one_line_after_the_join_timeout(hosts_available, tiny
 
 
 # ---------------------------------------------------------------- mistakes, before anything loads
+def worker_command(*args: str) -> subprocess.CompletedProcess:
+    """``draftfeed launch worker`` at an address no broker listens on, to its end (forked from the suite's preloader)."""
+    return preload.run_module("draftfeed", ["launch", "worker", "--broker", "tcp://127.0.0.1:9", *args], {**os.environ, **WORKER_ENV}, 120)
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -300,15 +306,13 @@ def test_a_missing_node_is_one_line_after_the_join_timeout(hosts_available, tiny
     ],
 )
 def test_node_and_parallel_mistakes_are_one_line(tiny_target, flags, message):
-    command = [sys.executable, "-m", "draftfeed", "launch", "worker", "--broker", "tcp://127.0.0.1:9", "--target", str(tiny_target), *flags]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    done = worker_command("--target", str(tiny_target), *flags)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert message in done.stderr.strip().splitlines()[-1], done.stderr
 
 
 def test_expert_parallel_on_a_dense_target_is_refused_naming_what_to_do(tiny_target):
-    command = [sys.executable, "-m", "draftfeed", "launch", "worker", "--broker", "tcp://127.0.0.1:9", "--target", str(tiny_target)]
-    done = subprocess.run([*command, "--tensor-parallel", "2", "--expert-parallel"], capture_output=True, text=True, timeout=120)
+    done = worker_command("--target", str(tiny_target), "--tensor-parallel", "2", "--expert-parallel")
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "llama has no expert-parallel plan in transformers" in done.stderr.strip().splitlines()[-1], done.stderr
 
@@ -318,8 +322,7 @@ def test_a_quantized_checkpoint_on_cpu_names_its_quantization_config(tmp_path):
     config = json.loads((target / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
     (target / "config.json").write_text(json.dumps(config))
-    command = [sys.executable, "-m", "draftfeed", "launch", "worker", "--broker", "tcp://127.0.0.1:9", "--target", str(target)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    done = worker_command("--target", str(target))
     last = done.stderr.strip().splitlines()[-1]
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "is a quantized checkpoint (its quantization_config: quant_method fp8, fmt e4m3, weight_block_size [128, 128])" in last, last

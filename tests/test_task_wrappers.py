@@ -7,15 +7,16 @@ Also the tasks' layer ids and the worker's one-line refusals of flags that do no
 
 from __future__ import annotations
 
+import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import WORKER_ENV
 from reference import difference_at_real, make_batch, make_packed_batch
+from support import preload
 from support.images import gemma_batch, qwen_batch
 from support.nemo import nemo_on_path
 
@@ -155,8 +156,8 @@ def test_the_default_dflash_layers_are_the_recipes(nemo):
     ids=["capture-logits", "compact-without-logits", "form", "layers-eagle3", "layers-vispec", "text-only"],
 )
 def test_flags_that_do_not_go_together_are_one_line(tiny_target, arguments, message):
-    argv = [sys.executable, "-m", "draftfeed.launch", "worker", "--broker", "tcp://127.0.0.1:9", "--target", str(tiny_target), *arguments]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    argv = ["worker", "--broker", "tcp://127.0.0.1:9", "--target", str(tiny_target), *arguments]
+    result = preload.run_module("draftfeed.launch", argv, {**os.environ, **WORKER_ENV}, 120)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and message in result.stderr.strip().splitlines()[-1], result.stderr  # the last line, alone
 

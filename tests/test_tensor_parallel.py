@@ -20,6 +20,7 @@ import pytest
 import torch
 from conftest import TESTS_DIR, WORKER_ENV, Cluster, add_service, assert_supervision_equal, run_concurrently, wait_until
 from reference import reference_eagle3
+from support import preload
 from support.lines import wait_for_line
 from support.metrics import metric
 from support.tensor_parallel import SERVED, TARGETS, expected, tensor_parallel_reference
@@ -174,8 +175,9 @@ def test_sigterm_while_the_target_loads_leaves_no_process(cluster, tiny_target):
 
 # ---------------------------------------------------------------- mistakes: one line, at once
 def run_worker(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "draftfeed", "launch", "worker", "--broker", "tcp://127.0.0.1:1", "--http-port", "0", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **WORKER_ENV})
+    """``draftfeed launch worker ARGS`` to its end (forked from the suite's preloader)."""
+    command = ["launch", "worker", "--broker", "tcp://127.0.0.1:1", "--http-port", "0", *args]
+    return preload.run_module("draftfeed", command, {**os.environ, **WORKER_ENV}, timeout_s)
 
 
 @pytest.mark.parametrize(
