@@ -34,6 +34,13 @@ preload.use_preloaded_starts()
 FAST_LIVENESS = ["--heartbeat-interval", "0.2", "--liveness", "8"]
 
 
+def suite_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder every process of this run of the suite shares: pytest-xdist's workers each have a base temp folder,
+    all under one for the run."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+
+
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from draftfeed.tiny import build_tiny_target

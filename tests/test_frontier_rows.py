@@ -78,7 +78,7 @@ def frontier(tiny_target):
         cluster.stop()
 
 
-@pytest.mark.parametrize("plane, depth, count", [("frames", 1, 2), ("frames", 2, 3), ("nixl", 1, 1), ("gloo", 1, 1)])
+@pytest.mark.parametrize("plane, depth, count", [("frames", 1, 2), ("frames", 2, 2), ("nixl", 1, 1), ("gloo", 1, 1)])
 def test_32k_rows_at_frontier_width_are_exact_in_bounded_memory(frontier, plane, depth, count):
     """Each plane as the rank asks for it (the rank opens a pair group or nixl pair with small rows first)."""
     if plane == "nixl" and unavailable() is not None:

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TESTS_DIR, WORKER_ENV, assert_supervision_equal, run_concurrently, wait_until
+from conftest import TESTS_DIR, WORKER_ENV, assert_supervision_equal, run_concurrently, suite_folder, wait_until
 from support import preload
 from support.lines import wait_for_line
-from support.tensor_parallel import SERVED, expected, tensor_parallel_reference
+from support.tensor_parallel import SERVED, expected, shared_tensor_parallel_reference
 
 from draftfeed.bench.hosts import Hosts
 from draftfeed.consumers.nodes import describe_difference, fingerprint, node_plan
@@ -40,7 +40,7 @@ RUN = [f"run-{i}" for i in range(12)]
 
 @pytest.fixture(scope="module")
 def reference(tp_targets, tmp_path_factory) -> dict[str, torch.Tensor]:
-    return tensor_parallel_reference(tp_targets, tmp_path_factory.mktemp("tp-reference") / "reference.safetensors")
+    return shared_tensor_parallel_reference(tp_targets, suite_folder(tmp_path_factory))
 
 
 def start_all(*starts) -> list[commands.Process]:

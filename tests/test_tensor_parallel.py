@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TESTS_DIR, WORKER_ENV, Cluster, add_service, assert_supervision_equal, run_concurrently, wait_until
+from conftest import TESTS_DIR, WORKER_ENV, Cluster, add_service, assert_supervision_equal, run_concurrently, suite_folder, wait_until
 from reference import reference_eagle3
 from support import preload
 from support.lines import wait_for_line
 from support.metrics import metric
-from support.tensor_parallel import SERVED, TARGETS, expected, tensor_parallel_reference
+from support.tensor_parallel import SERVED, TARGETS, expected, shared_tensor_parallel_reference
 from tp_reference import AUX, DSPARK_IDS, batches
 
 from draftfeed import RemoteDSparkTarget, RemoteEagle3Target
@@ -42,7 +42,7 @@ FOLLOWER_LINE = r"started 1 tensor-parallel processes: rank 1 pid (\d+)"
 
 @pytest.fixture(scope="module")
 def reference(tp_targets, tmp_path_factory) -> dict[str, torch.Tensor]:
-    return tensor_parallel_reference(tp_targets, tmp_path_factory.mktemp("tp-reference") / "reference.safetensors")
+    return shared_tensor_parallel_reference(tp_targets, suite_folder(tmp_path_factory))
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,25 @@ SERVED = {"llama": "eagle3", "qwen3-moe": "dspark"}
 TARGETS = {name: index for index, name in enumerate(SERVED)}
 
 
+def shared_tensor_parallel_reference(targets: dict[str, Path], folder: Path) -> dict[str, torch.Tensor]:
+    """``tensor_parallel_reference``, computed once in ``folder`` for every process of the suite that asks (the suite's
+    xdist workers share the folder; the targets are built alike in each): the first to come computes it under a lock,
+    the others wait for it and read it."""
+    import fcntl
+
+    from safetensors.torch import load_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / "tensor-parallel-reference.safetensors"
+    with open(folder / "tensor-parallel-reference.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # held while computing: at most the reference's own 240 s
+        if not out.exists():
+            computed = folder / "tensor-parallel-reference.partial.safetensors"
+            tensor_parallel_reference(targets, computed)
+            computed.rename(out)
+    return load_file(out)
+
+
 def tensor_parallel_reference(targets: dict[str, Path], out: Path) -> dict[str, torch.Tensor]:
     """Every batch's supervision, for the task each target is served for, from two processes of transformers' plan."""
     from safetensors.torch import load_file
