@@ -17,6 +17,9 @@ BYTECODE = -m compileall -q -j 0
 
 .PHONY: demo test venv venv-vllm clean
 
+# The two environments build side by side (pip waits on the network as much as on a core; both install quietly).
+MAKEFLAGS += --jobs=2
+
 venv: $(STAMP)
 
 # NeMo AutoModel for tests/test_nemo.py, beside our torch and transformers (--no-deps): the EAGLE-3 recipe and trainer import

@@ -9,7 +9,6 @@ and the exports run with a path that holds pyarrow alone (the one package the ex
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -49,10 +48,11 @@ for folder, shards, rows in json.loads(sys.argv[1]):
 
 @pytest.fixture(scope="module")
 def pyarrow_env(tmp_path_factory) -> dict[str, str]:
-    """The environment of an export: pyarrow importable (from .nemo-packages, linked alone), nothing else added."""
-    if importlib.util.find_spec("pyarrow") is not None:
-        return dict(os.environ)
+    """The environment of an export: pyarrow importable (from .nemo-packages, linked alone), nothing else added. (Not
+    this process's sys.path: another module of the suite may have put .nemo-packages on it.)"""
     if not (NEMO_PACKAGES / "pyarrow").is_dir() or not (NEMO_PACKAGES / "datasets").is_dir():
+        if subprocess.run([sys.executable, "-c", "import pyarrow"], capture_output=True, timeout=60).returncode == 0:
+            return dict(os.environ)
         pytest.skip(f"pyarrow and datasets are not installed in {NEMO_PACKAGES} (`make venv` installs them)")
     folder = tmp_path_factory.mktemp("pyarrow-only")
     (folder / "pyarrow").symlink_to(NEMO_PACKAGES / "pyarrow")
