@@ -13,13 +13,11 @@ from draftfeed.integrations.speculators.schedule import Plan
 from draftfeed.integrations.speculators.transfer import DraftfeedTransfer, Wanted
 
 NAME = "draftfeed"
+DEFAULT_REQUEST_TIMEOUT = 600.0  # a row of a large target on a busy service; speculators' own --request-timeout is for vLLM
 
 
 class Refused(Exception):
     """What the backend cannot serve, said in one line (the command prints it without a traceback)."""
-
-
-DEFAULT_REQUEST_TIMEOUT = 600.0  # a row of a large target on a busy service; speculators' own --request-timeout is for vLLM
 
 
 def verifier_config(args: argparse.Namespace) -> dict[str, int]:

@@ -28,10 +28,9 @@ class Plan(BaseModel):
     dp_rank: int = 0
 
 
-def split_bounds(rows: int, train_data_ratio: float) -> tuple[int, int]:
+def train_rows(rows: int, train_data_ratio: float) -> int:
     """Where speculators' train split ends and its val split begins: the first ``int(rows * ratio)`` rows train."""
-    boundary = int(rows * train_data_ratio)
-    return boundary, rows
+    return int(rows * train_data_ratio)
 
 
 def split_order(lengths: Sequence[int], start: int, plan: Plan, seed: int, worker: int | None, workers: int) -> list[int]:

@@ -5,7 +5,6 @@ service for the rows it will be asked for next and keeps ``prefetch_depth`` of t
 from __future__ import annotations
 
 import atexit
-import logging
 from concurrent.futures import Future
 from typing import Any
 
@@ -14,9 +13,7 @@ from hs_connectors import HiddenStatesTransfer
 from pydantic import BaseModel, ConfigDict
 
 from draftfeed.integrations.speculators.samples import row_batch, to_sample
-from draftfeed.integrations.speculators.schedule import Order, Plan, split_bounds, split_order
-
-log = logging.getLogger("draftfeed.speculators")
+from draftfeed.integrations.speculators.schedule import Order, Plan, split_order, train_rows
 
 
 class Wanted(BaseModel):
@@ -70,7 +67,7 @@ class Reader:
         data = load_from_disk(plan.data_path)
         self.rows = data.with_format("torch", columns=["input_ids"])
         self._lengths = list(data.with_format(None)["seq_len"])
-        self.boundary, _ = split_bounds(len(self._lengths), plan.train_data_ratio)
+        self.boundary = train_rows(len(self._lengths), plan.train_data_ratio)
         self._orders: dict[str, Order] = {}
         url = DraftfeedUrl.parse(wanted.url, timeout=wanted.request_timeout)
         self.depth = max(url.settings.prefetch_depth, 1)  # rows in flight, the one asked for included
