@@ -9,7 +9,6 @@ temporary name, flushed and renamed into place, so a file under its name is alwa
 
 from __future__ import annotations
 
-import os
 import uuid
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from draftfeed.integrations.speculators.samples import row_batch, to_sample
 from draftfeed.schemas.errors import UsageError
 from draftfeed.store.errors import StoreError, StoreWriteError
 from draftfeed.store.identity import StoreIdentity
+from draftfeed.store.shards import write_whole
 from draftfeed.store.speculators_dataset import row_input_ids
 from draftfeed.store.store import MANIFEST_NAME, SupervisionStore, read_manifest
 
@@ -86,7 +86,6 @@ def export_speculators(store_path: Path, data: Path, out: Path, skip_missing: bo
                 raise StoreError(f"batch {key} (row {row}) holds hidden_states of shape {list(hidden.shape)} for {ids.numel()} tokens")
             _write_atomic(sample_file(out, row), to_sample(hidden, ids, hidden_size))
             dtype, written = str(hidden.dtype).removeprefix("torch."), written + 1
-        _fsync(out)
     finally:
         store.close(timeout_s=60.0)
     return ExportReport(rows=rows, written=written, missing=missing, out=out, dtype=dtype, layers=layers, hidden_size=hidden_size)
@@ -126,25 +125,7 @@ def named(missing: list[Missing]) -> str:
 
 def _write_atomic(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     data = save({name: tensor.contiguous() for name, tensor in tensors.items()})
-    staged = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
-        fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(staged, path)
+        write_whole(path, data, path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp"))
     except OSError as exc:
-        staged.unlink(missing_ok=True)
         raise StoreWriteError(f"writing {path} failed: {exc.strerror or exc}; free space there, or give another --out") from None
-
-
-def _fsync(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

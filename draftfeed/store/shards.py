@@ -30,9 +30,18 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, str]
     """Write ``tensors`` (CPU, contiguous) as the shard at ``path``; its size and sha256. Nothing is left under
     ``path`` unless all of it was written."""
     data = save(tensors)
-    unfinished = path.with_name(path.name + UNFINISHED_SUFFIX)
     try:
-        fd = os.open(unfinished, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        write_whole(path, data, path.with_name(path.name + UNFINISHED_SUFFIX))
+    except OSError as exc:
+        raise StoreWriteError(f"writing the shard {path} failed: {exc.strerror or exc}; free space there, or record elsewhere") from None
+    return len(data), hashlib.sha256(data).hexdigest()
+
+
+def write_whole(path: Path, data: bytes, staged: Path) -> None:
+    """Write ``data`` at ``staged``, flush it to the disk, rename it to ``path`` and flush the folder: nothing is left
+    under ``path`` unless all of it was written, and nothing at ``staged`` if writing failed (the OSError is raised)."""
+    try:
+        fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             view = memoryview(data)
             while view:
@@ -40,15 +49,15 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, str]
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(unfinished, path)
-        _fsync_folder(path.parent)
-    except OSError as exc:
-        unfinished.unlink(missing_ok=True)
-        raise StoreWriteError(f"writing the shard {path} failed: {exc.strerror or exc}; free space there, or record elsewhere") from None
-    return len(data), hashlib.sha256(data).hexdigest()
+        os.replace(staged, path)
+        fsync_folder(path.parent)
+    except OSError:
+        staged.unlink(missing_ok=True)
+        raise
 
 
-def _fsync_folder(folder: Path) -> None:
+def fsync_folder(folder: Path) -> None:
+    """Flush a folder's entries (a rename in it) to the disk."""
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)

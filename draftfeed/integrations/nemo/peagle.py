@@ -33,6 +33,8 @@ from draftfeed.integrations.nemo.eagle3 import UNCAPPED
 from draftfeed.integrations.nemo.standin import DraftfeedTargetModel
 from draftfeed.integrations.nemo.wrappers import DraftfeedWrapper
 from draftfeed.integrations.url import SCHEME, is_draftfeed_url
+from draftfeed.producers.outgoing import takes_arguments_of
+from draftfeed.producers.tasks.dflash import RemoteDFlashTarget
 
 TASK = "dflash"
 BACKEND = "target_model_backend"
@@ -137,30 +139,16 @@ class DraftfeedPeagleTarget(DraftfeedWrapper):
     def set_vocab_mapping(self, selected_token_ids: torch.Tensor, selected_token_mask: torch.Tensor) -> None:
         """Nothing to do, as on NeMo's colocated wrapper: P-EAGLE's trainer maps the full-vocab logits itself."""
 
-    def generate_batch(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        loss_mask: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        seq_lens: torch.Tensor | None = None,
-        doc_remaining: torch.Tensor | None = None,
-    ) -> Any:
+    @takes_arguments_of(RemoteDFlashTarget.generate_batch_async)
+    def generate_batch(self, *args: Any, **kwargs: Any) -> Any:
         """The batch's ``Eagle3TargetBatch``, as ``HFEagle3TargetModel.generate_batch`` takes and returns it."""
-        return self._to_nemo(self.target.generate_batch(input_ids, attention_mask, loss_mask, position_ids, seq_lens, doc_remaining))
+        return self._to_nemo(self.target.generate_batch(*args, **kwargs))
 
-    def generate_batch_async(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        loss_mask: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        seq_lens: torch.Tensor | None = None,
-        doc_remaining: torch.Tensor | None = None,
-    ) -> PendingPeagleBatch:
+    @takes_arguments_of(RemoteDFlashTarget.generate_batch_async)
+    def generate_batch_async(self, *args: Any, **kwargs: Any) -> PendingPeagleBatch:
         """Send one batch; ``result()`` of what comes back is its ``Eagle3TargetBatch``. Blocks while the URL's
         ``prefetch_depth`` batches are in flight."""
-        return PendingPeagleBatch(self, self.target.generate_batch_async(input_ids, attention_mask, loss_mask, position_ids, seq_lens, doc_remaining))
+        return PendingPeagleBatch(self, self.target.generate_batch_async(*args, **kwargs))
 
     def _to_nemo(self, supervision: Any) -> Any:
         return self._batch_type(
