@@ -1,7 +1,8 @@
 """speculators (the vLLM project's draft trainer, 0.9.0) trained on draftfeed (issue 39): its own trainer, run as its
 users run it but through ``python -m draftfeed.integrations.speculators train ... --hidden-states-backend draftfeed``,
-fed by a real broker and a ``--task dflash`` worker, against the same trainer on its offline files, which are computed
-here in-process by transformers (hooks on the decoder layers: ids below L are a layer's input, L the last layer's
+fed by a real broker and a ``--task dflash`` worker, against the same trainer on its offline files (speculators'
+``train`` called in one process for every algorithm in turn; ``python -m speculators.train`` once, on exported files),
+which are computed here in-process by transformers (hooks on the decoder layers: ids below L are a layer's input, L the last layer's
 output before the final norm). Every step's metrics, the loss among them, are equal, exactly.
 
 speculators caps transformers at 5.19: `make test` runs this file in .venv-vllm, where it is installed; elsewhere it
@@ -140,9 +141,29 @@ def mtp_data(tmp_path_factory, mtp_verifier) -> SimpleNamespace:
 
 
 @pytest.fixture(scope="module")
-def offline_runs() -> dict:
-    """speculators' own runs on the offline files, once an algorithm for the module."""
-    return {}
+def offline_runs(tiny_target, data, tmp_path_factory) -> dict:
+    """speculators' own trainer on its offline files, every algorithm but MTP, each once for the module: one after the
+    other in one process (``python -m draftfeed.bench.speculators_run --runs``: speculators' ``train`` in process,
+    as ``python -m speculators.train`` runs it), which spares five starts of torch, transformers and speculators."""
+    root = tmp_path_factory.mktemp("offline-runs")
+    return offline_in_one_process({name: (tiny_target, data, root / name) for name in SHRINK if name != "mtp"}, root)
+
+
+def offline_in_one_process(runs: dict[str, tuple[Path, SimpleNamespace, Path]], root: Path) -> dict:
+    listed = {name: (out / "metrics.jsonl", flags(verifier, data.offline, name, out)) for name, (verifier, data, out) in runs.items()}
+    for metrics, _args in listed.values():
+        metrics.parent.mkdir(parents=True, exist_ok=True)
+    (root / "runs.json").write_text(json.dumps([{"metrics": str(metrics), "args": args} for metrics, args in listed.values()]))
+    env = {**os.environ, **WORKER_ENV, "PYTHONPATH": WORKER_ENV["PYTHONPATH"]}
+    done = subprocess.run(
+        [sys.executable, "-m", "draftfeed.bench.speculators_run", "--runs", str(root / "runs.json")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, f"exit {done.returncode}:\n{done.stderr[-4000:]}"
+    return {name: records(metrics, done.stderr) for name, (metrics, _args) in listed.items()}
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +225,11 @@ def finished(popen: subprocess.Popen, metrics: Path) -> tuple[list[dict], list[d
         if popen.poll() is None:
             popen.kill()
     assert popen.returncode == 0, f"exit {popen.returncode}:\n{err[-4000:]}"
+    return records(metrics, err)
+
+
+def records(metrics: Path, err: str) -> tuple[list[dict], list[dict]]:
+    """A run's train records (profile timings left out) and validation records; five steps of them."""
     steps, val = read_metrics(metrics)
     train = [{key: value for key, value in r.items() if key != "profile"} for r in steps]
     assert len(train) == 5, f"{len(train)} train steps logged:\n{err[-2000:]}"
@@ -215,9 +241,9 @@ def train(module_args: list[str], out: Path) -> tuple[list[dict], list[dict]]:
 
 
 def offline(runs: dict, verifier, data, algorithm: str, out: Path):
-    """speculators' own trainer on its offline files (`python -m speculators.train`), run once an algorithm."""
+    """speculators' own trainer on its offline files, once an algorithm for the module."""
     if algorithm not in runs:
-        runs[algorithm] = train(["speculators.train", *flags(verifier, data.offline, algorithm, out)], out)
+        runs.update(offline_in_one_process({algorithm: (verifier, data, out)}, out.parent))
     return runs[algorithm]
 
 

@@ -34,8 +34,10 @@ class _Metrics(logging.Handler):
                 out.write(json.dumps(record.msg, default=repr) + "\n")
 
 
-def record_metrics(path: str | Path) -> None:
-    logging.getLogger().addHandler(_Metrics(Path(path)))
+def record_metrics(path: str | Path) -> _Metrics:
+    handler = _Metrics(Path(path))
+    logging.getLogger().addHandler(handler)
+    return handler
 
 
 def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
@@ -46,15 +48,22 @@ def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
 
 def main(argv: list[str]) -> int:
     """``python -m draftfeed.bench.speculators_run METRICS ARGS``: speculators' train with ARGS in this process (the
-    draftfeed backend registered), on a CPU patched as above, its metrics appended to METRICS."""
+    draftfeed backend registered), on a CPU patched as above, its metrics appended to METRICS. ``--runs FILE``: each
+    run the JSON list in FILE gives (``{"metrics": PATH, "args": [...]}``), one after the other in this process."""
     import torch
 
     from draftfeed.integrations.speculators.entry import main as entry
 
     if not torch.cuda.is_available():
         cpu_patches()
-    record_metrics(argv[0])
-    return entry(["train", *argv[1:]])
+    runs = json.loads(Path(argv[1]).read_text()) if argv[0] == "--runs" else [{"metrics": argv[0], "args": argv[1:]}]
+    handler = record_metrics(runs[0]["metrics"])
+    for run in runs:
+        handler.path = Path(run["metrics"])
+        code = entry(["train", *run["args"]])
+        if code != 0:
+            return code
+    return 0
 
 
 if __name__ == "__main__":
