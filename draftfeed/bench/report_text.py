@@ -20,16 +20,17 @@ class Found:
         return next((row for row in self.rows if row.case.startswith(start)), None)
 
     def value(self, start: str, digits: int = 2) -> str:
-        found = self.row(start)
-        return "(not measured)" if found is None else f"{found.value:,.{digits}f}"
+        return self._shown(start, "value", digits)
 
     def ratio(self, start: str, digits: int = 2) -> str:
-        found = self.row(start)
-        return "(not measured)" if found is None else f"{found.ratio:,.{digits}f}"
+        return self._shown(start, "ratio", digits)
 
     def baseline(self, start: str, digits: int = 2) -> str:
+        return self._shown(start, "baseline", digits)
+
+    def _shown(self, start: str, field: str, digits: int) -> str:
         found = self.row(start)
-        return "(not measured)" if found is None else f"{found.baseline:,.{digits}f}"
+        return "(not measured)" if found is None else f"{getattr(found, field):,.{digits}f}"
 
 
 @dataclass(frozen=True)

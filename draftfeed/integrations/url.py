@@ -131,9 +131,14 @@ def is_draftfeed_url(url: object) -> bool:
     return isinstance(url, str) and url.startswith(f"{SCHEME}://")
 
 
+def listed_urls(urls: Sequence[Any] | str | None) -> list[Any]:
+    """A trainer's URLs as a list: one URL given alone, a list of them, or none."""
+    return [urls] if isinstance(urls, str) else list(urls or [])
+
+
 def one_url(urls: Sequence[str] | str, **checks: Any) -> DraftfeedUrl:
     """The one draftfeed URL ``urls`` names (the same URL listed more than once counts once)."""
-    listed = [urls] if isinstance(urls, str) else list(urls)
+    listed = listed_urls(urls)
     if not listed:
         raise ValueError(f"no URL given: pass one {SCHEME}://HOST:PORT/SERVICE URL")
     parsed = [DraftfeedUrl.parse(url, **checks) for url in listed]

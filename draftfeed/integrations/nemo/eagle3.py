@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from draftfeed.integrations.url import SCHEME, is_draftfeed_url, one_url
+from draftfeed.integrations.url import SCHEME, is_draftfeed_url, listed_urls, one_url
 from draftfeed.producers.outgoing import takes_arguments_of
 from draftfeed.producers.settings import RankSettings
 from draftfeed.producers.tasks.eagle3 import RemoteEagle3Target
@@ -223,7 +223,7 @@ def patch() -> None:
 
     def from_urls(cls: type, urls: Sequence[str], *args: Any, **kwargs: Any) -> Any:
         """draftfeed:// URLs: a DraftfeedEagle3TargetModel (draftfeed.integrations.nemo.use_draftfeed); others: NeMo's own backend."""
-        listed = [urls] if isinstance(urls, str) else list(urls)
+        listed = listed_urls(urls)
         ours = [url for url in listed if is_draftfeed_url(url)]
         if not ours:
             return nemo_from_urls(cls, urls, *args, **kwargs)

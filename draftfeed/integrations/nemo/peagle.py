@@ -32,7 +32,7 @@ import torch
 from draftfeed.integrations.nemo.eagle3 import UNCAPPED
 from draftfeed.integrations.nemo.standin import DraftfeedTargetModel
 from draftfeed.integrations.nemo.wrappers import DraftfeedWrapper
-from draftfeed.integrations.url import SCHEME, is_draftfeed_url
+from draftfeed.integrations.url import SCHEME, is_draftfeed_url, listed_urls
 from draftfeed.producers.outgoing import takes_arguments_of
 from draftfeed.producers.tasks.dflash import RemoteDFlashTarget
 
@@ -48,12 +48,12 @@ def asks_for_draftfeed(args: Any) -> bool:
     EAGLE-3 (``eagle3.py``); with no draftfeed URL the config is NeMo's own."""
     if not args.get("parallel_drafting", False) or args.get(BACKEND, None) != "remote":
         return False
-    return any(is_draftfeed_url(url) for url in _listed(args.get("remote_urls", None)))
+    return any(is_draftfeed_url(url) for url in listed_urls(args.get("remote_urls", None)))
 
 
 def check_config(name: str, args: Any) -> None:
     """One ValueError for what draftfeed cannot serve as asked (the URL itself is checked by ``RecipeTarget.of``)."""
-    others = [str(url) for url in _listed(args.get("remote_urls", None)) if not is_draftfeed_url(url)]
+    others = [str(url) for url in listed_urls(args.get("remote_urls", None)) if not is_draftfeed_url(url)]
     if others:
         raise ValueError(
             f"{name} with parallel_drafting: recipe_args.remote_urls mixes draftfeed URLs with others ({', '.join(others)}): "
@@ -66,10 +66,6 @@ def check_config(name: str, args: Any) -> None:
             f"{name}: sequence_partitions={partitions} fetches each batch's supervision inside its step, so "
             f"target_prefetch_depth={depth} would have every batch computed twice: set target_prefetch_depth: 0"
         )
-
-
-def _listed(urls: Any) -> list[Any]:
-    return [urls] if isinstance(urls, str) else list(urls or [])
 
 
 def worker_flags(layer_ids: Sequence[int]) -> str:

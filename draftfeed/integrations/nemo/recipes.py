@@ -37,7 +37,7 @@ from draftfeed.integrations.nemo.wrappers import (
     DraftfeedVispecTarget,
     DraftfeedWrapper,
 )
-from draftfeed.integrations.url import SCHEME, DraftfeedUrl, is_draftfeed_url, one_url
+from draftfeed.integrations.url import SCHEME, DraftfeedUrl, is_draftfeed_url, listed_urls, one_url
 from draftfeed.schemas.messages import CLIENTS
 
 log = logging.getLogger("draftfeed.nemo")
@@ -92,7 +92,7 @@ class RecipeTarget:
         if args.get("target_model_backend", None) != "remote":
             return None
         urls = args.get("remote_urls", None)
-        listed = [urls] if isinstance(urls, str) else list(urls or [])
+        listed = listed_urls(urls)
         if not listed:
             raise ValueError(
                 f"{name}: recipe_args.target_model_backend is remote but remote_urls is empty: give one {SCHEME}://HOST:PORT/SERVICE URL"

@@ -27,14 +27,14 @@ def verifier_config(args: argparse.Namespace) -> dict[str, int]:
     return {"num_hidden_layers": config.num_hidden_layers, "hidden_size": config.hidden_size, "vocab_size": config.vocab_size}
 
 
-def speculators_layer_ids(args: argparse.Namespace, num_hidden_layers: int) -> list[int]:
-    """The ids of a sample's layers as speculators reads them, L (the last layer's output) last."""
+def speculators_layer_ids(args: argparse.Namespace) -> list[int]:
+    """speculators' ``--target-layer-ids`` as it resolves them (its default when unset); none for MTP, which reads
+    L alone. L, a sample's last layer, is added by ``samples.service_layer_ids``."""
     if args.speculator_type == "mtp":
-        return [num_hidden_layers]
+        return []
     from speculators.models.utils import resolve_target_layer_ids
 
-    ids = list(resolve_target_layer_ids(args.target_layer_ids, args.verifier_name_or_path, bool(getattr(args, "trust_remote_code", False))))
-    return ids if ids and ids[-1] == num_hidden_layers else [*ids, num_hidden_layers]
+    return list(resolve_target_layer_ids(args.target_layer_ids, args.verifier_name_or_path, bool(getattr(args, "trust_remote_code", False))))
 
 
 def data_parallel() -> tuple[int, int]:
@@ -82,9 +82,9 @@ class DraftfeedBackend(HiddenStatesBackend):
         try:
             url = DraftfeedUrl.parse(args.draftfeed_url, timeout=args.draftfeed_request_timeout)
             verifier = verifier_config(args)
-            ids = speculators_layer_ids(args, verifier["num_hidden_layers"])
+            ids = speculators_layer_ids(args)
             with RemoteDFlashTarget(url.broker, url.service, **url.target_arguments()) as target:
-                layer_ids = check_service(ids[:-1], url.service, target.model_info(), verifier)
+                layer_ids = check_service(ids, url.service, target.model_info(), verifier)
         except (ValueError, RemoteTargetError) as error:  # a bad URL or setting, no broker, other layers: said in one line
             raise Refused(str(error)) from None
         dp_size, dp_rank = data_parallel()

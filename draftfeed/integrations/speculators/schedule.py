@@ -69,10 +69,6 @@ class Order:
         return self.expected[self.cursor : self.cursor + count]
 
     def _find(self, index: int) -> int | None:
-        for position in range(self.cursor, len(self.expected)):
-            if self.expected[position] == index:
-                return position
-        for position in range(0, min(self.cursor, len(self.expected))):
-            if self.expected[position] == index:
-                return position
-        return None
+        """Where ``index`` is expected: from the cursor on, else from the start (a new epoch of the same order)."""
+        cursor = min(self.cursor, len(self.expected))
+        return next((p for p in (*range(cursor, len(self.expected)), *range(cursor)) if self.expected[p] == index), None)
