@@ -141,3 +141,14 @@ def test_docs_performance_is_the_report_of_its_own_json(tmp_path):
     differing = next((index for index, (a, b) in enumerate(zip(expected, actual)) if a != b), min(len(expected), len(actual)))
     assert expected == actual, f"docs/performance.md differs from its rendering at line {differing + 1}: run draftfeed bench --report"
     assert "(not measured)" not in rendered.read_text()
+
+
+def test_the_speculators_scenario_is_left_out_where_speculators_is_not_installed(tmp_path, capsys):
+    import importlib.util
+
+    from draftfeed.bench.scenarios import load
+
+    if importlib.util.find_spec("speculators") is not None:
+        pytest.skip("speculators is installed here: the scenario runs (draftfeed bench --scenario speculators)")
+    assert load("speculators").run(True, tmp_path) == []
+    assert "speculators left out: speculators is not installed in this environment" in capsys.readouterr().err
