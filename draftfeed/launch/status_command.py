@@ -43,7 +43,12 @@ def run_status(args: argparse.Namespace) -> int:
 
 def _watch_status(args: argparse.Namespace, keys: Any) -> int:
     """``status --watch``: the status again every interval; on a terminal the screen is redrawn in place, elsewhere
-    each one follows the last after a separator line. A broker that stops answering is said, and watched for."""
+    each one follows the last after a separator line. A broker that stops answering is said, and watched for.
+
+    Ctrl-C (SIGINT) ends it after the refresh under way, never inside one: a socket left half closed would keep the
+    process from exiting. A second Ctrl-C interrupts whatever it is doing."""
+    import signal
+    import threading
     import time
 
     from draftfeed.observe.status_client import fetch_for_people, format_status
@@ -51,8 +56,15 @@ def _watch_status(args: argparse.Namespace, keys: Any) -> int:
     if args.watch <= 0:
         raise UsageError(f"--watch {args.watch:g}: give the seconds between refreshes, more than 0")
     terminal = sys.stdout.isatty()
+    stop = threading.Event()
+
+    def interrupted(_signum: int, _frame: object) -> None:
+        stop.set()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    previous = signal.signal(signal.SIGINT, interrupted)
     try:
-        while True:
+        while not stop.is_set():
             try:
                 status = fetch_for_people(args.broker, args.timeout, keys, everything=args.list or args.json, pairs=args.pairs)
                 text = json.dumps(status, indent=2) if args.json else format_status(status)
@@ -63,6 +75,9 @@ def _watch_status(args: argparse.Namespace, keys: Any) -> int:
                 print(f"\x1b[H\x1b[2J{stamp}  every {args.watch:g} s, Ctrl-C to stop\n{text}", flush=True)
             else:
                 print(f"---- {stamp}\n{text}", flush=True)
-            time.sleep(args.watch)
+            stop.wait(args.watch)
     except KeyboardInterrupt:
-        return 0
+        pass
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return 0
