@@ -12,14 +12,15 @@ retry of an answer that stalled.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import FAST_LIVENESS, WORKER_ENV, Cluster, wait_until
+from support import preload
 
 from draftfeed import RemoteDSparkTarget
 from draftfeed.bench.frontier import HIDDEN, LAYERS, frontier_dspark, resident_bytes
@@ -58,10 +59,12 @@ def frontier_worker(cluster: Cluster, target, name: str, *flags: str):
     return worker
 
 
+RANK_ENV = {**os.environ, **WORKER_ENV}  # the rank is forked from the suite's preloader (support/preload.py)
+
+
 def run_rank(cluster: Cluster, tokens: int, count: int, depth: int, plane: str) -> dict:
-    args = [sys.executable, "-m", "draftfeed.bench.frontier", cluster.frontend, "frontier", str(tokens), str(count), str(depth)]
-    args += [",".join(map(str, LAYER_IDS)), "--data-plane", plane]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=240)
+    args = [cluster.frontend, "frontier", str(tokens), str(count), str(depth), ",".join(map(str, LAYER_IDS)), "--data-plane", plane]
+    done = preload.run_module("draftfeed.bench.frontier", args, RANK_ENV, timeout_s=240)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -299,12 +302,7 @@ def test_a_link_cut_mid_transfer_between_hosts_costs_its_batch_nothing(hosts_ava
 
             worker("w1")
             args = [broker.ready["frontend"], "frontier", str(tokens), "1", "1", ",".join(map(str, LAYER_IDS)), "--data-plane", "frames"]
-            rank = subprocess.Popen(
-                [*hosts.command("rank"), sys.executable, "-m", "draftfeed.bench.frontier", *args],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
+            rank = preload.popen_module("draftfeed.bench.frontier", args, RANK_ENV, prefix=hosts.command("rank"))
             try:
 
                 def received() -> int:
@@ -314,12 +312,12 @@ def test_a_link_cut_mid_transfer_between_hosts_costs_its_batch_nothing(hosts_ava
                 wait_until(lambda: received() > 200_000_000, timeout_s=120, poll_s=0.01, what="200 MB of the answer at the rank's host")
                 hosts.cut("w1")
                 worker("w2")
-                out, err = rank.communicate(timeout=180)
+                done = preload.communicate(rank, timeout_s=180)
             finally:
                 if rank.poll() is None:
                     rank.kill()
-            assert rank.returncode == 0, err[-3000:]
-            result = json.loads(out.strip().splitlines()[-1])
+            assert done.returncode == 0, done.stderr[-3000:]
+            result = json.loads(done.stdout.strip().splitlines()[-1])
             assert result["difference"] is None, result["difference"]
             assert result["partial_answers_left"]["bytes"] == 0 and result["partial_answers_left"]["answers"] == 0, result
             assert result["asked_again"] == 1, "the rank asks again for the answer its gone worker left partial"

@@ -94,6 +94,30 @@ class PreloadedPopen:
             return self.returncode
 
 
+def communicate(process: PreloadedPopen, timeout_s: float) -> subprocess.CompletedProcess:
+    """Its stdout and stderr (started with ``separate_stderr``) read to their ends and its exit awaited, as
+    ``subprocess.run(..., capture_output=True, text=True)`` would; killed if it has not exited within ``timeout_s``."""
+    read: dict[str, str] = {}
+    readers = [
+        threading.Thread(target=lambda name=name, stream=stream: read.__setitem__(name, stream.read()), daemon=True)
+        for name, stream in (("stdout", process.stdout), ("stderr", process.stderr))
+    ]
+    for reader in readers:
+        reader.start()
+    try:
+        code = process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(10)
+        raise
+    for reader in readers:
+        reader.join(timeout_s)
+    process.stdout.close()
+    if process.stderr is not None:
+        process.stderr.close()
+    return subprocess.CompletedProcess(process.args, code, read.get("stdout", ""), read.get("stderr", ""))
+
+
 def _read_answer(connection: socket.socket, what: str) -> dict:
     """The preloader's next JSON line on ``connection``; a RuntimeError if it ends before it ``what``."""
     data = b""
@@ -154,25 +178,7 @@ class Preloader:
 
     def run(self, module: str, args: Sequence[str], env: Mapping[str, str], timeout_s: float) -> subprocess.CompletedProcess:
         """``subprocess.run([python, -m, MODULE, *ARGS], capture_output=True, text=True)``, forked from here."""
-        process = self.popen(module, args, env, separate_stderr=True)
-        read: dict[str, str] = {}
-        readers = [
-            threading.Thread(target=lambda name=name, stream=stream: read.__setitem__(name, stream.read()), daemon=True)
-            for name, stream in (("stdout", process.stdout), ("stderr", process.stderr))
-        ]
-        for reader in readers:
-            reader.start()
-        try:
-            code = process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
-            raise
-        for reader in readers:
-            reader.join(timeout_s)
-        process.stdout.close()
-        process.stderr.close()
-        return subprocess.CompletedProcess(process.args, code, read.get("stdout", ""), read.get("stderr", ""))
+        return communicate(self.popen(module, args, env, separate_stderr=True), timeout_s)
 
     def close(self) -> None:
         if self._server.poll() is None:
@@ -210,6 +216,16 @@ def run_module(module: str, args: Sequence[str], env: Mapping[str, str], timeout
     text=True)`` would, forked from the preloader of its import-time environment: for the suite's many one-line
     commands (a usage error, a refusal), whose own imports would otherwise be most of their time."""
     return _preloader(env).run(module, args, env, timeout_s)
+
+
+def popen_module(module: str, args: Sequence[str], env: Mapping[str, str], prefix: Sequence[str] = ()) -> PreloadedPopen:
+    """``python -m MODULE ARGS`` started with ``env`` (and ``prefix``, none or ``ip netns exec NAME``), forked from
+    the preloader of its import-time environment, its stdout and stderr apart: for a test's own client processes
+    (``communicate`` reads them to their ends)."""
+    netns = network_namespace_of(prefix)
+    if prefix and netns is None:
+        raise ValueError(f"a preloaded start takes no prefix but ip netns exec NAME: {list(prefix)}")
+    return _preloader(env).popen(module, args, env, netns, separate_stderr=True)
 
 
 def _preloader(env: Mapping[str, str]) -> Preloader:
