@@ -1,7 +1,8 @@
 """speculators (the vLLM project's draft trainer, 0.9.0) trained on draftfeed (issue 39): its own trainer, run as its
-users run it but through ``python -m draftfeed.integrations.speculators train ... --hidden-states-backend draftfeed``,
-fed by a real broker and a ``--task dflash`` worker, against the same trainer on its offline files (speculators'
-``train`` called in one process for every algorithm in turn; ``python -m speculators.train`` once, on exported files),
+users run it but through ``python -m draftfeed.integrations.speculators train ... --hidden-states-backend draftfeed``
+(for the comparison of every algorithm, the same entry called in one process for each in turn), fed by a real broker
+and a ``--task dflash`` worker, against the same trainer on its offline files (speculators' ``train`` called in one
+process for every algorithm in turn; ``python -m speculators.train`` once, on exported files),
 which are computed here in-process by transformers (hooks on the decoder layers: ids below L are a layer's input, L the last layer's
 output before the final norm). Every step's metrics, the loss among them, are equal, exactly.
 
@@ -150,7 +151,13 @@ def offline_runs(tiny_target, data, tmp_path_factory) -> dict:
 
 
 def offline_in_one_process(runs: dict[str, tuple[Path, SimpleNamespace, Path]], root: Path) -> dict:
-    listed = {name: (out / "metrics.jsonl", flags(verifier, data.offline, name, out)) for name, (verifier, data, out) in runs.items()}
+    return in_one_process({name: (out, flags(verifier, data.offline, name, out)) for name, (verifier, data, out) in runs.items()}, root)
+
+
+def in_one_process(runs: dict[str, tuple[Path, list[str]]], root: Path) -> dict:
+    """Each run (its folder and speculators' ``train`` flags), one after the other in one process; each one's train
+    and validation records, by name."""
+    listed = {name: (out / "metrics.jsonl", args) for name, (out, args) in runs.items()}
     for metrics, _args in listed.values():
         metrics.parent.mkdir(parents=True, exist_ok=True)
     (root / "runs.json").write_text(json.dumps([{"metrics": str(metrics), "args": args} for metrics, args in listed.values()]))
@@ -164,6 +171,16 @@ def offline_in_one_process(runs: dict[str, tuple[Path, SimpleNamespace, Path]], 
     )
     assert done.returncode == 0, f"exit {done.returncode}:\n{done.stderr[-4000:]}"
     return {name: records(metrics, done.stderr) for name, (metrics, _args) in listed.items()}
+
+
+@pytest.fixture(scope="module")
+def draftfeed_runs(service, tiny_target, data, tmp_path_factory) -> dict:
+    """speculators' trainer on draftfeed, every algorithm but MTP, each once for the module: one after the other in
+    one process, as the offline runs are, through the same entry as ``python -m draftfeed.integrations.speculators
+    train`` (the tests below run that command itself, a process a run)."""
+    root = tmp_path_factory.mktemp("draftfeed-runs")
+    runs = {name: (root / name, on_draftfeed(tiny_target, data, name, root / name, url(service))[2:]) for name in SHRINK if name != "mtp"}
+    return in_one_process(runs, root)
 
 
 @pytest.fixture(scope="module")
@@ -309,9 +326,9 @@ def test_the_backend_serves_each_row_equal_to_its_offline_file(service, tiny_tar
 
 # ---------------------------------------------------------------- speculators' own trainer, 5 steps
 @pytest.mark.parametrize("algorithm", [name for name in SHRINK if name != "mtp"])
-def test_each_algorithm_trains_on_draftfeed_exactly_as_on_its_offline_files(service, tiny_target, data, offline_runs, tmp_path, algorithm):
+def test_each_algorithm_trains_on_draftfeed_exactly_as_on_its_offline_files(tiny_target, data, offline_runs, draftfeed_runs, tmp_path, algorithm):
     expected = offline(offline_runs, tiny_target, data, algorithm, tmp_path / "offline")
-    got = train(on_draftfeed(tiny_target, data, algorithm, tmp_path / "draftfeed", url(service)), tmp_path / "draftfeed")
+    got = draftfeed_runs[algorithm]
     assert_same_run(expected, got)
     print(f"\n{algorithm}: 5 steps, losses {[step['train']['loss'] for step in got[0]]} on draftfeed and offline")
 
