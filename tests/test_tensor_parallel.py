@@ -12,13 +12,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TESTS_DIR, WORKER_ENV, Cluster, add_service, assert_supervision_equal, run_concurrently, suite_folder, wait_until
+from conftest import WORKER_ENV, Cluster, add_service, assert_supervision_equal, run_concurrently, suite_folder, wait_until
 from reference import reference_eagle3
 from support import preload
 from support.lines import wait_for_line
@@ -228,21 +227,15 @@ def test_moe_families_at_degree_2(tmp_path):
     for family in families:
         build_tiny_target(tmp_path / family, arch=family)
     port = free_port()
-    command = [sys.executable, str(Path(TESTS_DIR) / "tp_families.py")]
-    env = {**os.environ, **WORKER_ENV}
-    ranks = [
-        subprocess.Popen(
-            [*command, str(rank), str(port), str(tmp_path), *families], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-        )
-        for rank in (0, 1)
-    ]
+    env = {**os.environ, **WORKER_ENV}  # tests/ on PYTHONPATH: python -m tp_families, forked from the suite's preloader
+    ranks = [preload.popen_module("tp_families", [str(rank), str(port), str(tmp_path), *families], env) for rank in (0, 1)]
     try:
-        (out, err), _ = [rank.communicate(timeout=240) for rank in ranks]
+        first, second = [preload.communicate(rank, timeout_s=240) for rank in ranks]
     finally:
         for rank in ranks:
             rank.kill()
-    assert all(rank.returncode == 0 for rank in ranks), err[-3000:]
-    outcomes = {line["family"]: line for line in map(json.loads, out.splitlines())}
+    assert first.returncode == 0 and second.returncode == 0, first.stderr[-3000:] + second.stderr[-3000:]
+    outcomes = {line["family"]: line for line in map(json.loads, first.stdout.splitlines())}
     print("\n".join(json.dumps(line) for line in outcomes.values()))
     assert set(outcomes) == set(families), outcomes
     failing = [family for family, outcome in outcomes.items() if "fails" in outcome]

@@ -1,17 +1,16 @@
-"""The tensor-parallel reference (tests/tp_reference.py run in two processes of the test's own) that workers at
+"""The tensor-parallel reference (tests/tp_reference.py run in two processes of the test's own, forked from the suite's preloader) that workers at
 --tensor-parallel 2 are compared with, on one machine (test_tensor_parallel.py) and over two (test_nodes.py)."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
-from conftest import TESTS_DIR, WORKER_ENV
+from conftest import WORKER_ENV
 
 from draftfeed.net import free_port
+from support import preload
 
 # Each target's task, the targets in the reference file's order: EAGLE-3 on the dense target, DSpark on the MoE one
 # (the engine makes the same calls for every task: a forward with a capture).
@@ -44,13 +43,12 @@ def tensor_parallel_reference(targets: dict[str, Path], out: Path) -> dict[str, 
 
     port = free_port()
     env = {**os.environ, **WORKER_ENV}
-    command = [sys.executable, str(Path(TESTS_DIR) / "tp_reference.py")]
     paths = [f"{SERVED[name]}={targets[name]}" for name in TARGETS]
-    ranks = [subprocess.Popen([*command, str(rank), str(port), str(out), *paths], env=env, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    ranks = [preload.popen_module("tp_reference", [str(rank), str(port), str(out), *paths], env) for rank in (0, 1)]  # tests/ is on PYTHONPATH
     try:
         for rank in ranks:
-            _out, err = rank.communicate(timeout=240)
-            assert rank.returncode == 0, f"the tensor-parallel reference failed:\n{err[-3000:]}"
+            done = preload.communicate(rank, timeout_s=240)
+            assert done.returncode == 0, f"the tensor-parallel reference failed:\n{done.stderr[-3000:]}"
     finally:
         for rank in ranks:
             rank.kill()
