@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import torch
 from conftest import WORKER_ENV, add_service, assert_supervision_equal, make_batch, reference_dspark, reference_eagle3
 from rank_process import rank_batches
 from reference import difference, draft_vocab, make_packed_batch
+from support import preload
 from support.lines import wait_for_line
 
 from draftfeed import RemoteDSparkTarget, RemoteEagle3Target
@@ -26,6 +26,11 @@ pytestmark = pytest.mark.timeout(240)
 AUX = [1, 3, 4]
 DSPARK_LAYERS = [1, 3, 4, 6, 7]
 FORMS = ["probs", "probs-bf16", "hidden"]
+
+
+def store_command(*args: str) -> subprocess.CompletedProcess:
+    """``draftfeed store ARGS`` to its end, forked from the suite's preloader (its imports are torch's)."""
+    return preload.run_module("draftfeed", ["store", *args], {**os.environ, **WORKER_ENV}, timeout_s=60)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +110,7 @@ def test_dspark_replays_bit_for_bit_with_no_broker(services, tiny_model, tmp_pat
         for _ in again.iterate(batches):  # a second epoch in record mode is computed, and not written twice
             pass
     assert IndexFile(tmp_path).read_new()[0][0].batches and sum(len(r.batches) for r in IndexFile(tmp_path).read_new()[0]) == len(batches)
-    info = subprocess.run([sys.executable, "-m", "draftfeed", "store", "info", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    info = store_command("info", str(tmp_path))
     assert "form: hidden states (the one form of DSpark)" in info.stdout, info.stdout
     with RemoteDSparkTarget(None, "dspark", store=tmp_path, store_mode="replay") as replay:
         assert torch.equal(replay.get_input_embeddings().weight, weight)  # recorded with the batches
@@ -213,7 +218,7 @@ def test_a_killed_recording_rank_leaves_a_store_with_every_finished_shard_and_no
         assert held == list(range(len(held))) and len(held) % 2 == 0, held  # whole shards, in the order recorded
         for batch, supervision in replay.iterate(batches[: len(held)]):
             assert_supervision_equal(supervision, reference_eagle3(tiny_model, batch, AUX))
-    verify = subprocess.run([sys.executable, "-m", "draftfeed", "store", "verify", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    verify = store_command("verify", str(tmp_path))
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert f"{len(held)} batches" in verify.stdout
 
@@ -253,7 +258,7 @@ def test_store_info_and_verify_report_a_damaged_shard(services, tmp_path):
     with RemoteEagle3Target(services.frontend, "hidden", store=tmp_path, store_mode="record", store_shard_bytes=4096) as target:
         for _ in target.iterate(epoch(500, count=3)):
             pass
-    info = subprocess.run([sys.executable, "-m", "draftfeed", "store", "info", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    info = store_command("info", str(tmp_path))
     assert info.returncode == 0, info.stderr
     tokens = sum(int(batch["attention_mask"].sum()) for batch in epoch(500, count=3))
     assert "batches: 3" in info.stdout and f"tokens: {tokens}" in info.stdout and "form: hidden" in info.stdout, info.stdout
@@ -262,10 +267,10 @@ def test_store_info_and_verify_report_a_damaged_shard(services, tmp_path):
     data = bytearray(shard.read_bytes())
     data[-5] ^= 0xFF
     shard.write_bytes(bytes(data))
-    verify = subprocess.run([sys.executable, "-m", "draftfeed", "store", "verify", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    verify = store_command("verify", str(tmp_path))
     assert verify.returncode == 1, verify.stdout
     assert f"{shard.relative_to(tmp_path)}: its sha256 is not the one in the index" in verify.stdout + verify.stderr
-    missing = subprocess.run([sys.executable, "-m", "draftfeed", "store", "info", str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
+    missing = store_command("info", str(tmp_path / "nope"))
     assert missing.returncode == 2 and "there is no store at" in missing.stderr and "Traceback" not in missing.stderr
 
 
