@@ -54,8 +54,8 @@ demo: $(STAMP)
 	$(PY) -m draftfeed demo
 
 # Lint and format first; then the suite in 4 processes (each module whole, so a module's cluster starts once; the
-# tests mostly wait on other processes, so 4 keep 2 cores busy: 3 left about a tenth of them idle), the 15 slowest
-# tests listed. The vllm and speculators tests run beside it in .venv-vllm, in 2 processes at a lower priority (nice
+# tests mostly wait on other processes, so 4 keep 2 cores busy: 3 left about a tenth of them idle), the longest
+# modules first (tests/conftest.py, LONGEST_FIRST), the 15 slowest tests listed. The vllm and speculators tests run beside it in .venv-vllm, in 2 processes at a lower priority (nice
 # 10): the main suite has the cores when it wants them, they take what it leaves and both cores once it is done (their
 # output is shown after the main suite's). Where the kernel groups processes by session for scheduling (autogroup),
 # nice counts only within a group, so they run in a session of their own whose group is set to nice 10 too (at 19 the
@@ -64,7 +64,7 @@ demo: $(STAMP)
 # stalled CI.
 SUITE_TIMEOUT_S = 1500
 SUITE_TIMEOUT = timeout -k 30 $(SUITE_TIMEOUT_S)
-PYTEST_PARALLEL = -n 4 --dist loadscope --durations=15
+PYTEST_PARALLEL = -n 4 --dist loadscope --no-loadscope-reorder --durations=15
 SIDE_NICE = setsid sh -c 'echo 10 > /proc/self/autogroup 2>/dev/null; exec nice -n 10 "$$@"' side
 VLLM_TESTS = VLLM_CPU_KVCACHE_SPACE=1 $(SIDE_NICE) $(SUITE_TIMEOUT) $(VLLM_PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadscope --durations=5 tests/test_engines.py tests/test_speculators.py
 
