@@ -142,12 +142,14 @@ def mtp_data(tmp_path_factory, mtp_verifier) -> SimpleNamespace:
 
 
 @pytest.fixture(scope="module")
-def offline_runs(tiny_target, data, tmp_path_factory) -> dict:
-    """speculators' own trainer on its offline files, every algorithm but MTP, each once for the module: one after the
-    other in one process (``python -m draftfeed.bench.speculators_run --runs``: speculators' ``train`` in process,
-    as ``python -m speculators.train`` runs it), which spares five starts of torch, transformers and speculators."""
+def offline_runs(tiny_target, data, mtp_verifier, mtp_data, tmp_path_factory) -> dict:
+    """speculators' own trainer on its offline files, every algorithm (MTP on its own verifier), each once for the
+    module: one after the other in one process (``python -m draftfeed.bench.speculators_run --runs``: speculators'
+    ``train`` in process, as ``python -m speculators.train`` runs it), which spares six starts of torch, transformers
+    and speculators."""
     root = tmp_path_factory.mktemp("offline-runs")
-    return offline_in_one_process({name: (tiny_target, data, root / name) for name in SHRINK if name != "mtp"}, root)
+    runs = {name: (mtp_verifier, mtp_data, root / name) if name == "mtp" else (tiny_target, data, root / name) for name in SHRINK}
+    return offline_in_one_process(runs, root)
 
 
 def offline_in_one_process(runs: dict[str, tuple[Path, SimpleNamespace, Path]], root: Path) -> dict:
@@ -257,13 +259,6 @@ def train(module_args: list[str], out: Path) -> tuple[list[dict], list[dict]]:
     return finished(*start_training(module_args, out))
 
 
-def offline(runs: dict, verifier, data, algorithm: str, out: Path):
-    """speculators' own trainer on its offline files, once an algorithm for the module."""
-    if algorithm not in runs:
-        runs.update(offline_in_one_process({algorithm: (verifier, data, out)}, out.parent))
-    return runs[algorithm]
-
-
 def on_draftfeed(tiny_target, data, algorithm: str, out: Path, address: str, *extra: str) -> list[str]:
     return [
         "draftfeed.integrations.speculators",
@@ -327,7 +322,7 @@ def test_the_backend_serves_each_row_equal_to_its_offline_file(service, tiny_tar
 # ---------------------------------------------------------------- speculators' own trainer, 5 steps
 @pytest.mark.parametrize("algorithm", [name for name in SHRINK if name != "mtp"])
 def test_each_algorithm_trains_on_draftfeed_exactly_as_on_its_offline_files(tiny_target, data, offline_runs, draftfeed_runs, tmp_path, algorithm):
-    expected = offline(offline_runs, tiny_target, data, algorithm, tmp_path / "offline")
+    expected = offline_runs[algorithm]
     got = draftfeed_runs[algorithm]
     assert_same_run(expected, got)
     print(f"\n{algorithm}: 5 steps, losses {[step['train']['loss'] for step in got[0]]} on draftfeed and offline")
@@ -336,14 +331,14 @@ def test_each_algorithm_trains_on_draftfeed_exactly_as_on_its_offline_files(tiny
 def test_mtp_trains_on_the_last_layer_alone(service, mtp_verifier, mtp_data, offline_runs, tmp_path):
     """MTP (Qwen3-family verifiers with a native MTP head) reads id L alone: a service of DFlash layer L - 1."""
     add_service(service, mtp_verifier, "speculators-mtp", "--task", "dflash", "--target-layer-ids", str(LAYERS - 1))
-    expected = offline(offline_runs, mtp_verifier, mtp_data, "mtp", tmp_path / "offline")
+    expected = offline_runs["mtp"]
     got = train(on_draftfeed(mtp_verifier, mtp_data, "mtp", tmp_path / "draftfeed", url(service, "speculators-mtp")), tmp_path / "draftfeed")
     assert_same_run(expected, got)
 
 
 def test_two_dataloader_workers_each_a_rank(service, tiny_target, data, offline_runs, tmp_path):
     workers = ("--num-workers", "2", "--prefetch-factor", "2")
-    expected = offline(offline_runs, tiny_target, data, "eagle3", tmp_path / "offline")
+    expected = offline_runs["eagle3"]
     got = train(on_draftfeed(tiny_target, data, "eagle3", tmp_path / "draftfeed", url(service), *workers), tmp_path / "draftfeed")
     assert_same_run(expected, got)
     ranks = [rank for rank in service.status()["ranks"] if rank.get("service") == "speculators"] if "ranks" in service.status() else []
@@ -364,7 +359,7 @@ def test_a_service_with_other_layers_is_refused_in_one_line(service, tiny_target
 def test_a_worker_stopped_mid_run_costs_the_run_nothing(tiny_target, data, offline_runs, tmp_path):
     """Two slow workers (the hf engine at 0.3 s a forward); one is SIGKILLed once training has begun: another serves
     what it held, and the run equals the offline one."""
-    expected = offline(offline_runs, tiny_target, data, "eagle3", tmp_path / "offline")
+    expected = offline_runs["eagle3"]
     cluster = Cluster("--heartbeat-interval", "0.2", "--liveness", "8")
     try:
         slow = ("--engine", "fake_engines:FakeSlowEngine", "--task", "dflash", "--target-layer-ids", ",".join(map(str, DFLASH_IDS)))
@@ -395,7 +390,7 @@ def test_a_recorded_run_exports_as_offline_files_the_trainer_reads(service, tiny
     trainer on those files runs as on the originals."""
     import shutil
 
-    expected = offline(offline_runs, tiny_target, data, "eagle3", tmp_path / "offline")
+    expected = offline_runs["eagle3"]
     store = tmp_path / "store"
     recorded = url(service, options=f"?store={store}&store_mode=record")
     assert_same_run(expected, train(on_draftfeed(tiny_target, data, "eagle3", tmp_path / "draftfeed", recorded), tmp_path / "draftfeed"))
