@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from conftest import WORKER_ENV
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -36,6 +37,7 @@ def test_bench_quick_scenarios_write_json_and_report(tmp_path):
         capture_output=True,
         text=True,
         timeout=220,
+        env={**os.environ, **WORKER_ENV},  # one thread a process: 2 cores shared with the rest of the suite
     )
     assert result.returncode == 0, result.stdout + result.stderr
     data = json.loads(out.read_text())

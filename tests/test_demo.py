@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 
 import pytest
+from conftest import WORKER_ENV
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -17,6 +19,7 @@ def test_demo_runs_and_reports(tmp_path):
         capture_output=True,
         text=True,
         timeout=220,
+        env={**os.environ, **WORKER_ENV},  # one thread a process: 2 cores shared with the rest of the suite
     )
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout

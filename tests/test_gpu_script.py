@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import WORKER_ENV
 
 pytestmark = pytest.mark.timeout(240)
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
@@ -20,6 +22,7 @@ def test_gpu_script_small_on_cpu(tmp_path):
         capture_output=True,
         text=True,
         timeout=220,
+        env={**os.environ, **WORKER_ENV},  # one thread a process: 2 cores shared with the rest of the suite
     )
     assert result.returncode == 0, result.stdout + result.stderr
     data = json.loads(out.read_text())
