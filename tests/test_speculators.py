@@ -321,7 +321,7 @@ def test_the_backend_serves_each_row_equal_to_its_offline_file(service, tiny_tar
 
 # ---------------------------------------------------------------- speculators' own trainer, 5 steps
 @pytest.mark.parametrize("algorithm", [name for name in SHRINK if name != "mtp"])
-def test_each_algorithm_trains_on_draftfeed_exactly_as_on_its_offline_files(tiny_target, data, offline_runs, draftfeed_runs, tmp_path, algorithm):
+def test_each_algorithm_trains_on_draftfeed_exactly_as_on_its_offline_files(offline_runs, draftfeed_runs, algorithm):
     expected = offline_runs[algorithm]
     got = draftfeed_runs[algorithm]
     assert_same_run(expected, got)
