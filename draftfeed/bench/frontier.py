@@ -25,11 +25,22 @@ HIDDEN, LAYERS, VOCAB, POSITIONS = 7168, 61, 129_280, 163_840
 FINAL = 1_000  # what ``frontier_hidden`` calls the final norm's output
 
 
+ROW_VALUES = 89  # a position's row is one of these, by its token id and layer: ``row_values``
+
+
+def frontier_rows(hidden_size: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Every row the fake gives, by row value: [ROW_VALUES, H], row v = v + (column mod 97)."""
+    return (torch.arange(ROW_VALUES).unsqueeze(-1) + torch.arange(hidden_size).remainder_(97)).to(dtype)
+
+
+def row_values(input_ids: torch.Tensor, which: int | torch.Tensor) -> torch.Tensor:
+    """Each position's row value for layer ``which`` (an int, or a tensor of layers broadcast against ``input_ids``)."""
+    return (input_ids * 31 + which * 7).remainder_(ROW_VALUES)
+
+
 def frontier_hidden(input_ids: torch.Tensor, which: int, hidden_size: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The fake's hidden state [B, S, H] for layer ``which`` (-1: the embeddings; ``FINAL``: the final norm's output)."""
-    columns = torch.arange(hidden_size).remainder_(97).to(dtype)
-    rows = (input_ids * 31 + which * 7).remainder_(89).to(dtype)
-    return rows.unsqueeze(-1) + columns
+    return frontier_rows(hidden_size, dtype)[row_values(input_ids, which)]
 
 
 def frontier_dspark(
@@ -97,23 +108,21 @@ def first_difference(received: dict, input_ids: torch.Tensor, layer_ids: Sequenc
     """Where DSpark supervision from this engine differs from ``frontier_dspark`` (every position of a batch whose
     attention mask is all ones), or None when every byte is equal.
 
-    ``frontier_hidden`` has 89 distinct rows a width, so the expected positions are gathered from a table of them
-    into one small reused buffer, a few hundred positions at a time, and compared bit for bit: the check costs about
+    The expected positions are gathered from ``frontier_rows`` into one small reused buffer, a few hundred positions at a time, and compared bit for bit: the check costs about
     what reading the sample does, and little memory (a few tens of MB)."""
     step = 256
     last = num_hidden_layers - 1
-    columns = torch.arange(hidden_size).remainder_(97)
-    table = (torch.arange(89).unsqueeze(-1) + columns).to(torch.bfloat16)  # frontier_hidden's rows, by row value
+    table = frontier_rows(hidden_size)
     layouts = {"target_hidden_states": [FINAL if i == last else i for i in layer_ids], "target_last_hidden_states": [FINAL]}
     buffer = torch.empty(step * max(map(len, layouts.values())), hidden_size, dtype=torch.bfloat16)
     for name, which in layouts.items():
         got_all = received[name]
-        offsets = torch.tensor(which) * 7
+        layers = torch.tensor(which)
         if got_all.shape != (*input_ids.shape, len(which) * hidden_size) or got_all.dtype != torch.bfloat16:
             return f"{name} is {got_all.dtype} {list(got_all.shape)}, not bfloat16 {[*input_ids.shape, len(which) * hidden_size]}"
         for row in range(input_ids.shape[0]):
             for start in range(0, input_ids.shape[1], step):
-                values = (input_ids[row, start : start + step].unsqueeze(-1) * 31 + offsets).remainder_(89).flatten()
+                values = row_values(input_ids[row, start : start + step].unsqueeze(-1), layers).flatten()
                 expected = torch.index_select(table, 0, values, out=buffer[: values.numel()])
                 got = got_all[row, start : start + step].reshape(-1, hidden_size)
                 if not torch.equal(got.view(torch.int16), expected.view(torch.int16)):
