@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -239,23 +240,25 @@ def test_a_node_with_another_plan_is_one_line_on_both(hosts_available, tiny_targ
         try:
             broker = commands.start_broker(hosts.address("head"), prefix=hosts.command("head"))
             started.append(broker)
-            base = ["launch", "worker", "--broker", broker.ready["backend"], "--http-port", "0", "--target"]
+            base = [sys.executable, "-m", "draftfeed", "launch", "worker", "--broker", broker.ready["backend"], "--http-port", "0", "--target"]
             lines = [
-                (hosts.command("node-0"), [*base, str(tiny_target), *node_flags(hosts, 0, "--join-timeout", "30")]),
-                (hosts.command("node-1"), [*base, str(tiny_target), *node_flags(hosts, 1, "--join-timeout", "30"), *extra]),
+                [*hosts.command("node-0"), *base, str(tiny_target), *node_flags(hosts, 0, "--join-timeout", "30")],
+                [*hosts.command("node-1"), *base, str(tiny_target), *node_flags(hosts, 1, "--join-timeout", "30"), *extra],
             ]
             began = time.monotonic()
-            popens = [preload.popen_module("draftfeed", args, {**_env(), **WORKER_ENV}, prefix=prefix) for prefix, args in lines]
+            popens = [
+                subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**WORKER_ENV, **_env()})
+                for command in lines
+            ]
             try:
-                outputs = [preload.communicate(popen, timeout_s=60) for popen in popens]
+                outputs = [popen.communicate(timeout=60) for popen in popens]
             finally:
                 for popen in popens:
                     popen.kill()
             took = time.monotonic() - began
-            for done, node in zip(outputs, (0, 1)):
-                err = done.stderr
+            for (_out, err), popen, node in zip(outputs, popens, (0, 1)):
                 last = err.strip().splitlines()[-1] if err.strip() else ""
-                assert done.returncode != 0 and "Traceback" not in err, f"node {node}:\n{err[-2000:]}"
+                assert popen.returncode != 0 and "Traceback" not in err, f"node {node}:\n{err[-2000:]}"
                 assert said in last and "runs another plan than node 0" in last, f"node {node} said: {last}"
             assert took < 30, f"the nodes took {took:.0f} s to say so"
         finally:
@@ -271,13 +274,9 @@ def test_a_missing_node_is_one_line_after_the_join_timeout(hosts_available, tiny
     with Hosts(["head", "node-0"]) as hosts:
         broker = commands.start_broker(hosts.address("head"), prefix=hosts.command("head"))
         try:
-            args = ["launch", "worker", "--broker", broker.ready["backend"], "--http-port", "0", "--target", str(tiny_target)]
-            args += node_flags(hosts, 0, "--join-timeout", "3")
-            node = preload.popen_module("draftfeed", args, {**_env(), **WORKER_ENV}, prefix=hosts.command("node-0"))
-            try:
-                done = preload.communicate(node, timeout_s=120)
-            finally:
-                node.kill()
+            command = [*hosts.command("node-0"), sys.executable, "-m", "draftfeed", "launch", "worker", "--broker", broker.ready["backend"]]
+            command += ["--http-port", "0", "--target", str(tiny_target), *node_flags(hosts, 0, "--join-timeout", "3")]
+            done = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**_env(), **WORKER_ENV})
             last = done.stderr.strip().splitlines()[-1]
             assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
             assert "node 1 of --nnodes 2 did not join at" in last and "--node-rank 1" in last, last
