@@ -173,6 +173,7 @@ def test_status_pages_fit_one_reply_and_hold_every_worker_and_rank_once(large):
         pairs = [PairStatus(rank=rank.decode(), plane="nixl", state="ready", reason="r" * 200) for rank in list(worker.ranks_served)[:PAIRS_PER_BEAT]]
         state.on_worker_heartbeat(worker.peer, WorkerHeartbeat(pair_count=len(pairs), pairs=pairs))
     workers, ranks, pages = [], [], 0
+    present = {r.hello.rank for r in state.ranks.values()}
     query = StatusQuery(request_id=0, pairs=True)
     while True:
         (reply,) = state.on_status(b"r1", query)
@@ -185,15 +186,19 @@ def test_status_pages_fit_one_reply_and_hold_every_worker_and_rank_once(large):
         cursor = page["page"]
         if cursor["workers_next"] is None and cursor["ranks_next"] is None:
             break
-        query = StatusQuery(
-            request_id=pages,
-            pairs=True,
-            workers_from=cursor["workers_next"] if cursor["workers_next"] is not None else cursor["workers_total"],
-            ranks_from=cursor["ranks_next"] if cursor["ranks_next"] is not None else cursor["ranks_total"],
-        )
+        query = StatusQuery(request_id=pages, pairs=True, workers_from=cursor["workers_next"], ranks_from=cursor["ranks_next"])
+        # Between pages every rank is heard (the broker keeps its records in the order they were heard), one leaves
+        # and one joins: each rank present throughout is still listed once, whatever moved.
+        for peer in list(state.ranks)[::-1]:
+            state.on_rank_heartbeat(peer)
+        state.on_rank_bye(f"r{pages * 3}".encode())
+        joined = f"new{pages}"
+        state.on_hello(joined.encode(), Hello(rank=joined, service="s", data_endpoint=f"tcp://10.0.0.1:1/{joined}", window=2, host="h", pid=1))
     assert pages > 1
     assert sorted(workers) == sorted(w.name for w in state.workers.values())
-    assert sorted(ranks) == sorted(r.hello.rank for r in state.ranks.values()) and len(set(ranks)) == len(ranks)
+    throughout = present & {r.hello.rank for r in state.ranks.values()}
+    assert len(set(ranks)) == len(ranks), f"listed twice: {sorted(r for r in set(ranks) if ranks.count(r) > 1)[:10]}"
+    assert throughout <= set(ranks), f"never listed: {sorted(throughout - set(ranks))[:10]}"
 
 
 def test_a_heartbeat_holds_no_list_that_grows_with_the_cluster():

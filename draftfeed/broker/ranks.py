@@ -10,6 +10,7 @@ The records are kept in the order the ranks were last heard, so finding the sile
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
@@ -33,6 +34,7 @@ class RankBook:
         self.instance = instance
         self.clock = clock
         self.records: OrderedDict[bytes, RankRecord] = OrderedDict()  # least recently heard first
+        self._order = itertools.count()  # hellos of new records, in order (the status pages' cursor)
         self.forgotten = ForgottenPeers()
 
     def known(self, peer: bytes, request_id: int | None) -> tuple[RankRecord | None, list[Outgoing]]:
@@ -54,7 +56,7 @@ class RankBook:
         rank = self.records.get(peer)
         resumed = rank is not None
         if rank is None:
-            self.records[peer] = rank = RankRecord(peer, hello, self.clock())
+            self.records[peer] = rank = RankRecord(peer, hello, self.clock(), order=next(self._order))
             why = self.forgotten.take(peer)
             again = f" again (it had been forgotten: {why})" if why else ""
             log.info("broker: rank %s (host %s, pid %d) connected%s for service %r", hello.rank, hello.host, hello.pid, again, hello.service)

@@ -108,6 +108,7 @@ class RankRecord:
     mapping_digest: str | None = None  # the mapping it set last (it may still have requests naming earlier ones)
     dispatch_fields: bytes | None = None  # this rank's part of every dispatch header, encoded once
     key: str | None = None  # its authenticated CURVE public key, on a secure broker
+    order: int = 0  # when it said hello, among all ranks (where a status page of ranks starts)
     gone: bool = False  # forgotten: a later hello of the same rank makes a new record
     workers_served: set[bytes] = field(default_factory=set)  # the workers that hold a link to it (told when it goes)
 

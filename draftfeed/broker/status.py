@@ -4,8 +4,8 @@ message or per tick.
 Two forms. ``status_document``: the whole document, every worker with its pairs and every rank, for the metrics
 endpoint in the broker's own process. ``status_page``: what one ``status`` query gets over the wire, which must fit
 one reply (``MAX_HEADER_BYTES``) however large the cluster: the broker's totals and each service's summary always,
-then the workers from ``workers_from`` and the ranks from ``ranks_from``, as many as fit ``PAGE_BYTES``; its
-``page`` says where the next page of each starts (None: nothing more). A client asks page after page
+then the workers from ``workers_from`` and the ranks from ``ranks_from`` (join numbers), as many as fit
+``PAGE_BYTES``; its ``page`` says where the next page of each starts (None: nothing more). A client asks page after page
 (observe/status_client.py). A worker whose pairs alone would not fit shows the first ones and how many it left out.
 """
 
@@ -38,7 +38,11 @@ def status_document(broker: dict[str, Any], now: float, services: dict[str, Serv
 def status_page(
     broker: dict[str, Any], now: float, services: dict[str, ServiceRecord], ranks: dict[bytes, RankRecord], query: StatusQuery
 ) -> dict[str, Any]:
-    """One page of the document for ``query``: totals and services, then as many workers and ranks as fit."""
+    """One page of the document for ``query``: totals and services, then as many workers and ranks as fit.
+
+    Workers and ranks are listed in the order they joined, and a page's cursors are join numbers, not positions:
+    the broker reorders its records as peers are heard, and peers come and go between pages, yet a client paging
+    through sees each peer present throughout once, never one twice."""
     ordered = sorted(services.items())
     document: dict[str, Any] = {**broker, "services": {name: {**_service(s), "workers": []} for name, s in ordered}, "ranks": []}
     workers_total = sum(len(s.workers) for _name, s in ordered)
@@ -48,31 +52,24 @@ def status_page(
     if query.summary:
         return document
     budget = PAGE_BYTES
-    index = 0
-    for name, service in ordered:
-        for worker in service.workers.values():
-            if index >= query.workers_from:
-                if budget <= 0:
-                    page["workers_next"] = index
-                    break
-                entry = _worker(worker, now, pairs=query.pairs, budget=budget)
-                budget -= _size(entry)
-                document["services"][name]["workers"].append(entry)
-            index += 1
-        if page["workers_next"] is not None:
-            break
-    if page["workers_next"] is not None:
-        page["ranks_next"] = query.ranks_from if query.ranks_from < len(ranks) else None
-        return document
-    for index, rank in enumerate(ranks.values()):
-        if index < query.ranks_from:
-            continue
-        if budget <= 0:
-            page["ranks_next"] = index
-            break
-        entry = _rank(rank, services[rank.hello.service], now)
-        budget -= _size(entry)
-        document["ranks"].append(entry)
+    if query.workers_from is not None:
+        joined = sorted((w.order, name, w) for name, s in ordered for w in s.workers.values() if w.order >= query.workers_from)
+        for order, name, worker in joined:
+            if budget <= 0:
+                page["workers_next"] = order
+                page["ranks_next"] = query.ranks_from  # this page has no room left for ranks
+                return document
+            entry = _worker(worker, now, pairs=query.pairs, budget=budget)
+            budget -= _size(entry)
+            document["services"][name]["workers"].append(entry)
+    if query.ranks_from is not None:
+        for rank in sorted((r for r in ranks.values() if r.order >= query.ranks_from), key=lambda r: r.order):
+            if budget <= 0:
+                page["ranks_next"] = rank.order
+                break
+            entry = _rank(rank, services[rank.hello.service], now)
+            budget -= _size(entry)
+            document["ranks"].append(entry)
     return document
 
 

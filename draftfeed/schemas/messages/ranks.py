@@ -77,12 +77,13 @@ class ModelInfoQuery(Strict):
 class StatusQuery(Strict):
     """One page of the broker's status document: its totals and services always; its workers from ``workers_from``
     and its ranks from ``ranks_from``, as many as fit one reply (``status["page"]`` says where the next page starts);
-    each worker's pairs when ``pairs``. ``summary``: the totals and services only."""
+    each worker's pairs when ``pairs``. ``summary``: the totals and services only. The cursors are join numbers (the
+    peers are listed in the order they joined); None lists none of them (a later page, when that list is done)."""
 
     type: Literal["status"] = "status"
     request_id: RequestId
-    workers_from: Annotated[int, Field(ge=0)] = 0
-    ranks_from: Annotated[int, Field(ge=0)] = 0
+    workers_from: Annotated[int, Field(ge=0)] | None = 0
+    ranks_from: Annotated[int, Field(ge=0)] | None = 0
     pairs: bool = False
     summary: bool = False
 
