@@ -264,7 +264,14 @@ def test_a_killed_rank_releases_the_workers_group_and_others_are_served(fast_clu
         wait_until(lambda: rank_name not in pairs_of(fast_cluster, "w-survivor"), timeout_s=15, what="the dead rank's group released")
         with RemoteEagle3Target(fast_cluster.frontend, SERVICE, data_plane="gloo") as remote:
             check_batches(remote, tiny_model, list(range(8)))
-            assert remote.connection_stats.received_over_pair > 0
+            # Answers go as frames while the new group opens (seconds, under load): on until one came over it.
+            seed = itertools.count(100)
+            wait_until(
+                lambda: check_batches(remote, tiny_model, [next(seed)]) and remote.connection_stats.received_over_pair > 0,
+                timeout_s=60,
+                what="an answer on the new rank's gloo group",
+                poll_s=0,
+            )
     finally:
         rank.kill()
         rank.wait(timeout=10)
