@@ -33,9 +33,20 @@ from typing import IO
 
 from draftfeed.processes import children
 
-# Read when a process starts (by the C libraries as they load, or by Python itself): a process forked from the
-# preloader has the preloader's, so only a start with the same values is preloaded.
-IMPORT_TIME_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONPATH", "LD_PRELOAD", "LD_LIBRARY_PATH", "GLIBC_TUNABLES", "PYTHONHASHSEED")
+# Read when a process starts (by the C libraries as they load, by Python itself, or by a preloaded module as it is
+# imported: huggingface_hub reads whether it is offline then): a process forked from the preloader has the
+# preloader's, so only a start with the same values is preloaded.
+IMPORT_TIME_ENV = (
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "PYTHONPATH",
+    "LD_PRELOAD",
+    "LD_LIBRARY_PATH",
+    "GLIBC_TUNABLES",
+    "PYTHONHASHSEED",
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+)
 PRELOADED_MODULES = (
     "torch",
     "transformers",
