@@ -6,6 +6,7 @@ import os
 import subprocess
 
 import pytest
+from conftest import WORKER_ENV
 from support import preload
 
 from draftfeed.consumers.settings import default_service_name
@@ -15,9 +16,10 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    """``python -m MODULE ARGS`` to its end, forked from the suite's preloader (tests/support/preload.py)."""
+    """``python -m MODULE ARGS`` to its end, forked from the suite's preloader (tests/support/preload.py) of the
+    workers' environment (one preloader for both)."""
     assert args[0] == "-m", args
-    return preload.run_module(args[1], args[2:], dict(os.environ), timeout_s=60)
+    return preload.run_module(args[1], args[2:], {**os.environ, **WORKER_ENV}, timeout_s=60)
 
 
 @pytest.mark.parametrize(

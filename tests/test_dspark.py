@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from conftest import add_service, assert_supervision_equal, make_batch, raw_peer, reference_dspark, reference_eagle3
+from conftest import WORKER_ENV, add_service, assert_supervision_equal, make_batch, raw_peer, reference_dspark, reference_eagle3
 
 from draftfeed import DSparkTargetInfo, Eagle3TargetInfo, RemoteDSparkTarget, RemoteEagle3Target
 from draftfeed.consumers.tasks.dspark import check_target_layer_ids, default_target_layer_ids
@@ -182,7 +182,7 @@ def test_a_later_worker_of_another_target_is_refused(services, tmp_path, tiny_ta
         with pytest.raises(
             RuntimeError, match=rf"refused registration: worker \S+ on \S+ serves another target than service '{DEFAULT}': {field}: worker has"
         ):
-            commands.start_worker(services.backend, str(other), "--task", "dspark", "--service", DEFAULT, *worker_args)
+            commands.start_worker(services.backend, str(other), "--task", "dspark", "--service", DEFAULT, *worker_args, env=WORKER_ENV)
         status = target.status()
     assert [w["worker"] for w in status["services"][DEFAULT]["workers"]] == [f"{DEFAULT}-0"]
     assert status["counters"]["workers_refused"] >= 1

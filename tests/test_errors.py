@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from conftest import add_service, assert_supervision_equal, make_batch, raw_peer, reference_eagle3, wait_until
+from conftest import WORKER_ENV, add_service, assert_supervision_equal, make_batch, raw_peer, reference_eagle3, wait_until
 
 from draftfeed import RemoteEagle3Target, RemoteTargetError
 from draftfeed.processes import commands
@@ -112,6 +112,6 @@ def test_shallow_target_needs_explicit_aux_layers(services, tmp_path):
 
     shallow = build_tiny_target(tmp_path / "shallow", num_hidden_layers=6)
     with pytest.raises(RuntimeError, match=r"default aux layer ids \[1, 2, 2\].*repeat a layer for a 6-layer target; pass --aux-layer-ids"):
-        commands.start_worker(services.backend, str(shallow), "--service", "shallow")
+        commands.start_worker(services.backend, str(shallow), "--service", "shallow", env=WORKER_ENV)
     with pytest.raises(RuntimeError, match=r"layer 6 does not exist in a 6-layer target"):
-        commands.start_worker(services.backend, str(shallow), "--service", "shallow", "--aux-layer-ids", "0,2,6")
+        commands.start_worker(services.backend, str(shallow), "--service", "shallow", "--aux-layer-ids", "0,2,6", env=WORKER_ENV)
