@@ -43,7 +43,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     low, high = _LOWEST_CHOSEN_PORT, _ephemeral_range()[0]
     for _ in range(64):
         port = random.randrange(low, high) if high > low + 1000 else 0
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind((host, port))
             except OSError:

@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +37,7 @@ from draftfeed.consumers.engines.parallel.spec import LOOPBACK, FollowerSpec, Me
 from draftfeed.consumers.engines.parallel.watch import LeaderWatch
 from draftfeed.consumers.nodes import NodePlan
 from draftfeed.contract.packing import Documents
+from draftfeed.net import free_port
 from draftfeed.schemas.errors import CannotServe
 
 # Keys of rank 0's store that the other nodes read (node.py) and write.
@@ -98,7 +98,7 @@ class TensorParallelEngine:
         self._calls = 0
         host = nodes.master_host if nodes is not None else LOOPBACK
         self._store = store = host_rendezvous(LOAD_TIMEOUT_S, host, nodes.master_port if nodes is not None else 0)
-        engine_port = _free_port(host)
+        engine_port = free_port(host)  # sglang's own group meets there
         self._channel = LeaderChannel(bind=f"tcp://{host}:*" if nodes is not None else None)
         self._watch: LeaderWatch | None = None
         self._followers: FollowerProcesses | None = None
@@ -334,10 +334,3 @@ class TensorParallelEngine:
         self._channel.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-
-
-def _free_port(host: str) -> int:
-    """A port free on ``host`` now (sglang's own group meets there)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
