@@ -110,19 +110,6 @@ def test_requests_past_the_window_are_parked_then_refused(state):
     assert submit(state, "r", 0) == []  # a resend of a held request is ignored
 
 
-def test_a_request_asked_again_goes_past_the_window_once_per_held_request(state):
-    """A rank asks again for an answer lost on its way (a failed pair group) while the broker holds the lost one
-    until its worker's done: the new request is taken, and only once per request held."""
-    hello(state, "r", window=1)
-    submit(state, "r", 0)
-    submit(state, "r", 1)  # parked
-    assert submit(state, "r", 2, replaces=0) == []  # taken (parked) though the window is full
-    (again,) = errors(submit(state, "r", 3, replaces=0))  # the lost request was asked for again already
-    (unheld,) = errors(submit(state, "r", 4, replaces=99))  # the broker holds no request 99
-    assert "prefetch window is 1" in again.message and "prefetch window is 1" in unheld.message
-    assert sorted(state.ranks[b"r"].requests) == [0, 1, 2]
-
-
 def test_a_full_service_queue_answers_busy(state):
     for index in range(3):
         hello(state, f"r{index}", window=2)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from draftfeed.broker.mappings import MappingTable
-from draftfeed.broker.records import Pending, RankRecord, ServiceRecord
+from draftfeed.broker.records import RankRecord, ServiceRecord
 from draftfeed.broker.settings import BrokerSettings
 from draftfeed.schemas.errors import MalformedMessage
 from draftfeed.schemas.messages import TASKS, ErrorCode, Hello, Register, Submit
@@ -33,15 +33,6 @@ def refuse_hello(peer: bytes, hello: Hello, settings: BrokerSettings, service: S
             f"{hello.expect.describe_mismatch(service.info, 'rank expects', 'workers serve')}"
         )
     return None
-
-
-def replaced_by(rank: RankRecord, submit: Submit) -> Pending | None:
-    """The request of ``rank`` that ``submit`` asks again for (its answer lost on its way), if the broker still holds
-    it and nothing asked again for it before. Such a submit goes past the window: the rank counts it in place of the
-    lost one, the broker holds both until the lost one's done; each held request lets one through, so the rank's
-    requests held stay bounded (twice the window's allowance at most)."""
-    held = rank.requests.get(submit.replaces) if submit.replaces is not None else None
-    return held if held is not None and not held.replaced else None
 
 
 def refuse_submit(
@@ -70,7 +61,7 @@ def refuse_submit(
             "send the mapping, then the request again"
         )
     window = rank.hello.window
-    if rank.outstanding >= window and len(rank.parked) >= window and replaced_by(rank, submit) is None:
+    if rank.outstanding >= window and len(rank.parked) >= window:
         return "refused", (
             f"rank {rank.hello.rank} has {len(rank.requests)} requests outstanding, "
             f"its prefetch window is {window}: wait for results before sending more"

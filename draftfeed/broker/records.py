@@ -65,7 +65,6 @@ class Pending:
     finished: bool = False  # completed, or its rank forgotten: it holds no mapping and is never dispatched again
     mapping_refused_by: set[bytes] = field(default_factory=set)  # workers that said they lack its mapping
     stalled: bool = False  # its answer stalled once on the way to its rank (sent again once; a second stall fails it)
-    replaced: bool = False  # a later request of its rank asks again for its answer, lost on its way (submit.replaces)
 
     @property
     def mapping(self) -> str | None:

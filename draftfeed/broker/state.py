@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from draftfeed.broker import links
-from draftfeed.broker.admission import refuse_hello, refuse_registration, refuse_submit, replaced_by
+from draftfeed.broker.admission import refuse_hello, refuse_registration, refuse_submit
 from draftfeed.broker.delivery import Delivery
 from draftfeed.broker.mappings import MappingTable
 from draftfeed.broker.notices import Notices
@@ -150,8 +150,6 @@ class BrokerState:
             code, message = refusal
             self.refusals[code] += 1
             return [to_rank(peer, ErrorReply(request_id=submit.request_id, message=message, code=code))]
-        if (replaced := replaced_by(rank, submit)) is not None:
-            replaced.replaced = True
         return self.delivery.accept(rank, submit, frames, header_json, service)
 
     def on_set_vocab_mapping(self, peer: bytes, message: SetVocabMapping, frames: list[Any]) -> list[Outgoing]:

@@ -147,7 +147,7 @@ class RankSession:
             new_id,
         )
         assert waiter.frames is not None  # packed before it was sent, and only what was sent is lost
-        waiter.frames = with_request_id(waiter.frames, new_id, replaces=request_id)
+        waiter.frames = with_request_id(waiter.frames, new_id)
         self.outbox.put(waiter.frames)
 
     # ------------------------------------------------------------ what it hears from the broker

@@ -43,19 +43,13 @@ def hello(state: BrokerState, name: str = "r", window: int = 2) -> list:
     return state.on_hello(name.encode(), Hello(rank=name, service=SERVICE, data_endpoint=f"tcp://127.0.0.1:1/{name}", window=window, host="h", pid=1))
 
 
-def submit(
-    state: BrokerState,
-    rank: str,
-    request_id: int,
-    digest: str | None = None,
-    tensors: Mapping[str, torch.Tensor] | None = None,
-    replaces: int | None = None,
-) -> list:
+def submit(state: BrokerState, rank: str, request_id: int, digest: str | None = None, tensors: Mapping[str, torch.Tensor] | None = None) -> list:
     """Rank ``rank`` submits an eagle3 request (token ``request_id + 100``) computed with the vocab mapping ``digest``
-    (None: none), carrying ``tensors`` (none: an empty request), asking again for request ``replaces`` (None: not)."""
+    (None: none), carrying ``tensors`` (none: an empty request)."""
     specs, frames = encode_tensors(tensors or {})
-    message = Submit(request_id=request_id, kind="eagle3", token=request_id + 100, mapping_digest=digest, tensors=specs, replaces=replaces)
-    return state.on_submit(rank.encode(), message, frames)
+    return state.on_submit(
+        rank.encode(), Submit(request_id=request_id, kind="eagle3", token=request_id + 100, mapping_digest=digest, tensors=specs), frames
+    )
 
 
 # ---------------------------------------------------------------- from the broker

@@ -58,9 +58,6 @@ class Submit(Strict):
     # or worker that does not hold it never computes the batch without it (docs/protocol.md, "Vocab mappings").
     mapping_digest: MappingDigest | None = None
     tensors: list[TensorSpec] = Field(default_factory=list, max_length=8)
-    # This request asks again for the answer to an earlier one of the rank, lost on its way (its pair group or nixl
-    # pair failed). The broker may still hold that one until its worker's done: it lets this one past the window.
-    replaces: RequestId | None = None
 
 
 class SetVocabMapping(Strict):
