@@ -101,12 +101,14 @@ def test_a_dead_worker_requeues_under_a_new_ticket_and_its_late_done_is_ignored(
     assert state.ranks[b"r"].outstanding == 0 and state.ranks[b"r"].completed == 1
 
 
-def test_requests_past_the_window_are_parked_then_refused(state):
+def test_requests_past_the_window_are_parked_then_answered_busy(state):
     hello(state, "r", window=1)
     submit(state, "r", 0)
     assert submit(state, "r", 1) == []  # parked: sent after a result, before its done
     (refusal,) = errors(submit(state, "r", 2))
-    assert refusal.request_id == 2 and "prefetch window is 1" in refusal.message
+    assert refusal.request_id == 2 and refusal.code == "busy"
+    assert "2 requests held (0 queued, 1 parked) and its prefetch window is 1" in refusal.message
+    assert sorted(state.ranks[b"r"].requests) == [0, 1], "a busy request is not held"
     assert submit(state, "r", 0) == []  # a resend of a held request is ignored
 
 

@@ -71,7 +71,7 @@ def test_window_is_exact_when_nothing_is_served(services):
     assert status["services"]["nobody-serves-this"]["queued"] == 3
 
 
-def test_broker_refuses_a_rank_that_ignores_its_window(services):
+def test_broker_pushes_back_on_a_rank_that_ignores_its_window(services):
     with raw_peer(services.frontend, b"greedy") as sock:
         sock.send_multipart(
             pack(Hello(rank="greedy", service="nobody-serves-this-either", data_endpoint="tcp://127.0.0.1:1", window=1, host="h", pid=1))
@@ -83,7 +83,7 @@ def test_broker_refuses_a_rank_that_ignores_its_window(services):
             sock.send_multipart(pack_tensors(Submit, tensors, request_id=request_id, kind="eagle3"), copy=False)
         assert sock.poll(10_000)
         reply, _ = unpack(sock.recv_multipart(), FRONTEND_OUTBOUND)
-        assert isinstance(reply, ErrorReply) and reply.request_id == 2
+        assert isinstance(reply, ErrorReply) and reply.request_id == 2 and reply.code == "busy"
         assert "prefetch window is 1" in reply.message
 
 

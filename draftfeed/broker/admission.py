@@ -35,6 +35,16 @@ def refuse_hello(peer: bytes, hello: Hello, settings: BrokerSettings, service: S
     return None
 
 
+def held(rank: RankRecord) -> str:
+    """The rank's requests the broker holds, by id and where each is: at a worker, queued, or parked."""
+    parked = {id(pending) for pending in rank.parked}
+    places = {
+        request_id: "parked" if id(pending) in parked else ("at a worker" if pending.ticket >= 0 else "queued")
+        for request_id, pending in rank.requests.items()
+    }
+    return ", ".join(f"{request_id} {place}" for request_id, place in places.items())
+
+
 def refuse_submit(
     broker: str,
     rank: RankRecord,
@@ -62,9 +72,12 @@ def refuse_submit(
         )
     window = rank.hello.window
     if rank.outstanding >= window and len(rank.parked) >= window:
-        return "refused", (
-            f"rank {rank.hello.rank} has {len(rank.requests)} requests outstanding, "
-            f"its prefetch window is {window}: wait for results before sending more"
+        # Busy, not refused: a rank within its window can be here through no fault of its own (an answer lost on
+        # its way is asked for again while the lost request waits for its worker's done), and the next dones
+        # make room. The request is not held meanwhile, so a rank that ignores its window costs the broker nothing.
+        return "busy", (
+            f"rank {rank.hello.rank} has {len(rank.requests)} requests held ({held(rank)}) and its prefetch window is "
+            f"{window}: send again once results have come"
         )
     positions = _positions(submit)
     limit_positions = service.max_positions if positions is not None else None

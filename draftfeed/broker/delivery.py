@@ -2,10 +2,10 @@
 
 A request a rank sends within its credit window is queued under the rank's service and handed out by the
 scheduler (scheduler.py). One sent beyond the window (rightly: the rank counts a request done when its result
-arrives, the broker when the worker's ``done`` does) is parked until that rank's next ``done``. A request a
-worker hands back, or one held by a worker that is gone, goes back to the front of its rank's queue, its ticket
-void so that a late ``done`` of the earlier attempt matches nothing, unless it has failed on
-``--max-attempts`` workers: then its rank is told it failed. A request holds its vocab mapping from arrival to
+arrives, the broker when the worker's ``done`` does) is parked until that rank's next ``done``; one beyond twice
+the window is answered busy (admission.py). A request a worker hands back, or one held by a worker that is gone,
+goes back to the front of its rank's queue, its ticket void so that a late ``done`` of the earlier attempt matches
+nothing, unless it has failed on ``--max-attempts`` workers: then its rank is told it failed. A request holds its vocab mapping from arrival to
 completion (mappings.py).
 """
 
