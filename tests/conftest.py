@@ -90,9 +90,6 @@ def tiny_model(tiny_target: Path):
     return AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
 
 
-READY_TIMEOUT_S = 300.0
-
-
 class Cluster:
     """One broker and the workers a test starts on it; stops them all at teardown."""
 
@@ -118,9 +115,7 @@ class Cluster:
         return self.broker.ready["backend"]
 
     def add_worker(self, target: Path | str, *args: str, env: dict[str, str] | None = None) -> commands.Process:
-        # Ready within READY_TIMEOUT_S: a worker that fails to start ends, and says why, at once; one that is slow
-        # to start may be in make test's side job, which runs at a low priority beside the main suite (Makefile).
-        worker = commands.start_worker(self.backend, str(target), *args, env={**WORKER_ENV, **(env or {})}, ready_timeout_s=READY_TIMEOUT_S)
+        worker = commands.start_worker(self.backend, str(target), *args, env={**WORKER_ENV, **(env or {})})
         self.workers.append(worker)
         return worker
 

@@ -350,7 +350,7 @@ def test_a_service_with_other_layers_is_refused_in_one_line(service, tiny_target
     args = on_draftfeed(tiny_target, data, "eagle3", tmp_path, url(service))
     args[args.index("--target-layer-ids") + 1 : args.index("--target-layer-ids") + 4] = ["1", "3", "6"]
     popen, _metrics = start_training(args, tmp_path)
-    _out, err = popen.communicate(timeout=300)
+    _out, err = popen.communicate(timeout=120)
     last = err.strip().splitlines()[-1]
     assert popen.returncode == 1 and "Traceback" not in err, err[-3000:]
     assert "serves DFlash layers [1, 3, 4, 7]" in last and "--target-layer-ids 0,2,5,7" in last, last
@@ -369,7 +369,7 @@ def test_a_worker_stopped_mid_run_costs_the_run_nothing(tiny_target, data, offli
         )
         try:
             wait_until(
-                lambda: metrics.exists() and metrics.read_text().strip() != "" or popen.poll() is not None, timeout_s=300, what="the first step"
+                lambda: metrics.exists() and metrics.read_text().strip() != "" or popen.poll() is not None, timeout_s=180, what="the first step"
             )
             assert popen.poll() is None, "the run ended before a worker could be stopped"
             cluster.workers[0].popen.send_signal(signal.SIGKILL)
@@ -409,7 +409,7 @@ def test_a_recorded_run_exports_as_offline_files_the_trainer_reads(service, tiny
         str(exported),
         "--skip-missing",
     ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, **WORKER_ENV})
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, **WORKER_ENV})
     assert done.returncode == 0, done.stdout + done.stderr
     from safetensors.torch import load_file
 

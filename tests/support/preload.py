@@ -57,9 +57,7 @@ PRELOADED_MODULES = (
     "draftfeed.producers.tasks.base",
 )
 READY = "draftfeed-preloader ready"
-# For its imports, on a loaded machine: make test's side job (Makefile) runs at a low priority beside the main suite,
-# whose many process groups can leave it a few percent of the cores (a side-job preloader once took over 120 s).
-START_TIMEOUT_S = 300.0
+START_TIMEOUT_S = 120.0  # for its imports, on a loaded machine
 
 
 class PreloadedPopen:
