@@ -55,29 +55,26 @@ demo: $(STAMP)
 
 # Lint and format first; then the suite in 4 processes (each module whole, so a module's cluster starts once; the
 # tests mostly wait on other processes, so 4 keep 2 cores busy: 3 left about a tenth of them idle), the longest
-# modules first (tests/conftest.py, LONGEST_FIRST), the 15 slowest tests listed. The vllm and speculators tests run beside it in .venv-vllm, in 2 processes at a lower priority (nice
-# 10): the main suite has the cores when it wants them, they take what it leaves and both cores once it is done (their
-# output is shown after the main suite's). Where the kernel groups processes by session for scheduling (autogroup),
-# nice counts only within a group, so they run in a session of their own whose group is set to nice 10 too (at 19 the
-# vllm tests, starved, ran past their timeouts). make test fails if either fails. Each test has its own timeout
-# (pyproject.toml, or its module's); SUITE_TIMEOUT bounds each whole run besides, so a hang is a failure, not a
-# stalled CI.
+# modules first (tests/conftest.py, LONGEST_FIRST), the 15 slowest tests listed; then the vllm and speculators tests
+# in .venv-vllm, in 2 processes. One after the other: run beside the main suite at a lower priority they took no less
+# time in all, and the main suite's many process groups (each a scheduling group where the kernel groups by session)
+# could leave them so little of the cores that their own waits ran out. make test runs both and fails if either
+# fails. Each test has its own timeout (pyproject.toml, or its module's); SUITE_TIMEOUT bounds each whole run
+# besides, so a hang is a failure, not a stalled CI.
 SUITE_TIMEOUT_S = 1500
 SUITE_TIMEOUT = timeout -k 30 $(SUITE_TIMEOUT_S)
 PYTEST_PARALLEL = -n 4 --dist loadscope --no-loadscope-reorder --durations=15
-SIDE_NICE = setsid sh -c 'echo 10 > /proc/self/autogroup 2>/dev/null; exec nice -n 10 "$$@"' side
-VLLM_TESTS = VLLM_CPU_KVCACHE_SPACE=1 $(SIDE_NICE) $(SUITE_TIMEOUT) $(VLLM_PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadscope --durations=5 tests/test_engines.py tests/test_speculators.py
+VLLM_TESTS = VLLM_CPU_KVCACHE_SPACE=1 $(SUITE_TIMEOUT) $(VLLM_PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadscope --durations=5 tests/test_engines.py tests/test_speculators.py
 
 test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	-$(PY) $(BYTECODE) draftfeed tests > /dev/null
-	@log=$$(mktemp); $(VLLM_TESTS) > $$log 2>&1 & vllm=$$!; trap 'kill $$vllm 2>/dev/null; rm -f $$log' EXIT; \
-	echo "$(PY) -m pytest -q $(PYTEST_PARALLEL) tests  (and beside it: $(VLLM_TESTS))"; \
 	$(SUITE_TIMEOUT) $(PY) -m pytest -q $(PYTEST_PARALLEL) tests; main=$$?; \
 	test $$main -ne 124 || echo "the suite ran past $(SUITE_TIMEOUT_S) s: stopped"; \
-	wait $$vllm; vllm_rc=$$?; echo "---- the vllm engine tests ($(VLLM_VENV)):"; cat $$log; \
-	test $$main -eq 0 && test $$vllm_rc -eq 0
+	echo "---- the vllm engine and speculators tests ($(VLLM_VENV)):"; \
+	$(VLLM_TESTS); vllm=$$?; \
+	test $$main -eq 0 && test $$vllm -eq 0
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(NEMO_PACKAGES) *.egg-info

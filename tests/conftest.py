@@ -30,7 +30,7 @@ torch.set_num_threads(THREADS)
 # (tests/support/preload.py): about 3.8 s of CPU less per start, which is most of what the suite spends.
 preload.use_preloaded_starts()
 # Fault tests run with a short liveness period: 0.2 s heartbeats, dead after 8 missed (1.6 s). 5 (1 s) was seen to
-# expire a live rank and worker on CI, whose 2 cores also run the vllm tests beside the main suite.
+# expire a live rank and worker on CI's loaded 2 cores.
 FAST_LIVENESS = ["--heartbeat-interval", "0.2", "--liveness", "8"]
 
 

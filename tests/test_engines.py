@@ -50,7 +50,7 @@ ENGINES = ["hf", VLLM]
 # test_compact.py (bit-identical to reference_eagle3).
 OTHER_ENGINES = [VLLM]
 
-# make test runs this file at a lower priority beside the main suite (Makefile): a vllm start can wait minutes for a core.
+# A vllm start on 2 loaded cores takes minutes.
 pytestmark = pytest.mark.timeout(600)
 # vLLM on CPU reserves this many GiB of KV cache per engine (its default, 4, is too much for small machines).
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}

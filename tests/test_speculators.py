@@ -35,7 +35,7 @@ from draftfeed.bench.speculators_run import read_metrics
 HAS_SPECULATORS = importlib.util.find_spec("speculators") is not None and importlib.util.find_spec("datasets") is not None
 pytestmark = [
     pytest.mark.skipif(not HAS_SPECULATORS, reason="speculators is not installed here (make test runs it in .venv-vllm)"),
-    pytest.mark.timeout(600),  # make test runs this file at a lower priority beside the main suite (Makefile)
+    pytest.mark.timeout(600),  # a run of speculators' trainer and a vllm start share 2 cores
 ]
 
 LAYERS = 8  # the tiny target's (conftest.tiny_target)

@@ -356,8 +356,8 @@ def _run_child(request: dict, output: int, errors: int, connection: socket.socke
 
 
 # Where the kernel schedules by session (autogroup), a new session's group starts at nice 0: a process forked here
-# keeps the preloader's group nice instead, as it would keep a plain nice (make test runs its side job at nice 10 in a
-# group of nice 10, and its workers are not to take the cores from the main suite).
+# keeps the preloader's group nice instead, as it would keep a plain nice (a suite run at a lower priority, its
+# workers included).
 _AUTOGROUP_NICE: int | None = None
 
 
