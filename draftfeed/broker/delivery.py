@@ -5,8 +5,8 @@ scheduler (scheduler.py). One sent beyond the window (rightly: the rank counts a
 arrives, the broker when the worker's ``done`` does) is parked until that rank's next ``done``; one beyond twice
 the window is answered busy (admission.py). A request a worker hands back, or one held by a worker that is gone,
 goes back to the front of its rank's queue, its ticket void so that a late ``done`` of the earlier attempt matches
-nothing, unless it has failed on ``--max-attempts`` workers: then its rank is told it failed. A request holds its vocab mapping from arrival to
-completion (mappings.py).
+nothing, unless it has failed on ``--max-attempts`` workers: then its rank is told it failed. A request holds its
+vocab mapping from arrival to completion (mappings.py).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ Two forms. ``status_document``: the whole document, every worker with its pairs 
 endpoint in the broker's own process. ``status_page``: what one ``status`` query gets over the wire, which must fit
 one reply (``MAX_HEADER_BYTES``) however large the cluster: the broker's totals and each service's summary always,
 then the workers from ``workers_from`` and the ranks from ``ranks_from`` (join numbers), as many as fit
-``PAGE_BYTES``; its ``page`` says where the next page of each starts (None: nothing more). A client asks page after page
-(observe/status_client.py). A worker whose pairs alone would not fit shows the first ones and how many it left out.
+``PAGE_BYTES``; its ``page`` says where the next page of each starts (None: nothing more). A client asks page after
+page (observe/status_client.py). A worker whose pairs alone would not fit shows the first ones and how many it left out.
 """
 
 from __future__ import annotations
