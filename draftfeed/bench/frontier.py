@@ -108,8 +108,9 @@ def first_difference(received: dict, input_ids: torch.Tensor, layer_ids: Sequenc
     """Where DSpark supervision from this engine differs from ``frontier_dspark`` (every position of a batch whose
     attention mask is all ones), or None when every byte is equal.
 
-    The expected positions are gathered from ``frontier_rows`` into one small reused buffer, a few hundred positions at a time, and compared bit for bit: the check costs about
-    what reading the sample does, and little memory (a few tens of MB)."""
+    The expected positions are gathered from ``frontier_rows`` into one small reused buffer, a few hundred positions
+    at a time, and compared bit for bit: the check costs about what reading the sample does, and little memory (a few
+    tens of MB)."""
     step = 256
     last = num_hidden_layers - 1
     table = frontier_rows(hidden_size)

@@ -42,8 +42,7 @@ def fetch_status(broker: str, timeout_s: float = 10.0, keys: PeerKeys | None = N
         query = StatusQuery(request_id=0, pairs=pairs, summary=summary)
         document = _ask(sock, poller, watch, query, deadline, broker, timeout_s)
         while (page := document["page"])["workers_next"] is not None or page["ranks_next"] is not None:
-            next_page = dict(workers_from=page["workers_next"], ranks_from=page["ranks_next"])
-            query = StatusQuery(request_id=query.request_id + 1, pairs=pairs, **next_page)
+            query = StatusQuery(request_id=query.request_id + 1, workers_from=page["workers_next"], ranks_from=page["ranks_next"], pairs=pairs)
             _merge(document, _ask(sock, poller, watch, query, deadline, broker, timeout_s))
         return document
     finally:

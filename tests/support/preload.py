@@ -259,8 +259,6 @@ def use_preloaded_starts() -> None:
 def serve(path: str) -> None:
     import importlib
 
-    global _AUTOGROUP_NICE
-    _AUTOGROUP_NICE = _read_autogroup_nice()
     for name in PRELOADED_MODULES:
         importlib.import_module(name)
     parent = os.getppid()
@@ -324,7 +322,6 @@ def _run_child(request: dict, output: int, errors: int, connection: socket.socke
         for item in inherited:
             item.close() if isinstance(item, socket.socket) else os.close(item)  # type: ignore[arg-type]
         os.setsid()
-        _write_autogroup_nice(_AUTOGROUP_NICE)
         if request.get("netns"):
             enter_network_namespace(request["netns"])
         devnull = os.open(os.devnull, os.O_RDONLY)
@@ -353,27 +350,6 @@ def _run_child(request: dict, output: int, errors: int, connection: socket.socke
             sys.stderr.flush()
         finally:
             os._exit(code)
-
-
-# Where the kernel schedules by session (autogroup), a new session's group starts at nice 0: a process forked here
-# keeps the preloader's group nice instead, as it would keep a plain nice (a suite run at a lower priority, its
-# workers included).
-_AUTOGROUP_NICE: int | None = None
-
-
-def _read_autogroup_nice() -> int | None:
-    try:
-        return int(Path("/proc/self/autogroup").read_text().split()[-1])  # "/autogroup-123 nice 10"
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _write_autogroup_nice(nice: int | None) -> None:
-    if nice:
-        try:
-            Path("/proc/self/autogroup").write_text(str(nice))
-        except OSError:
-            pass
 
 
 _CLONE_NEWNET, _CLONE_NEWNS = 0x40000000, 0x00020000
