@@ -34,6 +34,7 @@ from draftfeed.schemas.messages import (
     SetVocabMapping,
     StatusQuery,
     Submit,
+    Where,
     WorkerHeartbeat,
 )
 from draftfeed.schemas.protocol import DEFAULT_BACKEND, DEFAULT_FRONTEND
@@ -239,6 +240,8 @@ class Broker:
             return state.on_model_info(peer, message)
         if isinstance(message, StatusQuery):
             return state.on_status(peer, message)
+        if isinstance(message, Where):
+            return state.on_where(peer, message)
         if isinstance(message, Bye):
             return state.on_rank_bye(peer)
         raise MalformedMessage(f"unexpected message type {message.type!r} on the rank port")

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from draftfeed.broker.mappings import MappingTable
-from draftfeed.broker.records import Outgoing, Pending, RankRecord, ServiceRecord, WorkerRecord, to_rank
+from draftfeed.broker.records import Finished, Outgoing, Pending, RankRecord, ServiceRecord, WorkerRecord, to_rank
 from draftfeed.broker.scheduler import Scheduler
 from draftfeed.broker.settings import BrokerSettings
 from draftfeed.schemas.messages import TASKS, Done, ErrorReply, Submit
@@ -47,13 +47,15 @@ class Delivery:
     def accept(self, rank: RankRecord, submit: Submit, frames: list[Any], header_json: bytes | None, service: ServiceRecord) -> list[Outgoing]:
         """Take on an admitted request: queue it, or park it while its rank's credit window is full."""
         at_window = rank.outstanding >= rank.hello.window
-        pending = Pending(rank, submit, frames, self.clock(), request_json=header_json)
+        now = self.clock()
+        pending = Pending(rank, submit, frames, now, placed_at=now, request_json=header_json)
         self.mappings.hold(pending)
         rank.requests[submit.request_id] = pending
         rank.submitted += 1
         if at_window:
             # The rank counts a request done when its result arrives, the broker when the worker's done
             # does: a rank may rightly send its next request in between. Park it until that done.
+            pending.parked = True
             rank.parked.append(pending)
             return []
         if log.isEnabledFor(logging.DEBUG):
@@ -63,6 +65,7 @@ class Delivery:
     def _enqueue(self, pending: Pending, service: ServiceRecord) -> list[Outgoing]:
         rank = pending.rank
         rank.peak_outstanding = max(rank.peak_outstanding, rank.outstanding)
+        pending.parked, pending.placed_at = False, self.clock()
         service.queue.append(pending)
         return self.scheduler.dispatch(service)
 
@@ -104,13 +107,16 @@ class Delivery:
         if log.isEnabledFor(logging.DEBUG):  # describe() is not free, and this runs once per request
             waited_ms = 1000 * (self.clock() - pending.enqueued_at)
             log.debug("broker: %s %s by worker %s, %.1f ms after it arrived", pending.describe(), done.outcome, worker.name, waited_ms)
-        return self.complete(pending, service)
+        return self.complete(pending, service, worker.name, done.outcome)
 
-    def complete(self, pending: Pending, service: ServiceRecord) -> list[Outgoing]:
-        """The request leaves the broker's care; its rank's next parked request, if any, takes its place in the queue."""
+    def complete(self, pending: Pending, service: ServiceRecord, worker: str | None, outcome: str) -> list[Outgoing]:
+        """The request leaves the broker's care (``worker`` said how it went: ``outcome``; None: the broker failed it),
+        remembered a while for a rank that asks where it is; its rank's next parked request, if any, takes its place in
+        the queue."""
         rank = pending.rank
         if rank.requests.pop(pending.request.request_id, None) is None:
             return []
+        rank.remember_finished(pending.request.request_id, Finished(worker, outcome, self.clock()))
         out = self.mappings.release(pending)
         rank.completed += 1
         if rank.parked and not rank.gone:
@@ -122,8 +128,9 @@ class Delivery:
         why it goes back (counted in ``requeues``)."""
         out: list[Outgoing] = []
         back: list[Pending] = []
+        now = self.clock()
         for pending, cause in sorted(requeued, key=lambda item: item[0].enqueued_at):
-            pending.ticket, pending.worker = -1, None
+            pending.ticket, pending.worker, pending.placed_at = -1, None, now
             if pending.rank.gone:
                 continue  # its rank was forgotten; if it came back, it sent the request again under a new record
             if pending.failures >= self.settings.max_attempts:
@@ -145,4 +152,4 @@ class Delivery:
         self.counters["requests_failed"] += 1
         log.warning("broker: %s", message)
         out = [to_rank(pending.rank.peer, ErrorReply(request_id=pending.request.request_id, message=message, code="failed"))]
-        return out + self.complete(pending, service)
+        return out + self.complete(pending, service, None, "failed")

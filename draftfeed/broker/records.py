@@ -57,6 +57,8 @@ class Pending:
     frames: list[Any]
     enqueued_at: float
     ticket: int = -1  # of its current dispatch; -1 while queued
+    placed_at: float = 0.0  # when it took its current place: queued, parked or dispatched (a rank's ``where`` hears it)
+    parked: bool = False  # waiting beyond its rank's window for a done (``RankRecord.parked``)
     worker: bytes | None = None  # the worker it is dispatched to, while it is
     request_json: bytes | None = None  # the request, encoded once for every dispatch of it
     failures: int = 0  # tries that failed in the engine (a poison batch must not kill every worker)
@@ -111,11 +113,30 @@ class RankRecord:
     order: int = 0  # when it said hello, among all ranks (where a status page of ranks starts)
     gone: bool = False  # forgotten: a later hello of the same rank makes a new record
     workers_served: set[bytes] = field(default_factory=set)  # the workers that hold a link to it (told when it goes)
+    finished: OrderedDict[int, Finished] = field(default_factory=OrderedDict)  # its last FINISHED_KEPT requests done
+
+    def remember_finished(self, request_id: int, finished: Finished) -> None:
+        self.finished[request_id] = finished
+        self.finished.move_to_end(request_id)
+        while len(self.finished) > FINISHED_KEPT:
+            self.finished.popitem(last=False)
 
     @property
     def outstanding(self) -> int:
         """Its requests queued or at a worker (those parked beyond its window not counted)."""
         return len(self.requests) - len(self.parked)
+
+
+class Finished(NamedTuple):
+    """A request that left the broker's care, kept a while so that a rank that still waits for it hears where it went."""
+
+    worker: str | None  # the worker that reported it done (None: the broker failed it)
+    outcome: str  # served, failed, undelivered
+    at: float
+
+
+# How many of a rank's finished requests the broker remembers (a rank asks about one when its answer never came).
+FINISHED_KEPT = 256
 
 
 class PairRecord(NamedTuple):

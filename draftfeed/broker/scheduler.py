@@ -13,6 +13,8 @@ number of workers and ranks, and a call with no free worker or nothing queued O(
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 
 from draftfeed.broker.mappings import MappingTable
 from draftfeed.broker.records import Outgoing, Pending, ServiceRecord, WorkerRecord
@@ -23,8 +25,9 @@ log = logging.getLogger("draftfeed.broker")
 
 
 class Scheduler:
-    def __init__(self, mappings: MappingTable) -> None:
+    def __init__(self, mappings: MappingTable, clock: Callable[[], float] = time.monotonic) -> None:
         self.mappings = mappings
+        self.clock = clock
         self.draining = False
         self._next_ticket = 0
 
@@ -61,6 +64,7 @@ class Scheduler:
             out.extend(self.mappings.send_before(worker, pending))
         pending.ticket = self._next_ticket
         pending.worker = worker.peer
+        pending.placed_at = self.clock()
         self._next_ticket += 1
         worker.in_flight[pending.ticket] = pending
         worker.last_assigned = pending.ticket

@@ -46,6 +46,7 @@ from draftfeed.broker.records import Outgoing, ServiceRecord, to_rank, to_worker
 from draftfeed.broker.scheduler import Scheduler
 from draftfeed.broker.settings import BrokerSettings
 from draftfeed.broker.status import THROUGHPUT_WINDOW_S, status_document, status_page
+from draftfeed.broker.whereabouts import locate
 from draftfeed.broker.workers import WorkerBook, model_info_reply
 from draftfeed.schemas.errors import MalformedMessage
 from draftfeed.schemas.frames import pack
@@ -65,6 +66,7 @@ from draftfeed.schemas.messages import (
     StatusReply,
     Submit,
     Welcome,
+    Where,
     WorkerHeartbeat,
 )
 from draftfeed.schemas.tensor_specs import check_frames
@@ -92,7 +94,7 @@ class BrokerState:
         self.forgotten_ranks = self.rank_book.forgotten
         self.forgotten_workers = self.worker_book.forgotten
         self.mappings = MappingTable(self.workers)
-        self.scheduler = Scheduler(self.mappings)
+        self.scheduler = Scheduler(self.mappings, clock)
         self.notices = Notices()  # what departures and arrivals tell other peers, said at the next flush
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.delivery = Delivery(self.settings, self.mappings, self.scheduler, self.counters, clock)
@@ -176,6 +178,13 @@ class BrokerState:
 
     def on_status(self, peer: bytes, query: StatusQuery) -> list[Outgoing]:
         return [to_rank(peer, StatusReply(request_id=query.request_id, status=self.status(query)))]
+
+    def on_where(self, peer: bytes, where: Where) -> list[Outgoing]:
+        """Where the rank's requests are (whereabouts.py); a rank this broker does not know says hello again."""
+        rank, out = self.rank_book.known(peer, None)
+        if rank is None:
+            return out
+        return [to_rank(peer, locate(rank, where.request_ids, self.workers, self.clock()))]
 
     def on_rank_bye(self, peer: bytes) -> list[Outgoing]:
         return self._forget_rank(peer, "it said goodbye")

@@ -105,6 +105,8 @@ def _rank(rank: RankRecord, service: ServiceRecord, now: float) -> dict[str, Any
         "submitted": rank.submitted,
         "completed": rank.completed,
         "last_heartbeat_s": round(now - rank.last_seen, 3),
+        # how long its oldest request has been with the broker (0: none): next to the liveness period, a stuck one shows
+        "oldest_request_s": round(max((now - p.enqueued_at for p in rank.requests.values()), default=0.0), 3),
     }
 
 

@@ -91,6 +91,12 @@ class BrokerCollector(Collector):
             [((r["service"], r["rank"]), r["queued"]) for r in ranks],
             rank_labels,
         )
+        yield _gauge(
+            "draftfeed_broker_rank_oldest_request_seconds",
+            "seconds the oldest request of each rank has been with the broker",
+            [((r["service"], r["rank"]), r["oldest_request_s"]) for r in ranks],
+            rank_labels,
+        )
 
 
 def _gauge(name: str, documentation: str, samples: list[tuple[tuple[str, ...], float]], labels: list[str] | None = None) -> GaugeMetricFamily:

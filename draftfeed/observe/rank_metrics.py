@@ -16,6 +16,7 @@ RETRIES = {
     "lost_over_pair": "an answer lost with its pair group or nixl pair, asked for again",
     "busy_retries": "a request sent again after the broker said its service was busy",
     "resyncs": "a full resend after the broker had forgotten the rank",
+    "lost_resent": "a request the broker no longer held (or never had) while the rank waited for it, sent again",
 }
 
 

@@ -135,7 +135,8 @@ def format_status(status: dict[str, Any]) -> str:
     for c in status["ranks"] if listed else []:
         lines.append(
             f"rank {c['rank']:<30} service {c['service']}: queued {c['queued']}, outstanding {c['outstanding']}/{c['window']} "
-            f"(peak {c['peak_outstanding']}), done {c['completed']}/{c['submitted']}, heartbeat {c['last_heartbeat_s']:.1f} s ago"
+            f"(peak {c['peak_outstanding']}), done {c['completed']}/{c['submitted']}, oldest request {c['oldest_request_s']:.1f} s, "
+            f"heartbeat {c['last_heartbeat_s']:.1f} s ago"
         )
     return "\n".join(lines)
 

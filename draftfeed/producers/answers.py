@@ -39,6 +39,11 @@ class Answer(Future):
         self._error: BaseException | None = None
         self.progressed_at: float | None = None  # when a piece of its answer last arrived (time.monotonic); waits.py
 
+    @property
+    def request_id(self) -> int:
+        """The id it was first sent under (the table knows it by every id it had)."""
+        return self._request_id
+
     def result(self, timeout: float | None = None) -> Any:
         self._take(timeout)
         if self._error is not None:

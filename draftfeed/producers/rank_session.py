@@ -10,6 +10,10 @@ the clock it is given, so its fault handling is tested under a hand-turned clock
 - A welcome that says the broker holds nothing of this rank (``resumed`` false) makes it send its vocab
   mappings, then every unanswered request, in order. A request refused because the broker lacks its mapping
   (``unknown_mapping``) goes again behind that mapping; one the broker called busy goes again after a backoff.
+- A request whose answer has shown no sign of progress for a liveness period is asked about (``where``, on the
+  beat); the broker's ``whereabouts`` say where each is, and one the broker no longer holds (done, its answer never
+  came) or never had is sent again at once: whatever lost it (a worker killed between its done and its answer's
+  last bytes, a message dropped), the rank finds out within about a liveness period, not at its request_timeout.
 - Each request is answered at most once: the first answer that echoes the request's random token resolves it;
   any later one is dropped and counted, and so is one with another token (``foreign``).
 - A refusal of the rank itself (another target, over a limit, the wrong port, a refused handshake) breaks it:
@@ -28,7 +32,7 @@ from typing import Any
 from draftfeed.broker_view import BrokerView
 from draftfeed.logs import RateLimitedLog
 from draftfeed.peer_loop import Outbox
-from draftfeed.producers.requests import RequestTable
+from draftfeed.producers.requests import RequestTable, Waiter
 from draftfeed.schemas.errors import NonFiniteSupervision, RemoteTargetError
 from draftfeed.schemas.frames import pack, with_request_id
 from draftfeed.schemas.messages import (
@@ -43,6 +47,8 @@ from draftfeed.schemas.messages import (
     ServiceWorkers,
     StatusReply,
     Welcome,
+    Where,
+    Whereabouts,
     WorkerKeys,
     WorkersGone,
 )
@@ -51,6 +57,9 @@ log = logging.getLogger("draftfeed.producer")
 
 # The ErrorReply codes that refuse the rank itself, not one of its requests.
 REFUSING_THE_RANK = ("unreachable", "mismatch", "over_limit", "wrong_port")
+# A request done at the broker this many heartbeat intervals ago, whose answer has not come, is taken for lost (a
+# moment sooner, its answer may still be on its way).
+DONE_GRACE_BEATS = 2
 
 
 @dataclass
@@ -67,6 +76,8 @@ class ConnectionStats:
     bytes_in_pieces: int = 0
     seconds_in_pieces: float = 0.0  # from each such answer's header to its last piece
     checksum_mismatches: int = 0  # answers whose digests said they arrived changed: dropped, asked for again
+    where_asked: int = 0  # ``where`` messages sent: requests whose answer showed no progress for a liveness period
+    lost_resent: int = 0  # requests the broker no longer held (or never had) while the rank waited: sent again
 
 
 class RankSession:
@@ -108,7 +119,7 @@ class RankSession:
 
     def turn(self) -> None:
         for waiter in self.requests.due_again():
-            self.outbox.put(waiter.frames)  # type: ignore[arg-type]  # due_again returns packed requests only
+            self._put(waiter)
 
     def beat(self) -> None:
         self.outbox.put(pack(Heartbeat()), droppable=True)
@@ -117,6 +128,15 @@ class RankSession:
             if self.broker.instance is not None:  # before any welcome, the constructor says what it waits for
                 log.warning("draftfeed rank %s: broker %s %s; saying hello again", self.rank_id, self.broker_endpoint, silence)
             self.say_hello()
+        elif self.broker.instance is not None and self.broker.introduced_at is None:
+            self._ask_where()
+
+    def _ask_where(self) -> None:
+        """Ask the broker where the requests are whose answers have shown no progress for a liveness period."""
+        stale = self.requests.stale(self.broker.liveness_s, self.broker.interval_s)
+        if stale:
+            self.stats.where_asked += 1
+            self.outbox.put(pack(Where(request_ids=stale)), droppable=True)  # the next beat asks again
 
     # ------------------------------------------------------------ what it says
     def say_hello(self) -> None:
@@ -129,7 +149,13 @@ class RankSession:
         """A caller's request, packed by the caller (else closed or failed meanwhile)."""
         waiter = self.requests.get(request_id)
         if waiter is not None and waiter.frames is not None:
-            self.outbox.put(waiter.frames)
+            self._put(waiter)
+
+    def _put(self, waiter: Waiter) -> None:
+        """A packed request to the outbox, its sending noted (a request is asked about when nothing moves after it)."""
+        assert waiter.frames is not None
+        self.requests.sent(waiter)
+        self.outbox.put(waiter.frames)
 
     def ask_again(self, request_id: int, reason: str) -> None:
         """An answer was lost with its pair group or nixl pair, or partway through its pieces: the request goes again
@@ -148,7 +174,7 @@ class RankSession:
         )
         assert waiter.frames is not None  # packed before it was sent, and only what was sent is lost
         waiter.frames = with_request_id(waiter.frames, new_id)
-        self.outbox.put(waiter.frames)
+        self._put(waiter)
 
     # ------------------------------------------------------------ what it hears from the broker
     def on_broker(self, message: Any) -> None:
@@ -177,6 +203,25 @@ class RankSession:
                 self.requests.resolve(message.request_id, header=message)
         elif isinstance(message, (ModelInfoReply, StatusReply)):
             self._resolve(message.request_id, header=message)
+        elif isinstance(message, Whereabouts):
+            self._located(message)
+
+    def _located(self, message: Whereabouts) -> None:
+        """The broker said where the requests asked about are: one it no longer holds, or never had, goes again."""
+        grace_s = DONE_GRACE_BEATS * self.broker.interval_s
+        for place in message.places:
+            waiter = self.requests.located(place, grace_s)
+            if waiter is None:
+                continue
+            self.stats.lost_resent += 1
+            said = (
+                f"done {place.age_s:.1f} s ago ({place.outcome} by {f'worker {place.worker}' if place.worker else 'the broker'}) "
+                "and its answer never came"
+                if place.place == "done"
+                else "unknown to it"
+            )
+            log.warning("draftfeed rank %s: request %d is %s at the broker; sending it again", self.rank_id, place.request_id, said)
+            self._put(waiter)
 
     def _welcomed(self, message: Welcome) -> None:
         first = self.broker.instance is None
@@ -230,7 +275,7 @@ class RankSession:
             len(waiters),
         )
         for waiter in [*mappings, *waiters]:
-            self.outbox.put(waiter.frames)  # type: ignore[arg-type]  # both lists hold packed requests only
+            self._put(waiter)
 
     def _send_behind_its_mapping(self, request_id: int) -> None:
         """The broker lacks the mapping this request names: send the mapping, then the request again."""
@@ -242,8 +287,8 @@ class RankSession:
             self._resolve(request_id, error=RemoteTargetError(f"the broker lacks vocab mapping {waiter.mapping}, which this rank no longer holds"))
             return
         log.info("draftfeed rank %s: the broker lacks vocab mapping %s; sending it before request %d again", self.rank_id, waiter.mapping, request_id)
-        self.outbox.put(mapping.frames)
-        self.outbox.put(waiter.frames)
+        self._put(mapping)
+        self._put(waiter)
 
     def _set_service_workers(self, workers: int) -> None:
         self.service_workers = workers

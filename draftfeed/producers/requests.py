@@ -10,6 +10,10 @@ Thread-safe: callers add requests and pack them on their threads, the IO thread 
 - The vocab mappings set through the table are kept by digest while they are the current one or an
   unanswered request names them, so that they can be sent again to a broker that lacks them.
 - A request the broker called busy is due again after a backoff that doubles per busy answer.
+- A request whose answer shows no sign of progress (its sending, a piece of its answer) for a liveness period is
+  asked about (``stale``): the broker says where it is (``located``), and one the broker no longer holds, or never
+  had, is due again at once. What the broker last said of it is kept, for the error of a wait that times out
+  (``describe``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from draftfeed.producers.answers import Answer, Finish, Reply, settle
+from draftfeed.schemas.messages import Place
+from draftfeed.schemas.protocol import MAX_WHERE
 
 BUSY_RETRY_S = (0.05, 1.0)  # a busy request is sent again after the first, doubling per busy answer up to the second
 
@@ -55,6 +61,18 @@ class Waiter:
     retry_at: float | None = None
     busy_retries: int = 0
     ids: list[int] = field(default_factory=list)  # every request id it answers to, the latest last
+    sent_at: float | None = None  # when its frames last went to the outbox (the table's clock)
+    asked_at: float | None = None  # when the broker was last asked where it is
+    asked: int = 0  # how many times
+    seen: Place | None = None  # where the broker last said it was
+    seen_at: float | None = None  # when it said so
+    sent_again_lost: int = 0  # times it was sent again because the broker no longer held it
+
+    def progressed_at(self) -> float | None:
+        """When it last showed a sign of life: sent, or a piece of its answer came (the answer's ``progressed_at``,
+        on time.monotonic, which is the table's clock outside tests)."""
+        marks = [t for t in (self.sent_at, self.future.progressed_at) if t is not None]
+        return max(marks) if marks else None
 
 
 class RequestTable:
@@ -165,6 +183,77 @@ class RequestTable:
                 waiter.retry_at = None
         return due
 
+    # ------------------------------------------------------------ where is it?
+    def sent(self, waiter: Waiter) -> None:
+        """Its frames went to the outbox (first sent, sent again after a resync, a busy answer, or a loss)."""
+        with self._lock:
+            waiter.sent_at = self.clock()
+
+    def stale(self, quiet_s: float, again_s: float) -> list[int]:
+        """The ids (each request's latest) of the requests to ask the broker about, oldest first, at most ``MAX_WHERE``:
+        batches sent and not in a busy backoff whose answer has shown no sign of progress for ``quiet_s``, not asked
+        about since their last progress, or the broker's last word on them older than ``again_s`` (``quiet_s`` when
+        it said it holds them: a loss after that is found within a liveness period)."""
+        now = self.clock()
+        chosen: list[Waiter] = []
+        with self._lock:
+            for waiter in self._unique():
+                if waiter.kind is not RequestKind.BATCH or waiter.frames is None or waiter.retry_at is not None:
+                    continue
+                progressed = waiter.progressed_at()
+                if progressed is None or now - progressed < quiet_s:
+                    continue
+                if waiter.asked_at is not None and waiter.asked_at >= progressed:  # asked since its last progress
+                    answered = waiter.seen is not None and waiter.seen_at is not None and waiter.seen_at >= waiter.asked_at
+                    held = answered and waiter.seen is not None and waiter.seen.place not in ("done", "unknown")
+                    if now - waiter.asked_at < (quiet_s if held else again_s):
+                        continue
+                chosen.append(waiter)
+            chosen.sort(key=lambda w: w.ids[0])
+            chosen = chosen[:MAX_WHERE]
+            for waiter in chosen:
+                waiter.asked_at = now
+                waiter.asked += 1
+        return [waiter.ids[-1] for waiter in chosen]
+
+    def located(self, place: Place, grace_s: float) -> Waiter | None:
+        """The broker said where request ``place.request_id`` is. The waiter, to send again, when the broker does not
+        hold it: it never had it or forgot it (unknown), or it left the broker's care more than ``grace_s`` ago
+        (done) and its answer never came; None otherwise (held, answered meanwhile, or done a moment ago: its
+        answer may be on its way, and the next ``where`` asks again)."""
+        with self._lock:
+            waiter = self._waiters.get(place.request_id)
+            if waiter is None or waiter.ids[-1] != place.request_id:
+                return None  # answered meanwhile, or asked again under a newer id since
+            waiter.seen, waiter.seen_at = place, self.clock()
+            lost = place.place == "unknown" or (place.place == "done" and place.age_s >= grace_s)
+            if not lost or waiter.frames is None:
+                return None
+            waiter.sent_again_lost += 1
+            waiter.seen = None  # what the broker says of the new try is what counts
+            return waiter
+
+    def describe(self, request_id: int | None) -> str | None:
+        """Where the unanswered request that answers to ``request_id`` was last seen, in words (for a timeout's error
+        and the waits' log); None if it is not here."""
+        if request_id is None:
+            return None
+        now = self.clock()
+        with self._lock:
+            waiter = self._waiters.get(request_id)
+            if waiter is None:
+                return None
+            latest, seen, seen_at, asked, asked_at = waiter.ids[-1], waiter.seen, waiter.seen_at, waiter.asked, waiter.asked_at
+            lost, sent_at = waiter.sent_again_lost, waiter.sent_at
+        again = f"; sent again {lost} times after the broker had lost track of it" if lost else ""
+        if seen is not None and seen_at is not None:
+            return f"request {latest} was {_in_words(seen)}, as the broker said {now - seen_at:.1f} s ago{again}"
+        if asked and asked_at is not None:
+            return f"request {latest} was never acknowledged: the broker has not said where it is (asked {asked} times, last {now - asked_at:.1f} s ago){again}"
+        if sent_at is not None:
+            return f"request {latest} was sent {now - sent_at:.1f} s ago{again}"
+        return f"request {latest} has not been sent yet{again}"
+
     # ------------------------------------------------------------ resolving
     def resolve(self, request_id: int, *, header: Any = None, tensors: dict[str, Any] | None = None, error: BaseException | None = None) -> bool:
         """Settle the request that answers to ``request_id`` with the reply (``header``, ``tensors``) or ``error``,
@@ -196,3 +285,16 @@ class RequestTable:
     def _unique(self) -> list[Waiter]:
         """Each waiter once (one asked again answers to several ids); call with the lock held."""
         return list({id(w): w for w in self._waiters.values()}.values())
+
+
+def _in_words(place: Place) -> str:
+    """Where the broker said a request was: ``queued at the broker for 3.0 s``, ``computing at worker w1 for 590.2 s``."""
+    if place.place == "done":
+        by = f" by worker {place.worker}" if place.worker else " by the broker"
+        return f"done {place.age_s:.1f} s before ({place.outcome}{by}), but its answer never came"
+    if place.place == "unknown":
+        return "unknown to the broker"
+    where = {"queued": "queued at the broker", "parked": "parked at the broker (beyond the rank's window)"}.get(place.place)
+    if where is None:
+        where = f"{'computing' if place.place == 'computing' else 'waiting'} at worker {place.worker}"
+    return f"{where} for {place.age_s:.1f} s"

@@ -141,14 +141,18 @@ class BrokerSource:
             lambda rid, _token: pack(StatusQuery(request_id=rid)), lambda reply, _: {**reply.status, **also()}, RequestKind.STATUS
         )
 
-    def why_no_answer(self) -> str:
-        """What is known of why no answer comes: the broker gone or silent, the service without workers, or neither."""
+    def why_no_answer(self, future: Future | None = None) -> str:
+        """What is known of why no answer comes: the broker gone or silent, the service without workers, or neither;
+        and where the broker last said the request of ``future`` was (requests.py, ``describe``)."""
         broker = self.connection.session.describe_broker()
         if not broker.startswith("the broker was heard"):
-            return broker
-        if self.connection.session.service_workers == 0:
-            return f"no worker serves the service now ({broker})"
-        return f"its {self.connection.session.service_workers} workers have not answered ({broker})"
+            why = broker
+        elif self.connection.session.service_workers == 0:
+            why = f"no worker serves the service now ({broker})"
+        else:
+            why = f"its {self.connection.session.service_workers} workers have not answered ({broker})"
+        seen = self.connection.requests.describe(getattr(future, "request_id", None))
+        return f"{why}; {seen}" if seen is not None else why
 
     def health(self) -> str | None:
         """None while a broker is heard and the service has a worker."""
@@ -266,8 +270,8 @@ class StoredSource:
         if self.broker is not None:
             self.broker.await_workers(wait_s)
 
-    def why_no_answer(self) -> str:
-        return self.broker.why_no_answer() if self.broker is not None else f"reading the store at {self.store.path} is this slow"
+    def why_no_answer(self, future: Future | None = None) -> str:
+        return self.broker.why_no_answer(future) if self.broker is not None else f"reading the store at {self.store.path} is this slow"
 
     def health(self) -> str | None:
         return self.broker.health() if self.broker is not None else None

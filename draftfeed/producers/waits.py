@@ -20,12 +20,12 @@ def wait_for(
     service: str,
     timeout_s: float,
     log_interval_s: float,
-    why_no_answer: Callable[[], str],
+    why_no_answer: Callable[[Future], str],
     in_flight: Callable[[], int],
 ) -> Any:
     """``future``'s result; every ``log_interval_s`` a warning says what it waits for and why no answer came yet
-    (``why_no_answer``); after ``timeout_s`` (request_timeout) a RemoteTargetTimeout says the same. An answer that
-    arrives in pieces (the future's ``progressed_at``) keeps the wait going: the timeout runs from its last piece."""
+    (``why_no_answer``: also where the broker last said this future's request was); after ``timeout_s``
+    (request_timeout) a RemoteTargetTimeout says the same. An answer that arrives in pieces (the future's ``progressed_at``) keeps the wait going: the timeout runs from its last piece."""
     started = time.monotonic()
     while True:
         deadline = max(started, getattr(future, "progressed_at", None) or started) + timeout_s
@@ -36,7 +36,7 @@ def wait_for(
             if time.monotonic() >= deadline:
                 raise RemoteTargetTimeout(
                     f"no answer with {what} from service {service!r} within {timeout_s:.0f} s (request_timeout): "
-                    f"{why_no_answer()}; check `draftfeed status`"
+                    f"{why_no_answer(future)}; check `draftfeed status`"
                 ) from None
             log.warning(
                 "draftfeed: waiting %.0f s for %s from service %r (%d batches in flight): %s",
@@ -44,5 +44,5 @@ def wait_for(
                 what,
                 service,
                 in_flight(),
-                why_no_answer(),
+                why_no_answer(future),
             )

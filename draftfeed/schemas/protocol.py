@@ -12,7 +12,7 @@ Peers with another protocol version are rejected with an error that names both v
 from __future__ import annotations
 
 PROTOCOL_NAME = b"draftfeed"
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 SIGNATURE = PROTOCOL_NAME + b"/" + str(PROTOCOL_VERSION).encode()
 
 # Where a message's tensor frames begin, after any ROUTER identity frame has been taken off: [signature, header, *tensors].
@@ -41,6 +41,8 @@ MAX_TENSORS_PER_MESSAGE = 64
 # in more messages).
 PAIRS_PER_BEAT = 16
 MAX_NOTICES = 1024
+# The requests one ``where`` asks about (a rank asks about its oldest first; the rest at its next beat).
+MAX_WHERE = 64
 
 DEFAULT_FRONTEND = "tcp://*:5555"
 DEFAULT_BACKEND = "tcp://*:5556"

@@ -3,6 +3,8 @@ data socket, its data planes and receive pool, what its connection dropped, and 
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 from draftfeed.producers.rank_session import ConnectionStats
 from draftfeed.producers.sources import Source
 from draftfeed.schemas.messages import PairOpen
@@ -61,8 +63,8 @@ class RankView:
         assert self._source is not None  # set in __init__, or the constructor raised
         return self._source
 
-    def _why_no_answer(self) -> str:
-        return self._source.why_no_answer() if self._source is not None else "the rank is closed"
+    def _why_no_answer(self, future: Future | None = None) -> str:
+        return self._source.why_no_answer(future) if self._source is not None else "the rank is closed"
 
     def _health(self) -> str | None:
         """None while a broker is heard and the service has a worker (for ``/health`` of metrics_port)."""

@@ -24,7 +24,7 @@ from draftfeed.schemas.messages.common import (
     Token,
 )
 from draftfeed.schemas.messages.target_info import TargetInfo
-from draftfeed.schemas.protocol import MAX_NOTICES
+from draftfeed.schemas.protocol import MAX_NOTICES, MAX_WHERE
 
 
 class Hello(Strict):
@@ -86,6 +86,37 @@ class StatusQuery(Strict):
     ranks_from: Annotated[int, Field(ge=0)] | None = 0
     pairs: bool = False
     summary: bool = False
+
+
+class Where(Strict):
+    """The rank asks where its requests are: each was sent (or last moved) more than a liveness period ago and no
+    piece of its answer has come since. The broker answers ``whereabouts``; a request it does not hold is sent again."""
+
+    type: Literal["where"] = "where"
+    request_ids: list[RequestId] = Field(min_length=1, max_length=MAX_WHERE)
+
+
+# Where the broker has a rank's request: queued for its service, parked beyond the rank's window, at a worker
+# (dispatched, waiting in that worker's queue) or computing there; done (it left the broker's care: its answer, a
+# failure, or nothing if undelivered, went to the rank), or unknown (the broker never had it, or forgot it).
+PlaceName = Literal["queued", "parked", "at_worker", "computing", "done", "unknown"]
+
+
+class Place(Strict):
+    """Where one request is, as the broker sees it, and for how long it has been there."""
+
+    request_id: RequestId
+    place: PlaceName
+    age_s: Annotated[float, Field(ge=0)] = 0.0  # seconds in that place (done: since it left the broker's care)
+    worker: Name | None = None  # at_worker, computing: the worker that holds it; done: the worker that reported it
+    outcome: Name | None = None  # done: how its worker said it went (served, failed, undelivered)
+
+
+class Whereabouts(Strict):
+    """The broker's answer to ``where``: each request asked about, in the order asked."""
+
+    type: Literal["whereabouts"] = "whereabouts"
+    places: list[Place] = Field(max_length=MAX_WHERE)
 
 
 class Welcome(Strict):

@@ -21,6 +21,8 @@ from draftfeed.schemas.messages.ranks import (
     StatusReply,
     Submit,
     Welcome,
+    Where,
+    Whereabouts,
     WorkerKeys,
     WorkersGone,
 )
@@ -37,11 +39,11 @@ from draftfeed.schemas.messages.workers import (
     WorkerHeartbeat,
 )
 
-FrontendInbound = Annotated[Hello | Submit | SetVocabMapping | ModelInfoQuery | StatusQuery | Heartbeat | Bye, Field(discriminator="type")]
+FrontendInbound = Annotated[Hello | Submit | SetVocabMapping | ModelInfoQuery | StatusQuery | Where | Heartbeat | Bye, Field(discriminator="type")]
 
 
 FrontendOutbound = Annotated[
-    Welcome | Ack | ModelInfoReply | StatusReply | ErrorReply | Heartbeat | Goodbye | WorkersGone | WorkerKeys | ServiceWorkers,
+    Welcome | Ack | ModelInfoReply | StatusReply | ErrorReply | Heartbeat | Goodbye | WorkersGone | WorkerKeys | ServiceWorkers | Whereabouts,
     Field(discriminator="type"),
 ]
 
