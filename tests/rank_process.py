@@ -7,7 +7,8 @@ batches and, once done, checks every result against the in-process computation, 
 
 Prints the ready line once set up, ``batch N`` after each batch, and at the end one ``RESULT {json}`` line:
 how many batches came, whether in order, the differences found (where and how large), how many came over nixl,
-the rank's data endpoint, or the error.
+the rank's data endpoint, the longest wait for one batch and the requests sent again because the broker had lost
+track of them (``lost_resent``), or the error.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 
 import torch
 from reference import difference, draft_vocab, make_batch, reference_dspark, reference_eagle3
@@ -58,6 +60,7 @@ def main() -> int:
     results = []
     error = None
     planes = {}
+    longest_wait = 0.0
     cls = RemoteEagle3Target if args.task == "eagle3" else RemoteDSparkTarget
     try:
         store = {"store": args.store, "store_mode": args.store_mode, "store_shard_bytes": args.store_shard_bytes} if args.store else {}
@@ -67,16 +70,20 @@ def main() -> int:
             if mapping is not None:
                 target.set_vocab_mapping(*mapping)
             announce_ready(role="rank", rank=target.rank_id)
+            asked = time.monotonic()
             for index, (batch, supervision) in enumerate(target.iterate(batches)):
+                longest_wait = max(longest_wait, time.monotonic() - asked)
                 results.append((batch, supervision))
                 say(f"batch {index}")
-            planes = {"over_nixl": target.connection_stats.received_over_nixl, "data_endpoint": target.data_endpoint}
+                asked = time.monotonic()
+            stats = target.connection_stats
+            planes = {"over_nixl": stats.received_over_nixl, "data_endpoint": target.data_endpoint, "lost_resent": stats.lost_resent}
         finally:
             if not args.leave_open:
                 target.close()
     except Exception as exc:  # reported in the result line, for the test to show
         error = f"{type(exc).__name__}: {exc}"
-    say(f"RESULT {json.dumps(check(args, batches, mapping, results, error) | planes)}")
+    say(f"RESULT {json.dumps(check(args, batches, mapping, results, error) | planes | {'longest_wait_s': round(longest_wait, 3)})}")
     return 0
 
 

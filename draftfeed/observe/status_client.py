@@ -55,7 +55,7 @@ def _ask(
     sock: zmq.Socket, poller: zmq.Poller, watch: HandshakeWatch, query: StatusQuery, deadline: float, broker: str, timeout_s: float
 ) -> dict[str, Any]:
     """One page: the reply to ``query``, before ``deadline``."""
-    sock.send_multipart(pack(query), flags=zmq.NOBLOCK)
+    _send(sock, watch, pack(query), deadline, broker)
     while (remaining := deadline - time.monotonic()) > 0:
         events = dict(poller.poll(int(remaining * 1000)))
         if watch.monitor in events:
@@ -71,6 +71,22 @@ def _ask(
     raise RemoteTargetTimeout(
         f"no status from a broker at {broker} within {timeout_s:g} s (--timeout): is it running, and is that its rank port (--frontend)?"
     )
+
+
+def _send(sock: zmq.Socket, watch: HandshakeWatch, frames: list[Any], deadline: float, broker: str) -> None:
+    """Send the query once the socket takes it: a connection whose handshake failed leaves it no pipe for a moment (a
+    send raises Again), and the handshake watch then says why."""
+    while True:
+        try:
+            sock.send_multipart(frames, flags=zmq.NOBLOCK)
+            return
+        except zmq.Again:
+            if watch.monitor.poll(50):
+                watch.read()
+            if watch.verdict is not None:
+                raise RemoteTargetTimeout(f"no status from the broker at {broker}: {watch.verdict}") from None
+            if time.monotonic() >= deadline:
+                raise RemoteTargetTimeout(f"no broker at {broker} took the status query (--timeout): is it running there?") from None
 
 
 def _merge(document: dict[str, Any], page: dict[str, Any]) -> None:

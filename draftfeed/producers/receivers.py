@@ -59,6 +59,8 @@ class Receivers:
     def on_data(self, frames: list[Any]) -> None:
         """One message from the data socket (``frames[0]`` the worker's identity); raises MalformedMessage."""
         message, tensor_frames = unpack(frames[1:], DATA_INBOUND)
+        if isinstance(message, Result):
+            self._progressed(message.request_id)  # its answer is on its way (a pair's or nixl's tensors follow the header)
         if isinstance(message, PairOpen):
             self.pairs.open(frames[0].bytes, message)
         elif isinstance(message, PairClose):
@@ -103,7 +105,8 @@ class Receivers:
         return None if waiter is None or waiter.token != token else id(waiter)
 
     def _progressed(self, request_id: int) -> None:
-        """A piece of the request's answer arrived: its wait is not over while pieces come (waits.py)."""
+        """A piece of the request's answer arrived, or its header: its wait is not over while pieces come (waits.py), and
+        the broker is not asked where it is (requests.py, ``stale``)."""
         waiter = self.requests.get(request_id)
         if waiter is not None:
             waiter.future.progressed_at = time.monotonic()
