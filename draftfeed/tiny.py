@@ -7,6 +7,8 @@ from typing import Any
 
 MOE_ARCHS = ("qwen3-moe", "mixtral", "gpt-oss", "deepseek-v3", "glm4-moe", "qwen3-next")
 IMAGE_TEXT_ARCHS = ("llama4", "qwen2.5-vl", "qwen3-vl-moe")  # besides gemma3-multimodal, which AutoModelForCausalLM loads
+# Families whose decoder layers carry several residual streams (hyper-connections): a layer's output is [B, S, N, H]
+HYPER_CONNECTION_ARCHS = ("deepseek-v4",)
 
 
 def build_tiny_target(
@@ -23,7 +25,8 @@ def build_tiny_target(
 
     ``llama`` and ``qwen3`` are text models; ``gemma3`` a text model with scaled embeddings and logit
     soft-capping; the mixture-of-experts families of ``MOE_ARCHS`` (4 experts, 2 per token; DeepSeek-V3 with its
-    multi-head latent attention, Qwen3-Next with its hybrid linear attention); ``llama4-text`` Llama 4's text model
+    multi-head latent attention, Qwen3-Next with its hybrid linear attention); ``deepseek-v4`` (DeepSeek-V4's
+    hyper-connections, 2 streams, its compressed and sparse attention and hash-routed first layer, 4 experts); ``llama4-text`` Llama 4's text model
     (Llama4ForCausalLM: 4 experts, 1 per token, in every layer; chunked attention over 16 tokens). These load back with
     ``AutoModelForCausalLM.from_pretrained(path)``, the same way a real target does.
 
@@ -77,10 +80,12 @@ def build_tiny_target(
         config = _llama4_text_config(common)
     elif arch in MOE_ARCHS:
         config = _moe_config(arch, common)
+    elif arch == "deepseek-v4":
+        config = _deepseek_v4_config(common)
     elif arch in IMAGE_TEXT_ARCHS:
         config = _image_text_config(arch, common)
     else:
-        choices = ", ".join(("llama", "qwen3", "gemma3", "gemma3-multimodal", "llama4-text", *MOE_ARCHS, *IMAGE_TEXT_ARCHS))
+        choices = ", ".join(("llama", "qwen3", "gemma3", "gemma3-multimodal", "llama4-text", *MOE_ARCHS, *HYPER_CONNECTION_ARCHS, *IMAGE_TEXT_ARCHS))
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {choices}")
     auto = AutoModelForImageTextToText if arch in IMAGE_TEXT_ARCHS else AutoModelForCausalLM
     model = auto.from_config(config, dtype=torch.float32)
@@ -170,6 +175,36 @@ def _image_text_config(arch: str, common: dict[str, Any]) -> Any:
     )
     vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0])  # a 4x4 position grid; indexes < depth
     return transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision, **ids, tie_word_embeddings=False)
+
+
+def _deepseek_v4_config(common: dict[str, Any]) -> Any:
+    """DeepSeek-V4 scaled down, keeping what makes it itself: 2 hyper-connection streams (``hc_mult``), layers that
+    alternate heavily compressed and compressed sparse attention (a 16-token window, an indexer picking 8), one key/value
+    head, low-rank query and grouped output projections, the first layer's experts routed by hash and the rest by
+    score; 4 experts, 2 per token."""
+    import transformers
+
+    hidden, layers = common["hidden_size"], common["num_hidden_layers"]
+    return transformers.DeepseekV4Config(
+        **{k: v for k, v in common.items() if k not in ("intermediate_size", "num_key_value_heads", "head_dim")},
+        num_key_value_heads=1,
+        head_dim=hidden // 2,
+        qk_rope_head_dim=8,
+        q_lora_rank=hidden // 2,
+        o_lora_rank=hidden // 2,
+        o_groups=2,
+        hc_mult=2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=hidden // 2,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=8,
+        sliding_window=16,
+        layer_types=[("heavily_compressed_attention", "compressed_sparse_attention")[i % 2] for i in range(layers)],
+        mlp_layer_types=["hash_moe", *["moe"] * (layers - 1)],
+        default_num_hash_layers=1,
+    )
 
 
 def _moe_config(arch: str, common: dict[str, Any]) -> Any:

@@ -1,7 +1,9 @@
 """DSpark supervision from one forward pass, as docs/contract.md defines it.
 
 Layer ids: -1 is the embedding output (the input of decoder layer 0), L - 1 the final norm's output
-(post-norm), any other id the output of that decoder layer.
+(post-norm), any other id the output of that decoder layer. A target whose layers carry several residual streams
+(DeepSeek-V4) gives an intermediate layer as the mean of its streams and the embedding output as it was before it was
+copied into them (contract/streams.py), as NeMo AutoModel's DSpark wrapper does.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import torch
 from draftfeed.consumers.engines.base import Capture, Engine
 from draftfeed.consumers.settings import DEFAULT_DRAFT_LAYERS
 from draftfeed.consumers.tasks.base import Task, TaskBatch, chosen_layer_ids
+from draftfeed.contract.streams import first_stream, mean_streams
 from draftfeed.schemas.messages import DSparkTargetInfo
 
 
@@ -77,10 +80,10 @@ class DSparkTask(Task):
         def layer(layer_id: int) -> torch.Tensor:
             if layer_id == -1:
                 assert out.embeddings is not None
-                return out.embeddings
+                return first_stream(out.embeddings)
             if layer_id == last:
                 return out.final_hidden
-            return out.layer_outputs[layer_id]
+            return mean_streams(out.layer_outputs[layer_id])
 
         return {
             "target_hidden_states": torch.cat([layer(i) for i in self.target_layer_ids], dim=-1),

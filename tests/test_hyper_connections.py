@@ -1,0 +1,117 @@
+"""Targets whose decoder layers carry several residual streams (DeepSeek-V4's hyper-connections; issue 47): each task
+reads a layer as NeMo AutoModel's own wrapper of that task does (docs/contract.md, "Targets with several residual
+streams"), bit for bit at real positions, zeros at padded ones, padded and packed rows, through a real broker and
+worker: DSpark (HFDSparkTargetModel: an intermediate layer's streams folded into their mean, the embedding output and
+the post-norm last layer of one stream), EAGLE-3 (HFEagle3TargetModel) and DFlash (HFDFlashTargetModel), which keep a
+layer's streams as it gives them.
+
+The target: a tiny random-weight DeepSeek-V4 (transformers' DeepseekV4Config; draftfeed.tiny, 6 layers, hidden 64,
+2 streams, compressed and sparse attention, hash-routed first layer, 4 experts), loaded through the worker's own path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import add_service, make_batch
+from reference import difference_at_real, make_packed_batch
+from support.nemo import nemo_on_path
+
+from draftfeed import RemoteDFlashTarget, RemoteDSparkTarget, RemoteEagle3Target
+from draftfeed.contract.streams import first_stream, mean_streams
+
+pytestmark = pytest.mark.timeout(240)
+
+LAYERS, HIDDEN, STREAMS = 6, 64, 2
+DSPARK_IDS = [-1, 1, 3, 5]  # the embeddings, two intermediate layers, the post-norm last one
+AUX_IDS = [1, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def v4_target(tmp_path_factory):
+    from draftfeed.tiny import build_tiny_target
+
+    return build_tiny_target(tmp_path_factory.mktemp("v4") / "deepseek-v4", arch="deepseek-v4", num_hidden_layers=LAYERS, hidden_size=HIDDEN)
+
+
+@pytest.fixture(scope="module")
+def v4_model(v4_target):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(v4_target, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def services(cluster, v4_target):
+    add_service(cluster, v4_target, "v4-dspark", "--task", "dspark", "--target-layer-ids", ",".join(map(str, DSPARK_IDS)))
+    add_service(cluster, v4_target, "v4-eagle3", "--task", "eagle3", "--aux-layer-ids", ",".join(map(str, AUX_IDS)))
+    add_service(cluster, v4_target, "v4-dflash", "--task", "dflash", "--target-layer-ids", ",".join(map(str, AUX_IDS)))
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def nemo(services) -> SimpleNamespace:
+    nemo_on_path()
+    from nemo_automodel.components.speculative.dflash.target import HFDFlashTargetModel
+    from nemo_automodel.components.speculative.dspark.target import HFDSparkTargetModel
+    from nemo_automodel.components.speculative.eagle.target import HFEagle3TargetModel
+
+    return SimpleNamespace(dspark=HFDSparkTargetModel, eagle3=HFEagle3TargetModel, dflash=HFDFlashTargetModel)
+
+
+def batches(seed: int) -> list[dict[str, torch.Tensor]]:
+    """A ragged batch and one of packed rows (two and three documents, then padding)."""
+    return [make_batch(2, 24, 1000, seed=seed), make_packed_batch([[5, 7], [4, 4, 3]], [2, 3], 1000, seed=seed + 1)]
+
+
+def assert_fields_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], real: torch.Tensor) -> None:
+    """Each of ``want`` equals ``got``'s field of that name at real positions and ``got`` is zero at padded ones; says
+    where and by how much not."""
+    problems = [p for name, tensor in want.items() if (p := difference_at_real(name, got[name], tensor, real)) is not None]
+    assert not problems, "; ".join(problems)
+
+
+def nemo_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: batch[k] for k in ("input_ids", "attention_mask", "loss_mask", "position_ids", "seq_lens", "doc_remaining") if k in batch}
+
+
+def test_the_contract_reads_streams_as_nemo_does():
+    layer = torch.randn(2, 3, STREAMS, 4)
+    assert torch.equal(mean_streams(layer), layer.mean(dim=2))
+    one = torch.randn(2, 3, 4)
+    assert mean_streams(one) is one and first_stream(one) is one
+    copied = one.unsqueeze(2).expand(-1, -1, STREAMS, -1).contiguous()  # the embedding output, as the model copies it
+    assert torch.equal(first_stream(copied), one)
+
+
+def test_dspark_equals_nemos_wrapper(services, nemo, v4_model):
+    wrapper = nemo.dspark(v4_model, DSPARK_IDS)
+    with RemoteDSparkTarget(services.frontend, "v4-dspark", prefetch_depth=2) as target:
+        for batch, supervision in target.iterate(batches(seed=10)):
+            assert supervision.target_hidden_states.shape == (*batch["input_ids"].shape, len(DSPARK_IDS) * HIDDEN)
+            want = wrapper.generate_batch(**nemo_inputs(batch))
+            got = {"target_hidden_states": supervision.target_hidden_states, "target_last_hidden_states": supervision.target_last_hidden_states}
+            assert_fields_equal(got, {name: getattr(want, name) for name in got}, batch["attention_mask"].bool())
+
+
+def test_eagle3_keeps_the_streams_as_nemos_wrapper_does(services, nemo, v4_model):
+    wrapper = nemo.eagle3(v4_model, AUX_IDS)
+    with RemoteEagle3Target(services.frontend, "v4-eagle3", prefetch_depth=2) as target:
+        for batch, supervision in target.iterate(batches(seed=20)):
+            want = wrapper.generate_batch(**{k: v for k, v in nemo_inputs(batch).items() if k != "doc_remaining"})
+            assert supervision.aux_hidden_states.shape == (*batch["input_ids"].shape, STREAMS, len(AUX_IDS) * HIDDEN)
+            got, expected = {"aux_hidden_states": supervision.aux_hidden_states}, {"aux_hidden_states": want.aux_hidden_states}
+            assert_fields_equal(got, expected, batch["attention_mask"].bool())  # aux is not shifted
+
+
+def test_dflash_keeps_the_streams_as_nemos_wrapper_does(services, nemo, v4_model):
+    wrapper = nemo.dflash(v4_model, AUX_IDS)
+    with RemoteDFlashTarget(services.frontend, "v4-dflash", prefetch_depth=2) as target:
+        for batch, supervision in target.iterate(batches(seed=30)):
+            want = wrapper.generate_batch(**nemo_inputs(batch))
+            assert supervision.hidden_states.shape == (*batch["input_ids"].shape, STREAMS, len(AUX_IDS) * HIDDEN)
+            got = {f.name: getattr(supervision, f.name) for f in dataclasses.fields(want) if f.name == "hidden_states"}
+            assert_fields_equal(got, {"hidden_states": want.hidden_states}, batch["attention_mask"].bool())
