@@ -25,7 +25,8 @@ def build_tiny_target(
 
     ``llama`` and ``qwen3`` are text models; ``gemma3`` a text model with scaled embeddings and logit
     soft-capping; the mixture-of-experts families of ``MOE_ARCHS`` (4 experts, 2 per token; DeepSeek-V3 with its
-    multi-head latent attention, Qwen3-Next with its hybrid linear attention); ``deepseek-v4`` (DeepSeek-V4's
+    multi-head latent attention in the real model's proportions, 16 experts in 8 groups, 4 per token, 3 dense layers
+    first; Qwen3-Next with its hybrid linear attention); ``deepseek-v4`` (DeepSeek-V4's
     hyper-connections, 2 streams, its compressed and sparse attention and hash-routed first layer, 4 experts); ``llama4-text`` Llama 4's text model
     (Llama4ForCausalLM: 4 experts, 1 per token, in every layer; chunked attention over 16 tokens). These load back with
     ``AutoModelForCausalLM.from_pretrained(path)``, the same way a real target does.
@@ -227,21 +228,25 @@ def _moe_config(arch: str, common: dict[str, Any]) -> Any:
             layer_types=["sliding_attention", "full_attention"] * (layers // 2),
         )
     if arch == "deepseek-v3":
-        # Multi-head latent attention has as many key/value heads as query heads: with fewer, transformers' attention
-        # fails on any attention mask (padding included).
+        # The real configuration's proportions, scaled down where the plan shards: as many key/value heads as query
+        # heads (multi-head latent attention; with fewer, transformers' attention fails any attention mask, padding
+        # included, at one process as at several), q_lora_rank three times kv_lora_rank, rope:nope:value head dims
+        # 1:2:2, experts in 8 groups of which 4 are routed to, dense MLPs in the first 3 layers, a shared expert.
         return transformers.DeepseekV3Config(
-            **{k: v for k, v in common.items() if k not in ("head_dim", "num_key_value_heads")},
-            num_key_value_heads=common["num_attention_heads"],
-            **experts,
-            n_routed_experts=4,
+            **{k: v for k, v in common.items() if k not in ("head_dim", "num_key_value_heads", "num_attention_heads")},
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            num_experts_per_tok=4,
+            moe_intermediate_size=hidden // 2,
+            n_routed_experts=16,
             n_shared_experts=1,
-            n_group=1,
-            topk_group=1,
-            first_k_dense_replace=1,
-            q_lora_rank=32,
+            n_group=8,
+            topk_group=4,
+            first_k_dense_replace=min(3, common["num_hidden_layers"] - 1),
+            q_lora_rank=48,
             kv_lora_rank=16,
             qk_rope_head_dim=8,
-            qk_nope_head_dim=8,
+            qk_nope_head_dim=16,
             v_head_dim=16,
         )
     if arch == "glm4-moe":

@@ -72,16 +72,17 @@ def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def moe_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random-weight Qwen3-MoE, the mixture-of-experts target of the tensor-parallel tests."""
+    """A tiny random-weight DeepSeek-V3 in the real configuration's proportions (also Kimi-K2's architecture), the
+    mixture-of-experts target of the tensor-parallel tests, on one machine and over two."""
     from draftfeed.tiny import build_tiny_target
 
-    return build_tiny_target(tmp_path_factory.mktemp("targets") / "tiny-qwen3-moe", arch="qwen3-moe")
+    return build_tiny_target(tmp_path_factory.mktemp("targets") / "tiny-deepseek-v3", arch="deepseek-v3")
 
 
 @pytest.fixture(scope="session")
 def tp_targets(tiny_target: Path, moe_target: Path) -> dict[str, Path]:
     """The targets of the tensor-parallel reference (support/tensor_parallel.py), by name."""
-    return {"llama": tiny_target, "qwen3-moe": moe_target}
+    return {"llama": tiny_target, "deepseek-v3": moe_target}
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,8 @@
 own (network namespaces on one bridge, draftfeed/bench/hosts.py), the broker and the rank on a third.
 
 - The supervision equals transformers' plan over two processes on one machine (tests/tp_reference.py), bit for bit:
-  EAGLE-3 on the tiny Llama, DSpark on the tiny Qwen3-MoE (the engine makes the same calls for every task).
+  EAGLE-3 on the tiny Llama, DSpark on the tiny DeepSeek-V3 in its real proportions (the case of docs/engines.md,
+  "DeepSeek-V3 and Kimi-K2 over two 8-GPU nodes"; the engine makes the same calls for every task).
 - A node lost mid-run (its link cut for good, or its processes SIGKILLed): the worker ends, the run completes on
   another worker, every batch once, in order, each equal to the reference; nothing of the two-node worker is left
   running on either host.

@@ -51,7 +51,7 @@ def http_port() -> int:
 
 @pytest.fixture(scope="module")
 def services(cluster, tp_targets, http_port) -> Cluster:
-    observed = {"llama": ["--http-port", str(http_port)], "qwen3-moe": []}
+    observed = {"llama": ["--http-port", str(http_port)], "deepseek-v3": []}
     starts = [
         lambda name=name, task=task: add_service(cluster, tp_targets[name], f"tp-{name}-{task}", "--task", task, *TP, *observed[name])
         for name, task in SERVED.items()
@@ -69,12 +69,12 @@ def test_eagle3_on_llama_equals_the_same_plan_in_process(services, reference):
             assert_supervision_equal(supervision, expected(reference, "llama", "eagle3", name))
 
 
-def test_dspark_on_qwen3_moe_equals_the_same_plan_in_process(services, reference):
+def test_dspark_on_deepseek_v3_equals_the_same_plan_in_process(services, reference):
     named = batches()
-    with RemoteDSparkTarget(services.frontend, "tp-qwen3-moe-dspark", prefetch_depth=2) as remote:
+    with RemoteDSparkTarget(services.frontend, "tp-deepseek-v3-dspark", prefetch_depth=2) as remote:
         assert remote.model_info().target_layer_ids == DSPARK_IDS
         for name in ("plain-0", "plain-1", "full", "packed-0", "packed-1"):
-            assert_supervision_equal(remote.generate_batch(**named[name]), expected(reference, "qwen3-moe", "dspark", name))
+            assert_supervision_equal(remote.generate_batch(**named[name]), expected(reference, "deepseek-v3", "dspark", name))
 
 
 @pytest.mark.parametrize("target", list(SERVED))
@@ -113,7 +113,7 @@ def test_status_health_and_metrics_say_tensor_parallel_2(services, http_port):
 
 def test_sigkill_of_a_worker_takes_its_follower_with_it(services):
     """The module's last use of its workers: the DSpark one is killed, its follower must not outlive it."""
-    worker = next(w for w in services.workers if w.ready["worker"] == "tp-qwen3-moe-dspark-0")
+    worker = next(w for w in services.workers if w.ready["worker"] == "tp-deepseek-v3-dspark-0")
     follower = follower_pid(worker)
     worker.kill()
     wait_until(lambda: gone(follower), timeout_s=15, what=f"the follower (pid {follower}) to die with its worker")
@@ -218,12 +218,13 @@ def test_device_map_auto_serves_the_in_process_computation(cluster, tiny_target,
 
 
 def test_moe_families_at_degree_2(tmp_path):
-    """Every family of MOE_ARCHS under transformers' plan at degree 2 within the last bits of degree 1, or failing a
+    """Every family of MOE_ARCHS and HYPER_CONNECTION_ARCHS under transformers' plan at degree 2 within the last bits of degree 1, or failing a
     padded batch, which a worker then refuses at start in one line naming what to use instead (docs/engines.md has the
     table this prints)."""
-    from draftfeed.tiny import MOE_ARCHS
+    from draftfeed.tiny import HYPER_CONNECTION_ARCHS, MOE_ARCHS
 
-    families = [family for family in MOE_ARCHS if family not in TARGETS]  # Qwen3-MoE is served by a worker above
+    # DeepSeek-V3 is served by a worker above; DeepSeek-V4's layers give [B, S, streams, H] (issue 47)
+    families = [family for family in (*MOE_ARCHS, *HYPER_CONNECTION_ARCHS) if family not in TARGETS]
     for family in families:
         build_tiny_target(tmp_path / family, arch=family)
     port = free_port()
@@ -239,7 +240,7 @@ def test_moe_families_at_degree_2(tmp_path):
     print("\n".join(json.dumps(line) for line in outcomes.values()))
     assert set(outcomes) == set(families), outcomes
     failing = [family for family, outcome in outcomes.items() if "fails" in outcome]
-    assert not {"mixtral", "gpt-oss", "glm4-moe", "qwen3-next"} & set(failing), outcomes
+    assert not {"mixtral", "gpt-oss", "glm4-moe", "qwen3-next", "deepseek-v4"} & set(failing), outcomes
     for family, outcome in outcomes.items():
         if family not in failing:
             assert outcome["layers"] < 1e-5 and outcome["logits"] < 1e-5, outcome

@@ -14,7 +14,7 @@ from support import preload
 
 # Each target's task, the targets in the reference file's order: EAGLE-3 on the dense target, DSpark on the MoE one
 # (the engine makes the same calls for every task: a forward with a capture).
-SERVED = {"llama": "eagle3", "qwen3-moe": "dspark"}
+SERVED = {"llama": "eagle3", "deepseek-v3": "dspark"}
 TARGETS = {name: index for index, name in enumerate(SERVED)}
 
 

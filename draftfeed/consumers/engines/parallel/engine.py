@@ -274,8 +274,9 @@ class TensorParallelEngine:
 
     def _check_padded_batch(self, target: str) -> None:
         """A padded two-row forward on every rank, at start: a model whose transformers tensor-parallel plan cannot
-        take one (seen with DeepSeek-V3 in transformers 5.24) is refused now, in one line, not at its first real
-        batch. The hf engine alone: it needs no ``prepare`` first."""
+        take one (a DeepSeek-V3 with fewer key/value heads than query heads fails any padded batch, at one process as
+        at several) is refused now, in one line, not at its first real batch. The hf engine alone: it needs no
+        ``prepare`` first."""
         input_ids = torch.zeros(2, 8, dtype=torch.int64)
         attention_mask = torch.ones_like(input_ids)
         attention_mask[1, 5:] = 0
