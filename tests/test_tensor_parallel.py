@@ -218,9 +218,9 @@ def test_device_map_auto_serves_the_in_process_computation(cluster, tiny_target,
 
 
 def test_moe_families_at_degree_2(tmp_path):
-    """Every family of MOE_ARCHS and HYPER_CONNECTION_ARCHS under transformers' plan at degree 2 within the last bits of degree 1, or failing a
-    padded batch, which a worker then refuses at start in one line naming what to use instead (docs/engines.md has the
-    table this prints)."""
+    """Every family of MOE_ARCHS and HYPER_CONNECTION_ARCHS under transformers' tensor-parallel plan at degree 2, and
+    with its expert-parallel plan beside it (--expert-parallel), within the last bits of degree 1 on a padded batch
+    (docs/engines.md has the table this prints)."""
     from draftfeed.tiny import HYPER_CONNECTION_ARCHS, MOE_ARCHS
 
     # DeepSeek-V3 is served by a worker above; DeepSeek-V4's layers give [B, S, streams, H] (issue 47)
@@ -236,19 +236,31 @@ def test_moe_families_at_degree_2(tmp_path):
         for rank in ranks:
             rank.kill()
     assert first.returncode == 0 and second.returncode == 0, first.stderr[-3000:] + second.stderr[-3000:]
-    outcomes = {line["family"]: line for line in map(json.loads, first.stdout.splitlines())}
+    outcomes = {(line["family"], line["plan"]): line for line in map(json.loads, first.stdout.splitlines())}
     print("\n".join(json.dumps(line) for line in outcomes.values()))
-    assert set(outcomes) == set(families), outcomes
-    failing = [family for family, outcome in outcomes.items() if "fails" in outcome]
-    assert not {"mixtral", "gpt-oss", "glm4-moe", "qwen3-next", "deepseek-v4"} & set(failing), outcomes
-    for family, outcome in outcomes.items():
-        if family not in failing:
-            assert outcome["layers"] < 1e-5 and outcome["logits"] < 1e-5, outcome
-    for family in failing:  # the worker's start check refuses it (the CLI prints this line and exits 2)
-        with pytest.raises(ValueError) as refused:
-            TensorParallelEngine("hf", str(tmp_path / family), ["cpu", "cpu"], "float32", on_lost=lambda _why: None)
-        assert f"fails a padded batch at --tensor-parallel 2 ({outcomes[family]['fails']}); serve it with --device-map auto" in str(refused.value)
-        assert not torch.distributed.is_initialized()  # nothing is left of the group
+    assert set(outcomes) == {(family, plan) for family in families for plan in ("tensor", "tensor+expert")}, outcomes
+    for outcome in outcomes.values():
+        assert "fails" not in outcome and outcome["layers"] < 1e-5 and outcome["logits"] < 1e-5, outcome
+
+
+def test_a_target_whose_plan_fails_a_padded_batch_is_refused_at_start(tmp_path):
+    """A DeepSeek-V3 with fewer key/value heads than query heads (which multi-head latent attention never has) fails
+    any padded batch, under the plan as at one process: the engine's start check refuses it in one line naming what to
+    use (the CLI prints it and exits 2), and leaves no process group behind."""
+    import transformers
+
+    config = transformers.DeepseekV3Config(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, tie_word_embeddings=False,
+    )  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path / "few-kv-heads")
+    with pytest.raises(ValueError) as refused:
+        TensorParallelEngine("hf", str(tmp_path / "few-kv-heads"), ["cpu", "cpu"], "float32", on_lost=lambda _why: None)
+    said = str(refused.value)
+    assert "fails a padded batch at --tensor-parallel 2 (RuntimeError: The size of tensor a" in said, said
+    assert "serve it with --device-map auto" in said, said
+    assert not torch.distributed.is_initialized()  # nothing is left of the group
 
 
 def test_dflash_eagle_and_vispec_captures_at_degree_2(tiny_target, tiny_model):

@@ -1,7 +1,8 @@
-"""Each mixture-of-experts family of ``draftfeed.tiny.MOE_ARCHS`` under transformers' own tensor-parallel plan at degree 2
-against the plain forward at degree 1, on a padded batch: one JSON line per family on rank 0's stdout, ``{"family",
-"layers", "logits"}`` (the largest |difference| at real positions over layers 1, 3 and 5, and over the logits) or
-``{"family", "fails": the error}`` when the plan cannot run the batch.
+"""Each mixture-of-experts family of ``draftfeed.tiny.MOE_ARCHS`` (and ``HYPER_CONNECTION_ARCHS``) under transformers' own
+tensor-parallel plan at degree 2, and under its expert-parallel plan beside it (``--tensor-parallel 2 --expert-parallel``:
+ep_size 2 too), against the plain forward at degree 1, on a padded batch: one JSON line per family and plan on rank 0's
+stdout, ``{"family", "plan", "layers", "logits"}`` (the largest |difference| at real positions over layers 1, 3 and 5,
+and over the logits) or ``{"family", "plan", "fails": the error}`` when the plan cannot run the batch.
 
 Run as ``python tp_families.py RANK PORT FOLDER [FAMILY ...]`` in two processes (the tiny targets built in FOLDER by
 the test). Written from transformers' documented API, not from the worker's code.
@@ -47,19 +48,21 @@ def main(rank: int, port: int, folder: Path, families: list[str]) -> None:
     attention_mask = torch.ones_like(input_ids)
     attention_mask[1, 8:] = 0
     real = attention_mask.bool()
+    plans = {"tensor": {"tp_size": 2}, "tensor+expert": {"tp_size": 2, "ep_size": 2}}
     for family in families:
         target = folder / family
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32, distributed_config=DistributedConfig(tp_size=2)).eval()
-        try:
-            two = forward(model, input_ids, attention_mask)
-        except RuntimeError as exc:  # the same on both ranks: the group stays in step
-            line = {"family": family, "fails": f"{type(exc).__name__}: {exc}"}
-        else:
-            one = forward(AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval(), input_ids, attention_mask)
-            layers = max((two[f"layer {i}"] - one[f"layer {i}"])[real].abs().max().item() for i in LAYERS)
-            line = {"family": family, "layers": layers, "logits": (two["logits"] - one["logits"])[real].abs().max().item()}
-        if rank == 0:
-            print(json.dumps(line), flush=True)
+        one = forward(AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval(), input_ids, attention_mask)
+        for plan, sizes in plans.items():
+            model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32, distributed_config=DistributedConfig(**sizes)).eval()
+            try:
+                two = forward(model, input_ids, attention_mask)
+            except RuntimeError as exc:  # the same on both ranks: the group stays in step
+                line = {"family": family, "plan": plan, "fails": f"{type(exc).__name__}: {exc}"}
+            else:
+                layers = max((two[f"layer {i}"] - one[f"layer {i}"])[real].abs().max().item() for i in LAYERS)
+                line = {"family": family, "plan": plan, "layers": layers, "logits": (two["logits"] - one["logits"])[real].abs().max().item()}
+            if rank == 0:
+                print(json.dumps(line), flush=True)
     dist.destroy_process_group()
 
 
