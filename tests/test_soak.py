@@ -5,7 +5,7 @@ periods.
 One schedule: a fresh broker and three workers (liveness period 1.6 s), a CPU hog beside them, three rank processes of
 ``BATCHES`` batches each (prefetch 2, a draft vocab), and faults at seeded moments 0.4 to 1.2 s apart until the ranks
 are done: a worker SIGKILLed (a replacement starts), a worker frozen with SIGSTOP for half to two and a half liveness
-periods and thawed (never the last one running), the broker SIGKILLed and restarted on its address (once a schedule at
+periods and thawed, never the last one running; the broker SIGKILLed and restarted on its address (once a schedule at
 most). The seed fixes the
 schedule's faults (kinds, victims, gaps, freezes); the processes' timing does the rest, so a seed replays the same
 faults, not the same interleaving.
@@ -95,7 +95,7 @@ class Faults(threading.Thread):
                     self.cluster.broker.kill()
                     self.cluster.restart_broker()
                     self.note("broker back")
-                elif kind == "kill" and victims:
+                elif kind == "kill" and len(victims) > 1:  # one worker always runs
                     worker = victims[int(pick * len(victims))]
                     self.note(f"kill pid {worker.pid}")
                     worker.kill()
