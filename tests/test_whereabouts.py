@@ -167,6 +167,9 @@ def test_an_unanswered_where_is_asked_again_each_beat_and_said_in_the_timeout(se
         session.requests.describe(first)
         == f"request {first} was never acknowledged: the broker has not said where it is (asked 2 times, last 0.0 s ago)"
     )
+    assert session.requests.oldest_s() == 4.5  # what the rank's metric draftfeed_rank_oldest_request_seconds shows
+    session.requests.resolve(first, header={})
+    assert session.requests.oldest_s() == 0.0
 
 
 def test_an_answer_arriving_in_pieces_is_progress_and_a_silent_broker_is_not_asked(session, clock):

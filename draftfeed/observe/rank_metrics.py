@@ -23,7 +23,9 @@ RETRIES = {
 class RankMetrics:
     """Its own registry, so that several remote targets in one process never share counters."""
 
-    def __init__(self, rank: str, service: str, outstanding: Callable[[], float], stats: Callable[[], Any]) -> None:
+    def __init__(
+        self, rank: str, service: str, outstanding: Callable[[], float], stats: Callable[[], Any], oldest: Callable[[], float] = lambda: 0.0
+    ) -> None:
         self.registry = CollectorRegistry()
         self._labels = {"rank": rank, "service": service}
         names = list(self._labels)
@@ -47,6 +49,8 @@ class RankMetrics:
         )
         gauge = Gauge("draftfeed_rank_requests_outstanding", "requests sent and not yet answered", names, registry=self.registry)
         gauge.labels(**self._labels).set_function(outstanding)
+        gauge = Gauge("draftfeed_rank_oldest_request_seconds", "seconds the oldest unanswered request has waited", names, registry=self.registry)
+        gauge.labels(**self._labels).set_function(oldest)
         self.registry.register(_Retries(self._labels, stats))
 
     def waited(self, seconds: float) -> None:

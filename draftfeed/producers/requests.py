@@ -61,6 +61,7 @@ class Waiter:
     retry_at: float | None = None
     busy_retries: int = 0
     ids: list[int] = field(default_factory=list)  # every request id it answers to, the latest last
+    added_at: float = 0.0  # when the caller asked for it (the table's clock)
     sent_at: float | None = None  # when its frames last went to the outbox (the table's clock)
     asked_at: float | None = None  # when the broker was last asked where it is
     asked: int = 0  # how many times
@@ -105,7 +106,7 @@ class RequestTable:
             return None
         with self._lock:
             request_id = next(self._ids)
-            waiter = Waiter(Answer(finish, request_id), kind, self._random.getrandbits(63), mapping)
+            waiter = Waiter(Answer(finish, request_id), kind, self._random.getrandbits(63), mapping, added_at=self.clock())
             waiter.ids.append(request_id)
             self._waiters[request_id] = waiter
             if kind is RequestKind.SET_MAPPING and mapping is not None:
@@ -215,6 +216,12 @@ class RequestTable:
                 waiter.asked_at = now
                 waiter.asked += 1
         return [waiter.ids[-1] for waiter in chosen]
+
+    def oldest_s(self) -> float:
+        """How long the oldest unanswered batch has waited for its answer (0 when none waits)."""
+        now = self.clock()
+        with self._lock:
+            return max((now - w.added_at for w in self._waiters.values() if w.kind is RequestKind.BATCH), default=0.0)
 
     def located(self, place: Place, grace_s: float) -> Waiter | None:
         """The broker said where request ``place.request_id`` is. The waiter, to send again, when the broker does not

@@ -167,6 +167,11 @@ class BrokerSource:
         return self.connection.peak_in_flight
 
     @property
+    def oldest_request_s(self) -> float:
+        """How long its oldest unanswered request has waited (requests.py, ``oldest_s``)."""
+        return self.connection.requests.oldest_s()
+
+    @property
     def data_endpoint(self) -> str:
         return self.connection.data_endpoint
 
@@ -284,6 +289,10 @@ class StoredSource:
     @property
     def peak_in_flight(self) -> int:
         return self.broker.peak_in_flight if self.broker is not None else 0
+
+    @property
+    def oldest_request_s(self) -> float:
+        return self.broker.oldest_request_s if self.broker is not None else 0.0
 
     @property
     def data_endpoint(self) -> str:

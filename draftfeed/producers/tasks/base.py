@@ -117,7 +117,9 @@ class RemoteTarget(RankView, Generic[Sup, Info]):
         self._weights = TargetWeights(self._fetch_weight)
         self._source = open_source(settings, broker, service, self.TASK, keys, data_endpoint, self.device)
         try:
-            self.metrics = RankMetrics(self.rank_id, service, lambda: self.in_flight, lambda: self.connection_stats)
+            self.metrics = RankMetrics(
+                self.rank_id, service, lambda: self.in_flight, lambda: self.connection_stats, oldest=lambda: self.oldest_request_s
+            )
             if settings.metrics_port is not None:
                 self._observer = ObserveServer(DEFAULT_HTTP_HOST, settings.metrics_port, self._health, lambda: self.metrics.registry, "metrics_port")
             self._source.await_workers(settings.wait_for_workers)

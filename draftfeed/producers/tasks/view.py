@@ -27,6 +27,12 @@ class RankView:
         return self._made().peak_in_flight
 
     @property
+    def oldest_request_s(self) -> float:
+        """How long this rank's oldest unanswered request to the workers has waited (0: none waits); next to the
+        liveness period, a stuck one shows (the metric ``draftfeed_rank_oldest_request_seconds``)."""
+        return self._source.oldest_request_s if self._source is not None else 0.0
+
+    @property
     def data_endpoint(self) -> str:
         """Where this rank's data socket listens: workers send supervision there ('' in replay: there is none)."""
         return self._made().data_endpoint
