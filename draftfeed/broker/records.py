@@ -135,8 +135,10 @@ class Finished(NamedTuple):
     at: float
 
 
-# How many of a rank's finished requests the broker remembers (a rank asks about one when its answer never came).
-FINISHED_KEPT = 256
+# How many of a rank's finished requests the broker remembers, to say where one went when the rank asks about it (its
+# answer never came). One forgotten is answered "unknown", which the rank sends again all the same: the record only
+# names the worker and what it said, for the rank's log.
+FINISHED_KEPT = 64
 
 
 class PairRecord(NamedTuple):
