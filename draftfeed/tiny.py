@@ -95,6 +95,8 @@ def build_tiny_target(
             model.model.multi_modal_projector.mm_input_projection_weight.normal_(mean=0.0, std=0.02)
     path = Path(path)
     model.save_pretrained(path)
+    if arch == "deepseek-v4":
+        _as_released_deepseek_v4_config(path)
     return path
 
 
@@ -206,6 +208,21 @@ def _deepseek_v4_config(common: dict[str, Any]) -> Any:
         mlp_layer_types=["hash_moe", *["moe"] * (layers - 1)],
         default_num_hash_layers=1,
     )
+
+
+def _as_released_deepseek_v4_config(path: Path) -> None:
+    """Write the saved config.json in the layout DeepSeek's released checkpoints use, which every reader of it takes:
+    per-layer ``compress_ratios`` (128 heavily compressed, 4 compressed sparse) and ``num_hash_layers`` for the
+    attention and MLP layer types transformers writes by its own names (NeMo AutoModel's own DeepSeek-V4 config refuses
+    those names)."""
+    import json
+
+    ratios = {"heavily_compressed_attention": 128, "compressed_sparse_attention": 4, "sliding_attention": 0}
+    file = path / "config.json"
+    config = json.loads(file.read_text())
+    config["compress_ratios"] = [ratios[kind] for kind in config.pop("layer_types")]
+    config["num_hash_layers"] = config.pop("mlp_layer_types").count("hash_moe")
+    file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _moe_config(arch: str, common: dict[str, Any]) -> Any:

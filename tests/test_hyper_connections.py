@@ -39,9 +39,10 @@ def v4_target(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def v4_model(v4_target):
-    from transformers import AutoModelForCausalLM
+    # transformers' classes by name: a process that imported NeMo reads deepseek_v4 as NeMo's own config
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(v4_target, dtype=torch.float32).eval()
+    return DeepseekV4ForCausalLM.from_pretrained(v4_target, config=DeepseekV4Config.from_pretrained(v4_target), dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

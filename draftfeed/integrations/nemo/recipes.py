@@ -12,7 +12,11 @@ unless a recipe's config asks for draftfeed (``recipe_args.target_model_backend:
    asked for that recipe's ``target_model_name_or_path`` while its target is in force, return a
    ``DraftfeedTargetModel`` (a client of the service, no weights) instead of loading the model;
 3. NeMo's four target wrappers, built around a ``DraftfeedTargetModel``, give draftfeed's wrapper of the same task
-   (``wrappers.py``) instead of themselves; around any other model they are NeMo's own.
+   (``wrappers.py``) instead of themselves; around any other model they are NeMo's own;
+4. the DSpark recipe's builders of its frontier targets (DeepSeek-V4, GLM-5.2), asked for its target while it is in
+   force, read the target's config as NeMo's own builder does and return the stand-in, no process group and no
+   weights (``FRONTIER_BUILDERS``); the targets only NeMo's own model code implements (DeepSeek-V4.1, Kimi-K3) and
+   the image-text MiniMax-M3 path are refused in one line.
 
 After the recipe's ``setup`` returns, its ``target_wrapper`` must be draftfeed's, or the run stops there.
 """
@@ -64,7 +68,16 @@ WRAPPERS = (
     (f"{SPECULATIVE}.dspark.target", "HFDSparkTargetModel", DraftfeedDSparkTarget),
     (f"{SPECULATIVE}.eagle.target", "HFEagle3TargetModel", peagle.DraftfeedPeagleTarget),
 )
-LOADERS = (("nemo_automodel._transformers", "NeMoAutoModelForCausalLM"), ("transformers", "AutoModelForImageTextToText"))
+LOADERS = (
+    ("nemo_automodel._transformers", "NeMoAutoModelForCausalLM"),
+    ("nemo_automodel._transformers", "NeMoAutoModelForImageTextToText"),  # DSpark's MiniMax-M3 (text batches)
+    ("transformers", "AutoModelForImageTextToText"),
+)
+# The DSpark recipe's own builders of its frontier targets that transformers implements too (so draftfeed's workers
+# serve them), by their names in train_dspark; ``_frontier_config`` reads each one's config as the builder does.
+FRONTIER_BUILDERS = ("build_deepseek_v4_target", "build_glm_5_2_target")
+# The DSpark targets only NeMo AutoModel's own model code implements (transformers 5.24 has no such model type).
+NEMO_ONLY_TARGETS = ("deepseek_v41", "kimi_k3", "kimi_linear")
 # Axes of the `distributed:` section that shard the target: draftfeed's workers hold it, so none applies.
 TARGET_AXES = ("tp_size", "cp_size", "pp_size", "ep_size")
 DEFAULT_TIMEOUT = 120.0  # recipe_args.remote_timeout's default, as the EAGLE-3 recipe has it
@@ -154,20 +167,42 @@ class RecipeTarget:
 
 
 def _dspark_checks(recipe: Any, name: str, args: Any) -> None:
-    """DSpark's setup loads five model families through builders of their own, and an offline cache reads no target."""
+    """An offline cache reads no target; the image-text MiniMax-M3 path and the targets only NeMo's own model code
+    implements are not served (yet)."""
     if args.get("cached_target_path", None):
         raise ValueError(f"{name}: recipe_args.cached_target_path reads precomputed supervision; a draftfeed target computes it: give one of the two")
     if args.get("multimodal", False):
-        raise ValueError(f"{name}: recipe_args.multimodal (MiniMax M3 VL) loads its target through its own builder, which draftfeed does not serve")
+        raise ValueError(
+            f"{name}: recipe_args.multimodal (MiniMax M3 VL with images) is not served by draftfeed: train on text batches "
+            "(multimodal: false) against a draftfeed target, or with the recipe's own target"
+        )
     dspark = importlib.import_module(f"{RECIPES}.train_dspark")
     model_type = dspark._read_target_model_type(args.target_model_name_or_path, bool(args.get("trust_remote_code", False)))
-    own_builders = {dspark._DEEPSEEK_V4_MODEL_TYPE, dspark._DEEPSEEK_V41_MODEL_TYPE, dspark._GLM_5_2_MODEL_TYPE}
-    own_builders |= set(dspark._MINIMAX_M3_MODEL_TYPES) | set(dspark._KIMI_K3_MODEL_TYPES)
-    if model_type in own_builders:
+    if model_type in NEMO_ONLY_TARGETS:
         raise ValueError(
-            f"{name}: a {model_type} target is loaded by the recipe's own builder, which draftfeed does not serve; only "
-            "targets the recipe loads with NeMoAutoModelForCausalLM (Qwen3, Gemma 4, ...) take a draftfeed target"
+            f"{name}: a {model_type} target is implemented by NeMo AutoModel's own model code only (transformers has no "
+            f"{model_type}), which draftfeed's workers do not load yet: train it with the recipe's own target "
+            "(target_model_backend unset)"
         )
+
+
+def _frontier_config(builder: str, target_path: str, recipe_cfg: Any, trust_remote_code: bool) -> Any:
+    """The target's config as the DSpark recipe's own ``builder`` reads it (its reduced depth included, which the
+    service's target info then refuses), without loading anything else."""
+    build = importlib.import_module(f"{RECIPES}._dspark_target_build")
+    if builder == "build_deepseek_v4_target":
+        revision = build.NeMoAutoConfig.resolve_revision(target_path)
+        config = build.NeMoAutoConfig.from_pretrained(target_path, revision=revision, name_or_path=target_path, num_nextn_predict_layers=0)
+    else:
+        from transformers import AutoConfig, PretrainedConfig
+
+        config = AutoConfig.from_pretrained(target_path, trust_remote_code=trust_remote_code)
+        raw, _ = PretrainedConfig.get_config_dict(target_path, trust_remote_code=trust_remote_code)
+        build.repair_glm_5_2_qk_rope_head_dim(config, raw)
+    reduced = build.resolve_reduced_target_layers(config.num_hidden_layers, recipe_cfg.get("target_num_hidden_layers", None))
+    if reduced is not None:
+        config.num_hidden_layers = reduced
+    return config
 
 
 TASK_CHECKS: dict[str, Callable[[Any, str, Any], None]] = {"dspark": _dspark_checks}
@@ -235,6 +270,27 @@ def _patch_loader(loader: type) -> None:
     loader.from_pretrained = dispatch
 
 
+def _patch_builder(module: Any, builder: str) -> None:
+    """The recipe module's ``builder`` (called by its global name) returns draftfeed's stand-in for the recipe's target
+    while its draftfeed target is in force: (the config, the stand-in, no distributed setup), which the recipe keeps
+    for its target only."""
+    original = getattr(module, builder)
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def build(*args: Any, **kwargs: Any) -> Any:
+        target = _ACTIVE.get()
+        path = kwargs.get("target_path")
+        if target is None or not target.loads(path):
+            return original(*args, **kwargs)
+        config = _frontier_config(builder, str(path), kwargs["recipe_cfg"], bool(kwargs.get("trust_remote_code", False)))
+        return config, target.stand_in(path, {"config": config}), None
+
+    setattr(build, _MARK, True)
+    setattr(module, builder, build)
+
+
 def _patch_wrapper(wrapper: type, ours: type[DraftfeedWrapper]) -> None:
     current = wrapper.__dict__.get("__new__")
     if getattr(current, _MARK, False):
@@ -259,6 +315,9 @@ def patch() -> None:
         _patch_wrapper(getattr(importlib.import_module(module_name), attribute), ours)
     for module_name, class_name, task in RECIPE_TASKS:
         _wrap_setup(getattr(importlib.import_module(f"{RECIPES}.{module_name}"), class_name), task)
+    dspark = importlib.import_module(f"{RECIPES}.train_dspark")
+    for builder in FRONTIER_BUILDERS:
+        _patch_builder(dspark, builder)
 
 
 __all__ = ["RECIPE_TASKS", "RecipeTarget", "draftfeed_target", "patch"]

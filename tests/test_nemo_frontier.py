@@ -1,0 +1,130 @@
+"""NeMo AutoModel's DSpark recipe on its frontier targets, with a draftfeed target (issue 47): the recipe's own builder
+of a DeepSeek-V4 target (``build_deepseek_v4_target``, which on its own asks for CUDA and an expert-parallel process
+group), called as the recipe's setup() calls it with ``target_model_backend: remote``, gives the config as NeMo reads
+it, draftfeed's stand-in (no weights) and no process group; NeMo's DSpark wrapper around it is draftfeed's, whose
+supervision equals NeMo's wrapper around the model in process, bit for bit at real positions. A target the service
+does not serve (a reduced depth) is refused in one line; the targets only NeMo's own model code implements
+(DeepSeek-V4.1, Kimi-K3) are refused at setup in one line, before anything loads.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import add_service, make_batch
+from reference import difference_at_real
+from support.nemo import nemo_on_path
+
+from draftfeed.integrations.nemo import use_draftfeed
+from draftfeed.integrations.nemo.recipes import draftfeed_target
+from draftfeed.integrations.nemo.standin import DraftfeedTargetModel
+from draftfeed.integrations.nemo.wrappers import DraftfeedDSparkTarget
+
+pytestmark = pytest.mark.timeout(240)
+
+LAYERS = [-1, 1, 3, 5]  # of the tiny DeepSeek-V4's 6 layers: the embeddings, two layers, the post-norm last one
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def v4_target(tmp_path_factory) -> Path:
+    from draftfeed.tiny import build_tiny_target
+
+    return build_tiny_target(tmp_path_factory.mktemp("v4") / "deepseek-v4", arch="deepseek-v4", num_hidden_layers=6)
+
+
+@pytest.fixture(scope="module")
+def url(cluster, v4_target) -> str:
+    add_service(cluster, v4_target, "v4-dspark", "--task", "dspark", "--target-layer-ids", ",".join(map(str, LAYERS)))
+    return f"draftfeed://{cluster.frontend.removeprefix('tcp://')}/v4-dspark?data_plane=frames"
+
+
+@pytest.fixture(scope="module")
+def nemo(url) -> SimpleNamespace:
+    nemo_on_path()
+    use_draftfeed()
+    from nemo_automodel.components.config.loader import ConfigNode
+
+    train_dspark = importlib.import_module("nemo_automodel.recipes.llm.train_dspark")
+
+    def recipe(cfg):
+        """The DSpark recipe with its config and device, as its constructor and setup() would set them."""
+        plain = type("Recipe", (train_dspark.TrainDSparkRecipe,), {"__init__": lambda self, **kw: self.__dict__.update(kw)})
+        return plain(cfg=cfg, device=CPU)
+
+    return SimpleNamespace(ConfigNode=ConfigNode, train_dspark=train_dspark, recipe=recipe)
+
+
+def config(nemo, target: Path, url: str, **options):
+    args = {"target_model_name_or_path": str(target), "target_model_backend": "remote", "remote_urls": [url], "remote_timeout": 60, **options}
+    return nemo.ConfigNode({"recipe_args": args})
+
+
+def build_target(nemo, recipe, target: Path):
+    """What setup() does for a DeepSeek-V4 target: its builder, by the name the recipe module calls, then the wrapper."""
+    with draftfeed_target(recipe, "dspark"):
+        built = nemo.train_dspark.build_deepseek_v4_target(
+            cfg=recipe.cfg,
+            world_size=1,
+            device=CPU,
+            compute_dtype=torch.float32,
+            target_path=str(target),
+            recipe_cfg=recipe.cfg.recipe_args,
+            trust_remote_code=False,
+        )
+        target_config, model, setup = built
+        wrapper = nemo.train_dspark.HFDSparkTargetModel(model, target_layer_ids=LAYERS, cp_mesh=None)
+    return target_config, model, setup, wrapper
+
+
+def test_the_deepseek_v4_builder_gives_draftfeeds_target_equal_to_nemos_wrapper(nemo, url, v4_target):
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    recipe = nemo.recipe(config(nemo, v4_target, url))
+    target_config, model, setup, wrapper = build_target(nemo, recipe, v4_target)
+    try:
+        assert setup is None and isinstance(model, DraftfeedTargetModel) and type(wrapper) is DraftfeedDSparkTarget
+        assert (target_config.model_type, target_config.num_hidden_layers, target_config.num_nextn_predict_layers) == ("deepseek_v4", 6, 0)
+        # transformers' classes by name: with NeMo imported, the auto classes read deepseek_v4 as NeMo's own config
+        reference = DeepseekV4ForCausalLM.from_pretrained(v4_target, config=DeepseekV4Config.from_pretrained(v4_target), dtype=torch.float32)
+        in_process = nemo.train_dspark.HFDSparkTargetModel(reference.eval(), LAYERS)
+        for seed in (1, 2):
+            batch = make_batch(2, 24, 1000, seed=seed)
+            got, want = wrapper.generate_batch(**batch), in_process.generate_batch(**batch)
+            real = batch["attention_mask"].bool()
+            for name in ("target_hidden_states", "target_last_hidden_states"):
+                assert difference_at_real(name, getattr(got, name), getattr(want, name), real) is None
+    finally:
+        wrapper.close()
+    # outside the recipe's draftfeed target, the builder is NeMo's own (which asks for CUDA on this machine)
+    with pytest.raises(RuntimeError, match="requires CUDA"):
+        nemo.train_dspark.build_deepseek_v4_target(
+            cfg=recipe.cfg,
+            world_size=1,
+            device=CPU,
+            compute_dtype=torch.float32,
+            target_path=str(v4_target),
+            recipe_cfg=recipe.cfg.recipe_args,
+            trust_remote_code=False,
+        )
+
+
+def test_a_reduced_target_depth_is_refused_in_one_line(nemo, url, v4_target):
+    recipe = nemo.recipe(config(nemo, v4_target, url, target_num_hidden_layers=4))
+    with pytest.raises(ValueError, match=r"num_hidden_layers: expected 4, served 6") as refused:
+        build_target(nemo, recipe, v4_target)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v41", "kimi_k3"])
+def test_a_target_only_nemos_own_code_implements_is_refused_at_setup(nemo, url, tmp_path, model_type):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    recipe = nemo.recipe(config(nemo, tmp_path, url))
+    with pytest.raises(ValueError, match=rf"a {model_type} target is implemented by NeMo AutoModel's own model code only") as refused:
+        recipe.setup()
+    assert "\n" not in str(refused.value)
