@@ -9,6 +9,10 @@ MOE_ARCHS = ("qwen3-moe", "mixtral", "gpt-oss", "deepseek-v3", "glm4-moe", "qwen
 IMAGE_TEXT_ARCHS = ("llama4", "qwen2.5-vl", "qwen3-vl-moe")  # besides gemma3-multimodal, which AutoModelForCausalLM loads
 # Families whose decoder layers carry several residual streams (hyper-connections): a layer's output is [B, S, N, H]
 HYPER_CONNECTION_ARCHS = ("deepseek-v4",)
+# Frontier families of transformers 5.24 (sparse-attention indexers, hybrid linear attention, hyper-connections); the
+# image-text ones (FRONTIER_IMAGE_TEXT_ARCHS) load with AutoModelForImageTextToText, the others with AutoModelForCausalLM
+FRONTIER_ARCHS = ("deepseek-v32", "glm-moe-dsa", "glm5-next", "minimax-m2", "qwen3.5-moe", "kimi-k2.5", "minimax-m3-vl")
+FRONTIER_IMAGE_TEXT_ARCHS = ("glm5-next", "kimi-k2.5", "minimax-m3-vl")
 
 
 def build_tiny_target(
@@ -39,6 +43,12 @@ def build_tiny_target(
     4 experts, 2 per token, interleaved M-RoPE, deepstack features added after layer 0). These load back with
     ``AutoModelForImageTextToText.from_pretrained(path)`` (``AutoModelForCausalLM`` refuses the Qwen ones and loads
     only the text model of ``llama4``).
+
+    The frontier families of ``FRONTIER_ARCHS`` (each helper below says what it keeps of the real model): the causal
+    LMs ``deepseek-v32`` (DeepSeek-V3.2, sparse attention with its indexer), ``glm-moe-dsa`` (GLM-5), ``minimax-m2`` and
+    ``qwen3.5-moe`` (Qwen3.5-MoE's text model) load back with ``AutoModelForCausalLM``; the image-text models of
+    ``FRONTIER_IMAGE_TEXT_ARCHS``, ``glm5-next`` (GLM-5.3, whose layers carry 4 hyper-connection streams: [B, S, 4, H]),
+    ``kimi-k2.5`` and ``minimax-m3-vl``, with ``AutoModelForImageTextToText`` (``AutoModelForCausalLM`` refuses them).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, LlamaConfig, Qwen3Config
@@ -85,10 +95,14 @@ def build_tiny_target(
         config = _deepseek_v4_config(common)
     elif arch in IMAGE_TEXT_ARCHS:
         config = _image_text_config(arch, common)
+    elif arch in FRONTIER_ARCHS:
+        config = _frontier_config(arch, common)
     else:
-        choices = ", ".join(("llama", "qwen3", "gemma3", "gemma3-multimodal", "llama4-text", *MOE_ARCHS, *HYPER_CONNECTION_ARCHS, *IMAGE_TEXT_ARCHS))
+        choices = ", ".join(
+            ("llama", "qwen3", "gemma3", "gemma3-multimodal", "llama4-text", *MOE_ARCHS, *HYPER_CONNECTION_ARCHS, *IMAGE_TEXT_ARCHS, *FRONTIER_ARCHS)
+        )
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {choices}")
-    auto = AutoModelForImageTextToText if arch in IMAGE_TEXT_ARCHS else AutoModelForCausalLM
+    auto = AutoModelForImageTextToText if arch in (*IMAGE_TEXT_ARCHS, *FRONTIER_IMAGE_TEXT_ARCHS) else AutoModelForCausalLM
     model = auto.from_config(config, dtype=torch.float32)
     if arch == "gemma3-multimodal":  # from_config leaves the image projection at zeros: images would change nothing
         with torch.no_grad():
@@ -281,4 +295,282 @@ def _moe_config(arch: str, common: dict[str, Any]) -> Any:
         linear_num_value_heads=4,
         linear_key_head_dim=16,
         linear_value_head_dim=16,
+    )
+
+
+def _frontier_config(arch: str, common: dict[str, Any]) -> Any:
+    """A tiny config of a frontier family of ``FRONTIER_ARCHS`` (each helper says what it keeps of the real model)."""
+    builders = {
+        "deepseek-v32": _deepseek_v32_config,
+        "glm-moe-dsa": _glm_moe_dsa_config,
+        "glm5-next": _glm5_next_config,
+        "minimax-m2": _minimax_m2_config,
+        "qwen3.5-moe": _qwen3_5_moe_config,
+        "kimi-k2.5": _kimi_k25_config,
+        "minimax-m3-vl": _minimax_m3_vl_config,
+    }
+    return builders[arch](common)
+
+
+def _mla(common: dict[str, Any]) -> dict[str, Any]:
+    """``common`` without the fields multi-head latent attention sets itself (head dims, key/value heads)."""
+    return {k: v for k, v in common.items() if k not in ("head_dim", "num_key_value_heads", "num_attention_heads")}
+
+
+def _deepseek_v32_config(common: dict[str, Any]) -> Any:
+    """DeepSeek-V3.2: DeepSeek-V3 (tiny DeepSeek-V3's proportions: 8 heads and key/value heads, q_lora_rank 3 x
+    kv_lora_rank, 16 experts in 8 groups of which 4 are routed to, a shared expert, 3 dense layers first) with its
+    sparse attention (DSA) in every layer: a lightning indexer of 4 heads of width 16 picking 8 tokens per query (64
+    heads of 128 picking 2048 in the real model), so a 12-token row is sparse."""
+    import transformers
+
+    layers = common["num_hidden_layers"]
+    dense = min(3, layers - 1)
+    return transformers.DeepseekV32Config(
+        **_mla(common),
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        num_experts_per_tok=4,
+        moe_intermediate_size=common["hidden_size"] // 2,
+        n_routed_experts=16,
+        n_shared_experts=1,
+        n_group=8,
+        topk_group=4,
+        first_k_dense_replace=dense,
+        mlp_layer_types=["dense"] * dense + ["sparse"] * (layers - dense),
+        q_lora_rank=48,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        index_n_heads=4,
+        index_head_dim=16,
+        index_topk=8,
+    )
+
+
+def _glm_moe_dsa_config(common: dict[str, Any]) -> Any:
+    """GLM-5 (GlmMoeDsa): multi-head latent attention with DeepSeek sparse attention in every layer (its indexer's RoPE
+    interleaved; the released model runs the indexer in every layer, ``indexer_types`` all ``full``), 8 heads and
+    key/value heads, q_lora_rank 4 x kv_lora_rank and rope:nope:value head dims 1:3:4 as in the real model; an indexer
+    of 4 heads of width 16 picking 8 tokens; 4 experts in one group, 2 per token, a shared expert, 3 dense layers first."""
+    import transformers
+
+    layers = common["num_hidden_layers"]
+    dense = min(3, layers - 1)
+    return transformers.GlmMoeDsaConfig(
+        **_mla(common),
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=common["hidden_size"] // 2,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=dense,
+        mlp_layer_types=["dense"] * dense + ["sparse"] * (layers - dense),
+        q_lora_rank=64,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=24,
+        v_head_dim=32,
+        index_n_heads=4,
+        index_head_dim=16,
+        index_topk=8,
+        indexer_types=["full"] * layers,
+    )
+
+
+def _glm5_next_config(common: dict[str, Any]) -> Any:
+    """GLM-5.3 (Glm5Next), image-text: its text model keeps 4 hyper-connection streams (a layer's output is
+    [B, S, 4, H]), three linear-attention (KDA) layers to each multi-head latent attention layer without RoPE whose
+    DSA indexer (4 heads of width 16) picks 8 tokens in pools of 4, 8 heads and key/value heads, 4 experts in one group,
+    2 per token, a shared expert, 3 dense layers first; a 1-layer vision tower of width 32. Image, video and their
+    start/end token ids at the top of the vocabulary."""
+    import transformers
+
+    hidden, layers, vocab = common["hidden_size"], common["num_hidden_layers"], common["vocab_size"]
+    dense = min(3, layers - 1)
+    text = transformers.Glm5NextTextConfig(
+        **_mla(common),
+        **SPECIAL_IDS,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=hidden // 2,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        mlp_layer_types=["dense"] * dense + ["sparse"] * (layers - dense),
+        layer_types=["indexed_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)],
+        indexer_types=["full"] * layers,
+        q_lora_rank=48,
+        kv_lora_rank=16,
+        qk_rope_head_dim=0,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        index_n_heads=4,
+        index_head_dim=16,
+        index_topk=8,
+        index_kpool=4,
+        linear_head_dim=16,
+        linear_num_heads=4,
+        hc_mult=4,
+    )
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        patch_size=4,
+        image_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=hidden,
+        projection_intermediate_size=64,
+    )
+    return transformers.Glm5NextConfig(
+        text_config=text.to_dict(),
+        vision_config=vision,
+        image_token_id=vocab - 3,
+        video_token_id=vocab - 2,
+        image_start_token_id=vocab - 5,
+        image_end_token_id=vocab - 4,
+        video_start_token_id=vocab - 7,
+        video_end_token_id=vocab - 6,
+        tie_word_embeddings=False,
+    )
+
+
+def _minimax_m2_config(common: dict[str, Any]) -> Any:
+    """MiniMax-M2: every layer a mixture of 4 experts of width hidden/2 (its ``intermediate_size``), 2 per token,
+    routed by sigmoid scores with a score-correction bias; query and key norms over all heads, RoPE on half of each
+    head (64 of 128 in the real model)."""
+    import transformers
+
+    return transformers.MiniMaxM2Config(
+        **{k: v for k, v in common.items() if k != "intermediate_size"},
+        **SPECIAL_IDS,
+        intermediate_size=common["hidden_size"] // 2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.5},
+    )
+
+
+def _qwen3_5_moe_config(common: dict[str, Any]) -> Any:
+    """Qwen3.5-MoE's text model (Qwen3_5MoeTextConfig, which AutoModelForCausalLM loads as Qwen3_5MoeForCausalLM):
+    three gated-delta-net linear-attention layers to each gated full-attention layer, RoPE on a quarter of each head,
+    4 experts of width hidden/2, 2 per token, and a shared expert of the same width."""
+    import transformers
+
+    layers = common["num_hidden_layers"]
+    return transformers.Qwen3_5MoeTextConfig(
+        **{k: v for k, v in common.items() if k != "intermediate_size"},
+        **SPECIAL_IDS,
+        moe_intermediate_size=common["hidden_size"] // 2,
+        shared_expert_intermediate_size=common["hidden_size"] // 2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+    )
+
+
+def _kimi_k25_config(common: dict[str, Any]) -> Any:
+    """Kimi-K2.5, image-text: its text model is a DeepSeek-V3 as Kimi-K2's (multi-head latent attention, 8 heads and
+    key/value heads, q_lora_rank 3 x kv_lora_rank; experts in one group, 4 here, 2 per token, a shared expert, one dense
+    layer first), a 1-layer MoonViT vision tower of width 32 (patches of 4, merged 2 x 2). Image, video and vision
+    start/end token ids at the top of the vocabulary."""
+    import transformers
+
+    vocab = common["vocab_size"]
+    text = transformers.DeepseekV3Config(
+        **_mla(common),
+        **SPECIAL_IDS,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=common["hidden_size"] // 2,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=48,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+    )
+    vision = dict(
+        patch_size=4,
+        pos_emb_height=8,
+        pos_emb_width=8,
+        pos_emb_time=2,
+        num_attention_heads=2,
+        num_hidden_layers=1,
+        hidden_size=32,
+        intermediate_size=64,
+        merge_kernel_size=[2, 2],
+    )
+    return transformers.Kimi_K25Config(
+        text_config=text.to_dict(),
+        vision_config=vision,
+        projection_hidden_size=32,
+        image_token_id=vocab - 3,
+        video_token_id=vocab - 2,
+        vision_start_token_id=vocab - 5,
+        vision_end_token_id=vocab - 4,
+        tie_word_embeddings=False,
+    )
+
+
+def _minimax_m3_vl_config(common: dict[str, Any]) -> Any:
+    """MiniMax-M3, image-text: its text model keeps MiniMax-M2's attention (query/key norms, RoPE on half of each head)
+    with block-sparse attention in every other layer (a lightning indexer of one head per key/value head keeps, per
+    query, the 2 best blocks of 4 keys and the block before its own: 16 of 128 in the real model), a dense first layer
+    of width 2 x hidden, then 4 experts of width hidden/2, 2 per token, and a shared expert; a 1-layer vision tower of
+    width 32. Image and video token ids at the top of the vocabulary."""
+    import transformers
+
+    hidden, layers, vocab = common["hidden_size"], common["num_hidden_layers"], common["vocab_size"]
+    text = transformers.MiniMaxM3VLTextConfig(
+        **{k: v for k, v in common.items() if k != "intermediate_size"},
+        **SPECIAL_IDS,
+        intermediate_size=hidden // 2,
+        dense_intermediate_size=hidden * 2,
+        shared_intermediate_size=hidden // 2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        rotary_dim=common["head_dim"] // 2,  # as released checkpoints say it; the rotary embedding reads the factor
+        rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.5},
+        mlp_layer_types=["dense", *["sparse"] * (layers - 1)],
+        layer_types=[("full_attention", "minimax_m3_sparse")[i % 2] for i in range(layers)],
+        index_n_heads=common["num_key_value_heads"],
+        index_head_dim=16,
+        index_block_size=4,
+        index_topk_blocks=2,
+        index_local_blocks=1,
+    )
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=16,
+        patch_size=4,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+    )
+    return transformers.MiniMaxM3VLConfig(
+        text_config=text.to_dict(),
+        vision_config=vision,
+        image_token_index=vocab - 3,
+        video_token_index=vocab - 2,
+        projector_hidden_size=hidden,
+        tie_word_embeddings=False,
     )
