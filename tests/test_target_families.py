@@ -14,7 +14,7 @@ from reference import difference, text_model
 from draftfeed import RemoteEagle3Target
 from draftfeed.consumers.engines.base import Capture
 from draftfeed.consumers.engines.hf import HFEngine
-from draftfeed.tiny import MOE_ARCHS, build_tiny_target
+from draftfeed.tiny import FRONTIER_ARCHS, HYPER_CONNECTION_ARCHS, MOE_ARCHS, build_tiny_target
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -22,7 +22,9 @@ LAYERS = 4  # every family takes it (Qwen3-Next's layer pattern repeats every 4)
 # The families that needed a new rule: Llama 4's decoder (get_decoder() returns the model itself; its image-text
 # model nests a causal LM), and image-text configs AutoModelForCausalLM refuses (Qwen-VL) or loads without vision.
 NEW_FAMILIES = ("llama4-text", "llama4", "qwen2.5-vl", "qwen3-vl-moe")
-FAMILIES = ("llama", "qwen3", "gemma3", "gemma3-multimodal", *MOE_ARCHS, *NEW_FAMILIES)
+# The frontier families (issue 47), DeepSeek-V4 and GLM-5.3 (glm5-next) among them with layers of several residual
+# streams, [B, S, streams, H]: caught as the layers give them (docs/contract.md).
+FAMILIES = ("llama", "qwen3", "gemma3", "gemma3-multimodal", *MOE_ARCHS, *NEW_FAMILIES, *HYPER_CONNECTION_ARCHS, *FRONTIER_ARCHS)
 
 
 class Targets(dict):

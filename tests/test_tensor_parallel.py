@@ -218,13 +218,16 @@ def test_device_map_auto_serves_the_in_process_computation(cluster, tiny_target,
 
 
 def test_moe_families_at_degree_2(tmp_path):
-    """Every family of MOE_ARCHS and HYPER_CONNECTION_ARCHS under transformers' tensor-parallel plan at degree 2, and
+    """Every family of MOE_ARCHS, HYPER_CONNECTION_ARCHS and the text ones of FRONTIER_ARCHS under transformers'
+    tensor-parallel plan at degree 2, and
     with its expert-parallel plan beside it (--expert-parallel), within the last bits of degree 1 on a padded batch
     (docs/engines.md has the table this prints)."""
-    from draftfeed.tiny import HYPER_CONNECTION_ARCHS, MOE_ARCHS
+    from draftfeed.tiny import FRONTIER_ARCHS, FRONTIER_IMAGE_TEXT_ARCHS, HYPER_CONNECTION_ARCHS, MOE_ARCHS
 
-    # DeepSeek-V3 is served by a worker above; DeepSeek-V4's layers give [B, S, streams, H] (issue 47)
-    families = [family for family in (*MOE_ARCHS, *HYPER_CONNECTION_ARCHS) if family not in TARGETS]
+    # DeepSeek-V3 is served by a worker above; DeepSeek-V4's layers give [B, S, streams, H]; the frontier text families
+    # (issue 47; the image-text ones load as image-text models, which tp_families does not)
+    frontier = [family for family in FRONTIER_ARCHS if family not in FRONTIER_IMAGE_TEXT_ARCHS]
+    families = [family for family in (*MOE_ARCHS, *HYPER_CONNECTION_ARCHS, *frontier) if family not in TARGETS]
     for family in families:
         build_tiny_target(tmp_path / family, arch=family)
     port = free_port()

@@ -11,7 +11,7 @@ from torch import nn
 
 from draftfeed.consumers.engines.base import Capture, ForwardOutput, TargetShape
 from draftfeed.consumers.engines.images import accepted_image_inputs, check_image_rows, forward_images, image_forward
-from draftfeed.consumers.engines.loading import load_target, text_decoder, text_forward
+from draftfeed.consumers.engines.loading import load_target, text_decoder, text_forward, transformers_config
 from draftfeed.consumers.engines.parallel.group import LOAD_TIMEOUT_S, join_process_group
 from draftfeed.consumers.engines.parallel.spec import ProcessPlace
 from draftfeed.consumers.settings import Dtype
@@ -222,9 +222,7 @@ def _spread_over(devices: Sequence[str]) -> dict:
 def tensor_parallel_problem(target: str, expert_parallel: bool = False) -> str | None:
     """Why transformers cannot shard ``target`` by its tensor-parallel plan (it has none), or by its expert-parallel
     plan when ``expert_parallel`` (it has none: a dense model, or one transformers has no plan for), or None."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(target)
+    config = transformers_config(target)
     text = config.get_text_config()
     if not text.base_model_tp_plan:
         return (
@@ -242,9 +240,7 @@ def tensor_parallel_problem(target: str, expert_parallel: bool = False) -> str |
 def quantization_problem(target: str, device: str) -> str | None:
     """Why the hf engine cannot run ``target``'s quantized weights on ``device`` (FP8 and the other formats
     transformers runs on accelerators only), or None."""
-    from transformers import AutoConfig
-
-    quantization = getattr(AutoConfig.from_pretrained(target), "quantization_config", None)
+    quantization = getattr(transformers_config(target), "quantization_config", None)
     if not quantization or torch.device(device).type != "cpu":
         return None
     settings = quantization if isinstance(quantization, dict) else quantization.to_dict()

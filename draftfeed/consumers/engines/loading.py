@@ -1,5 +1,8 @@
 """How the hf engine and TargetHead load a target: the class that takes its config, and its text decoder's parts.
 
+- The config is read by transformers' own class for the checkpoint's architecture: another library imported in the
+  same process may register a config class of its own for a model type transformers implements (NeMo AutoModel does,
+  for DeepSeek-V4 among others), which transformers' model would then be built from, and fail.
 - A config transformers' image-text auto class takes (Qwen2.5-VL, Qwen3-VL, Gemma 3, Llama 4, ...) is loaded with
   ``AutoModelForImageTextToText``: ``AutoModelForCausalLM`` refuses some of them and silently drops the vision
   tower of others (a Llama 4 image-text checkpoint loads as its text model). Any other config with
@@ -41,11 +44,22 @@ def _refuse(config: Any) -> Any:
     )
 
 
+def transformers_config(target: str) -> Any:
+    """``target``'s config as transformers' own class for the architecture it names reads it; ``AutoConfig`` where it
+    names none transformers has (whatever another library registered for its model type is then read)."""
+    import transformers
+
+    raw, _ = transformers.PretrainedConfig.get_config_dict(target)
+    for name in raw.get("architectures") or []:
+        config_class = getattr(getattr(transformers, name, None), "config_class", None)
+        if config_class is not None and getattr(config_class, "model_type", None) == raw.get("model_type"):
+            return config_class.from_pretrained(target)
+    return transformers.AutoConfig.from_pretrained(target)
+
+
 def load_target(target: str, config: Any = None, **kwargs: Any) -> nn.Module:
     """``from_pretrained`` of the class ``auto_class`` picks, with ``kwargs`` (dtype, placement)."""
-    from transformers import AutoConfig
-
-    config = config if config is not None else AutoConfig.from_pretrained(target)
+    config = config if config is not None else transformers_config(target)
     return auto_class(config).from_pretrained(target, config=config, **kwargs)
 
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from draftfeed.consumers.engines.base import TargetShape
-from draftfeed.consumers.engines.loading import load_target, text_decoder
+from draftfeed.consumers.engines.loading import load_target, text_decoder, transformers_config
 from draftfeed.contract.ops import transform_logits
 from draftfeed.schemas.messages import LogitTransform
 
@@ -21,10 +21,9 @@ class TargetHead:
     """``embed_tokens``, the final norm and ``lm_head`` of a target (a causal LM or an image-text model), frozen, on one device."""
 
     def __init__(self, target: str, device: torch.device, dtype: torch.dtype) -> None:
-        from transformers import AutoConfig
         from transformers.utils import logging as hf_logging
 
-        config = AutoConfig.from_pretrained(target)
+        config = transformers_config(target)
         text_config = config.get_text_config()
         self.shape = TargetShape.from_text_config(text_config)
         self.logit_transform = LogitTransform.from_text_config(text_config)

@@ -1,0 +1,62 @@
+"""The frontier families transformers implements (issue 47: DeepSeek-V3.2, GLM-5, GLM-5.3, MiniMax-M2, Qwen3.5-MoE,
+Kimi-K2.5, MiniMax-M3, and DeepSeek-V4): DSpark and EAGLE-3 supervision of draftfeed's tasks over the hf engine equal
+NeMo AutoModel's own wrappers (HFDSparkTargetModel, HFEagle3TargetModel) around the same model in process, bit for
+bit at real positions, on a padded batch; the layers of several residual streams (DeepSeek-V4, GLM-5.3) read as
+docs/contract.md says. Tiny random-weight targets of each (draftfeed.tiny), text batches; the image-text ones loaded
+as image-text models. Through real workers: DeepSeek-V4 in tests/test_hyper_connections.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_batch
+from reference import difference_at_real
+from support.nemo import nemo_on_path
+
+from draftfeed.consumers.engines.hf import HFEngine
+from draftfeed.consumers.tasks.dspark import DSparkTask
+from draftfeed.consumers.tasks.eagle3 import Eagle3Task
+from draftfeed.tiny import FRONTIER_ARCHS, HYPER_CONNECTION_ARCHS, build_tiny_target
+
+pytestmark = pytest.mark.timeout(240)
+
+LAYERS = 4
+DSPARK_IDS, AUX_IDS = [-1, 1, 2, 3], [0, 1, 2]
+
+
+def own_class_model(path):
+    """The model by the class its checkpoint names, read by that class's own config (a process that imported NeMo reads
+    some model types as NeMo's own configs through the auto classes)."""
+    import transformers
+    from transformers import PretrainedConfig
+
+    raw, _ = PretrainedConfig.get_config_dict(path)
+    cls = getattr(transformers, raw["architectures"][0])
+    return cls.from_pretrained(path, config=cls.config_class.from_pretrained(path), dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("family", [*HYPER_CONNECTION_ARCHS, *FRONTIER_ARCHS])
+def test_dspark_and_eagle3_equal_nemos_wrappers(family, tmp_path):
+    nemo_on_path()
+    from nemo_automodel.components.speculative.dspark.target import HFDSparkTargetModel
+    from nemo_automodel.components.speculative.eagle.target import HFEagle3TargetModel
+
+    torch.set_num_threads(1)
+    path = build_tiny_target(tmp_path / family, arch=family, num_hidden_layers=LAYERS)
+    engine, model = HFEngine(str(path), device="cpu", dtype="float32"), own_class_model(path)
+    batch = make_batch(2, 24, 1000, seed=13)
+    ids, mask, loss = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    real = mask.bool()
+    dspark = DSparkTask(engine, target_layer_ids=DSPARK_IDS).compute(ids, mask, loss)
+    want = HFDSparkTargetModel(model, DSPARK_IDS).generate_batch(ids, mask, loss)
+    eagle3 = Eagle3Task(engine, aux_layer_ids=AUX_IDS).compute(ids, mask, loss)
+    aux = HFEagle3TargetModel(model, AUX_IDS).generate_batch(ids, mask, loss).aux_hidden_states
+    problems = [
+        difference_at_real("target_hidden_states", dspark["target_hidden_states"], want.target_hidden_states, real),
+        difference_at_real("target_last_hidden_states", dspark["target_last_hidden_states"], want.target_last_hidden_states, real),
+        difference_at_real("aux_hidden_states", eagle3["aux_hidden_states"], aux, real),
+    ]
+    assert not any(problems), f"{family}: " + "; ".join(p for p in problems if p)
+    hidden = engine.shape.hidden_size
+    assert dspark["target_hidden_states"].shape == (*ids.shape, len(DSPARK_IDS) * hidden)
