@@ -60,3 +60,18 @@ def test_dspark_and_eagle3_equal_nemos_wrappers(family, tmp_path):
     assert not any(problems), f"{family}: " + "; ".join(p for p in problems if p)
     hidden = engine.shape.hidden_size
     assert dspark["target_hidden_states"].shape == (*ids.shape, len(DSPARK_IDS) * hidden)
+
+
+@pytest.mark.parametrize("model_type, architecture", [("deepseek_v41", "DeepseekV41ForCausalLM"), ("kimi_k3", "KimiK3ForCausalLM")])
+def test_a_model_type_transformers_lacks_is_one_line(tmp_path, model_type, architecture):
+    """DeepSeek-V4.1 and Kimi-K3 exist in NeMo AutoModel's own model code only: the hf engine says so in one line, not
+    transformers' advice to upgrade."""
+    import json
+
+    from draftfeed.consumers.engines.loading import transformers_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, "architectures": [architecture]}))
+    with pytest.raises(ValueError) as refused:
+        transformers_config(str(tmp_path))
+    said = str(refused.value)
+    assert f"model type {model_type!r} ({architecture}) is not implemented by transformers" in said and "\n" not in said, said

@@ -49,11 +49,20 @@ def transformers_config(target: str) -> Any:
     names none transformers has (whatever another library registered for its model type is then read)."""
     import transformers
 
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
     raw, _ = transformers.PretrainedConfig.get_config_dict(target)
     for name in raw.get("architectures") or []:
         config_class = getattr(getattr(transformers, name, None), "config_class", None)
         if config_class is not None and getattr(config_class, "model_type", None) == raw.get("model_type"):
             return config_class.from_pretrained(target)
+    model_type = raw.get("model_type")
+    if model_type is not None and model_type not in CONFIG_MAPPING:
+        architectures = ", ".join(raw.get("architectures") or ["no architectures named"])
+        raise ValueError(
+            f"{target}: model type {model_type!r} ({architectures}) is not implemented by transformers {transformers.__version__}, "
+            "whose implementations the hf engine runs: serve it with an engine that implements it (vllm, sglang)"
+        )
     return transformers.AutoConfig.from_pretrained(target)
 
 
