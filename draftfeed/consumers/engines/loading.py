@@ -48,7 +48,6 @@ def transformers_config(target: str) -> Any:
     """``target``'s config as transformers' own class for the architecture it names reads it; ``AutoConfig`` where it
     names none transformers has (whatever another library registered for its model type is then read)."""
     import transformers
-
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     raw, _ = transformers.PretrainedConfig.get_config_dict(target)
