@@ -332,3 +332,26 @@ def test_an_engine_closed_after_its_follower_was_lost_leaves_its_process_alive(t
             engine.close()
             if torch.distributed.is_initialized():  # a lost engine leaves its group (a collective with the dead could hang)
                 torch.distributed.destroy_process_group()
+
+
+def test_glm5_next_runs_under_draftfeeds_plan_entries(tmp_path):
+    """GLM-5.3 fails a padded batch under transformers' own plan (its linear-attention layers' output projection is
+    sharded rowwise, its input never split); with draftfeed's plan entries (plan_fixes.py: attention whole on every
+    rank) the tensor-parallel engine starts and its DSpark supervision is within the last bits of degree 1."""
+    from draftfeed.consumers.tasks import load_task
+
+    target = str(build_tiny_target(tmp_path / "glm5-next", arch="glm5-next", num_hidden_layers=4))
+    lost: list[str] = []
+    two = TensorParallelEngine("hf", target, ["cpu", "cpu"], "float32", on_lost=lost.append)
+    one = load_engine(TargetSettings(engine="hf", path=target, device="cpu", dtype="float32"))
+    batch = batches()["plain-0"]
+    settings = TaskSettings.of("dspark", layer_ids=[-1, 1, 2, 3])
+    try:
+        args = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
+        got, expected = load_task(settings, two).compute(*args), load_task(settings, one).compute(*args)
+    finally:
+        two.close()
+    worst = {field: (got[field].double() - tensor.double()).abs().max().item() for field, tensor in expected.items()}
+    print(f"\nGLM-5.3 at degree 2 against 1: {worst}")
+    assert max(worst.values()) < 1e-5, worst
+    assert lost == [] and not torch.distributed.is_initialized()

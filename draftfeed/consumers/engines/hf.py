@@ -14,6 +14,7 @@ from draftfeed.consumers.engines.images import accepted_image_inputs, check_imag
 from draftfeed.consumers.engines.loading import load_target, text_decoder, text_forward, transformers_config
 from draftfeed.consumers.engines.parallel.group import LOAD_TIMEOUT_S, join_process_group
 from draftfeed.consumers.engines.parallel.spec import ProcessPlace
+from draftfeed.consumers.engines.plan_fixes import plan_corrections
 from draftfeed.consumers.settings import Dtype
 from draftfeed.contract.images import PACKED_WITH_IMAGES
 from draftfeed.contract.packing import Documents
@@ -62,7 +63,8 @@ class HFEngine:
             # Expert parallel: the experts sharded over the group by the model's own plan (each rank its share of
             # whole experts), the rest by its tensor-parallel plan, as transformers lays them out.
             sizes = {"tp_size": parallel.world_size} | ({"ep_size": parallel.world_size} if expert_parallel else {})
-            placement: dict = {"distributed_config": DistributedConfig(**sizes)}
+            corrections = plan_corrections(transformers_config(target))  # where transformers' plan cannot run (plan_fixes.py)
+            placement: dict = {"distributed_config": DistributedConfig(**sizes, **({"tp_plan": corrections} if corrections else {}))}
         elif device_map == "auto":
             placement = _spread_over(devices or [device])
         elif device_map is not None:
