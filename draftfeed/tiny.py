@@ -263,22 +263,9 @@ def _moe_config(arch: str, common: dict[str, Any]) -> Any:
         # heads (multi-head latent attention; with fewer, transformers' attention fails any attention mask, padding
         # included, at one process as at several), q_lora_rank three times kv_lora_rank, rope:nope:value head dims
         # 1:2:2, experts in 8 groups of which 4 are routed to, dense MLPs in the first 3 layers, a shared expert.
+        dense = min(3, common["num_hidden_layers"] - 1)
         return transformers.DeepseekV3Config(
-            **{k: v for k, v in common.items() if k not in ("head_dim", "num_key_value_heads", "num_attention_heads")},
-            num_attention_heads=8,
-            num_key_value_heads=8,
-            num_experts_per_tok=4,
-            moe_intermediate_size=hidden // 2,
-            n_routed_experts=16,
-            n_shared_experts=1,
-            n_group=8,
-            topk_group=4,
-            first_k_dense_replace=min(3, common["num_hidden_layers"] - 1),
-            q_lora_rank=48,
-            kv_lora_rank=16,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=16,
-            v_head_dim=16,
+            **_mla_moe(common, num_experts_per_tok=4, n_routed_experts=16, n_group=8, topk_group=4, first_k_dense_replace=dense)
         )
     if arch == "glm4-moe":
         return transformers.Glm4MoeConfig(
@@ -317,6 +304,34 @@ def _mla(common: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in common.items() if k not in ("head_dim", "num_key_value_heads", "num_attention_heads")}
 
 
+def _mla_moe(common: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    """The DeepSeek-V3 line's fields (``_mla`` of ``common``; ``fields`` replace any): as many key/value heads as query
+    heads, 8; q_lora_rank 3 x kv_lora_rank; rope:nope:value head dims 1:2:2; experts of width hidden/2 and a shared
+    one."""
+    return {
+        **_mla(common),
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "moe_intermediate_size": common["hidden_size"] // 2,
+        "n_shared_experts": 1,
+        "q_lora_rank": 48,
+        "kv_lora_rank": 16,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+        **fields,
+    }
+
+
+def _dense_first(layers: int, dense: int = 3) -> dict[str, Any]:
+    """Dense MLPs in the first ``dense`` layers (at most all but one), experts after them."""
+    dense = min(dense, layers - 1)
+    return {"first_k_dense_replace": dense, "mlp_layer_types": ["dense"] * dense + ["sparse"] * (layers - dense)}
+
+
+INDEXER = {"index_n_heads": 4, "index_head_dim": 16, "index_topk": 8}  # DSA's indexer: 4 heads of width 16 pick 8 tokens
+
+
 def _deepseek_v32_config(common: dict[str, Any]) -> Any:
     """DeepSeek-V3.2: DeepSeek-V3 (tiny DeepSeek-V3's proportions: 8 heads and key/value heads, q_lora_rank 3 x
     kv_lora_rank, 16 experts in 8 groups of which 4 are routed to, a shared expert, 3 dense layers first) with its
@@ -324,28 +339,10 @@ def _deepseek_v32_config(common: dict[str, Any]) -> Any:
     heads of 128 picking 2048 in the real model), so a 12-token row is sparse."""
     import transformers
 
-    layers = common["num_hidden_layers"]
-    dense = min(3, layers - 1)
     return transformers.DeepseekV32Config(
-        **_mla(common),
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        num_experts_per_tok=4,
-        moe_intermediate_size=common["hidden_size"] // 2,
-        n_routed_experts=16,
-        n_shared_experts=1,
-        n_group=8,
-        topk_group=4,
-        first_k_dense_replace=dense,
-        mlp_layer_types=["dense"] * dense + ["sparse"] * (layers - dense),
-        q_lora_rank=48,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
-        index_n_heads=4,
-        index_head_dim=16,
-        index_topk=8,
+        **_mla_moe(common, num_experts_per_tok=4, n_routed_experts=16, n_group=8, topk_group=4),
+        **_dense_first(common["num_hidden_layers"]),
+        **INDEXER,
     )
 
 
@@ -357,27 +354,11 @@ def _glm_moe_dsa_config(common: dict[str, Any]) -> Any:
     import transformers
 
     layers = common["num_hidden_layers"]
-    dense = min(3, layers - 1)
+    experts = dict(num_experts_per_tok=2, n_routed_experts=4, n_group=1, topk_group=1)
     return transformers.GlmMoeDsaConfig(
-        **_mla(common),
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=common["hidden_size"] // 2,
-        n_routed_experts=4,
-        n_shared_experts=1,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=dense,
-        mlp_layer_types=["dense"] * dense + ["sparse"] * (layers - dense),
-        q_lora_rank=64,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=24,
-        v_head_dim=32,
-        index_n_heads=4,
-        index_head_dim=16,
-        index_topk=8,
+        **_mla_moe(common, **experts, q_lora_rank=64, qk_nope_head_dim=24, v_head_dim=32),
+        **_dense_first(layers),
+        **INDEXER,
         indexer_types=["full"] * layers,
     )
 
@@ -391,27 +372,13 @@ def _glm5_next_config(common: dict[str, Any]) -> Any:
     import transformers
 
     hidden, layers, vocab = common["hidden_size"], common["num_hidden_layers"], common["vocab_size"]
-    dense = min(3, layers - 1)
     text = transformers.Glm5NextTextConfig(
-        **_mla(common),
+        **_mla_moe(common, num_experts_per_tok=2, n_routed_experts=4, qk_rope_head_dim=0),
         **SPECIAL_IDS,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=hidden // 2,
-        n_routed_experts=4,
-        n_shared_experts=1,
-        mlp_layer_types=["dense"] * dense + ["sparse"] * (layers - dense),
+        mlp_layer_types=_dense_first(layers)["mlp_layer_types"],
         layer_types=["indexed_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)],
         indexer_types=["full"] * layers,
-        q_lora_rank=48,
-        kv_lora_rank=16,
-        qk_rope_head_dim=0,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
-        index_n_heads=4,
-        index_head_dim=16,
-        index_topk=8,
+        **INDEXER,
         index_kpool=4,
         linear_head_dim=16,
         linear_num_heads=4,
@@ -489,22 +456,8 @@ def _kimi_k25_config(common: dict[str, Any]) -> Any:
 
     vocab = common["vocab_size"]
     text = transformers.DeepseekV3Config(
-        **_mla(common),
+        **_mla_moe(common, num_experts_per_tok=2, n_routed_experts=4, n_group=1, topk_group=1, first_k_dense_replace=1),
         **SPECIAL_IDS,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=common["hidden_size"] // 2,
-        n_routed_experts=4,
-        n_shared_experts=1,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
-        q_lora_rank=48,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
     )
     vision = dict(
         patch_size=4,

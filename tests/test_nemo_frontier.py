@@ -65,19 +65,23 @@ def config(nemo, target: Path, url: str, **options):
     return nemo.ConfigNode({"recipe_args": args})
 
 
+def call_builder(nemo, recipe, target: Path):
+    """The recipe's DeepSeek-V4 builder, by the name its module calls, with the arguments its setup() passes."""
+    return nemo.train_dspark.build_deepseek_v4_target(
+        cfg=recipe.cfg,
+        world_size=1,
+        device=CPU,
+        compute_dtype=torch.float32,
+        target_path=str(target),
+        recipe_cfg=recipe.cfg.recipe_args,
+        trust_remote_code=False,
+    )
+
+
 def build_target(nemo, recipe, target: Path):
-    """What setup() does for a DeepSeek-V4 target: its builder, by the name the recipe module calls, then the wrapper."""
+    """What setup() does for a DeepSeek-V4 target: its builder, then the wrapper."""
     with draftfeed_target(recipe, "dspark"):
-        built = nemo.train_dspark.build_deepseek_v4_target(
-            cfg=recipe.cfg,
-            world_size=1,
-            device=CPU,
-            compute_dtype=torch.float32,
-            target_path=str(target),
-            recipe_cfg=recipe.cfg.recipe_args,
-            trust_remote_code=False,
-        )
-        target_config, model, setup = built
+        target_config, model, setup = call_builder(nemo, recipe, target)
         wrapper = nemo.train_dspark.HFDSparkTargetModel(model, target_layer_ids=LAYERS, cp_mesh=None)
     return target_config, model, setup, wrapper
 
@@ -103,15 +107,7 @@ def test_the_deepseek_v4_builder_gives_draftfeeds_target_equal_to_nemos_wrapper(
         wrapper.close()
     # outside the recipe's draftfeed target, the builder is NeMo's own (which asks for CUDA on this machine)
     with pytest.raises(RuntimeError, match="requires CUDA"):
-        nemo.train_dspark.build_deepseek_v4_target(
-            cfg=recipe.cfg,
-            world_size=1,
-            device=CPU,
-            compute_dtype=torch.float32,
-            target_path=str(v4_target),
-            recipe_cfg=recipe.cfg.recipe_args,
-            trust_remote_code=False,
-        )
+        call_builder(nemo, recipe, v4_target)
 
 
 def test_a_reduced_target_depth_is_refused_in_one_line(nemo, url, v4_target):
