@@ -136,7 +136,7 @@ def test_a_request_done_at_the_broker_whose_answer_never_came_is_sent_again_with
     )
     assert sent(session) == []
     assert session.requests.describe(second) == f"request {second} was computing at worker w1 for 6.5 s, as the broker said 0.0 s ago"
-    assert "sent again 1 times after the broker had lost track of it" in session.requests.describe(first)
+    assert "sent again 1 time after the broker had lost track of it" in session.requests.describe(first)
 
 
 def test_a_request_done_a_moment_ago_or_answered_meanwhile_is_not_sent_again(session, clock):

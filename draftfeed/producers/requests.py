@@ -252,7 +252,7 @@ class RequestTable:
                 return None
             latest, seen, seen_at, asked, asked_at = waiter.ids[-1], waiter.seen, waiter.seen_at, waiter.asked, waiter.asked_at
             lost, sent_at = waiter.sent_again_lost, waiter.sent_at
-        again = f"; sent again {lost} times after the broker had lost track of it" if lost else ""
+        again = f"; sent again {lost} {'time' if lost == 1 else 'times'} after the broker had lost track of it" if lost else ""
         if seen is not None and seen_at is not None:
             return f"request {latest} was {_in_words(seen)}, as the broker said {now - seen_at:.1f} s ago{again}"
         if asked and asked_at is not None:
