@@ -1,7 +1,8 @@
 """The frontier families transformers implements (issue 47: DeepSeek-V3.2, GLM-5, GLM-5.3, MiniMax-M2, Qwen3.5-MoE,
-Kimi-K2.5, MiniMax-M3, and DeepSeek-V4): DSpark and EAGLE-3 supervision of draftfeed's tasks over the hf engine equal
-NeMo AutoModel's own wrappers (HFDSparkTargetModel, HFEagle3TargetModel) around the same model in process, bit for
-bit at real positions, on a padded batch; the layers of several residual streams (DeepSeek-V4, GLM-5.3) read as
+Kimi-K2.5, MiniMax-M3, and DeepSeek-V4): DSpark, EAGLE-3 and DFlash supervision of draftfeed's tasks over the hf
+engine equal NeMo AutoModel's own wrappers (HFDSparkTargetModel, HFEagle3TargetModel, HFDFlashTargetModel) around the
+same model in process, bit for bit at real positions, on a padded batch (NeMo's DFlash wrapper takes no image-text
+model); the layers of several residual streams (DeepSeek-V4, GLM-5.3) read as
 docs/contract.md says. Tiny random-weight targets of each (draftfeed.tiny), text batches; the image-text ones loaded
 as image-text models. Through real workers: DeepSeek-V4 in tests/test_hyper_connections.py.
 """
@@ -15,9 +16,10 @@ from reference import difference_at_real
 from support.nemo import nemo_on_path
 
 from draftfeed.consumers.engines.hf import HFEngine
+from draftfeed.consumers.tasks.dflash import DFlashTask
 from draftfeed.consumers.tasks.dspark import DSparkTask
 from draftfeed.consumers.tasks.eagle3 import Eagle3Task
-from draftfeed.tiny import FRONTIER_ARCHS, HYPER_CONNECTION_ARCHS, build_tiny_target
+from draftfeed.tiny import FRONTIER_ARCHS, FRONTIER_IMAGE_TEXT_ARCHS, HYPER_CONNECTION_ARCHS, build_tiny_target
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -37,8 +39,9 @@ def own_class_model(path):
 
 
 @pytest.mark.parametrize("family", [*HYPER_CONNECTION_ARCHS, *FRONTIER_ARCHS])
-def test_dspark_and_eagle3_equal_nemos_wrappers(family, tmp_path):
+def test_dspark_eagle3_and_dflash_equal_nemos_wrappers(family, tmp_path):
     nemo_on_path()
+    from nemo_automodel.components.speculative.dflash.target import HFDFlashTargetModel
     from nemo_automodel.components.speculative.dspark.target import HFDSparkTargetModel
     from nemo_automodel.components.speculative.eagle.target import HFEagle3TargetModel
 
@@ -52,10 +55,18 @@ def test_dspark_and_eagle3_equal_nemos_wrappers(family, tmp_path):
     want = HFDSparkTargetModel(model, DSPARK_IDS).generate_batch(ids, mask, loss)
     eagle3 = Eagle3Task(engine, aux_layer_ids=AUX_IDS).compute(ids, mask, loss)
     aux = HFEagle3TargetModel(model, AUX_IDS).generate_batch(ids, mask, loss).aux_hidden_states
+    dflash = DFlashTask(engine, target_layer_ids=AUX_IDS).compute(ids, mask, loss)["hidden_states"]
+    if family in FRONTIER_IMAGE_TEXT_ARCHS:  # NeMo's DFlash wrapper finds no decoder in an image-text model
+        with pytest.raises(ValueError, match="Unsupported model structure for DFlash"):
+            HFDFlashTargetModel(model, AUX_IDS).generate_batch(ids, mask, loss)
+        hidden_states = dflash
+    else:
+        hidden_states = HFDFlashTargetModel(model, AUX_IDS).generate_batch(ids, mask, loss).hidden_states
     problems = [
         difference_at_real("target_hidden_states", dspark["target_hidden_states"], want.target_hidden_states, real),
         difference_at_real("target_last_hidden_states", dspark["target_last_hidden_states"], want.target_last_hidden_states, real),
         difference_at_real("aux_hidden_states", eagle3["aux_hidden_states"], aux, real),
+        difference_at_real("hidden_states", dflash, hidden_states, real),
     ]
     assert not any(problems), f"{family}: " + "; ".join(p for p in problems if p)
     hidden = engine.shape.hidden_size

@@ -2,8 +2,8 @@
 reads a layer as NeMo AutoModel's own wrapper of that task does (docs/contract.md, "Targets with several residual
 streams"), bit for bit at real positions, zeros at padded ones, padded and packed rows, through a real broker and
 worker: DSpark (HFDSparkTargetModel: an intermediate layer's streams folded into their mean, the embedding output and
-the post-norm last layer of one stream), EAGLE-3 (HFEagle3TargetModel) and DFlash (HFDFlashTargetModel), which keep a
-layer's streams as it gives them.
+the post-norm last layer of one stream) and EAGLE-3 (HFEagle3TargetModel), which keeps a layer's streams as it gives
+them, as DFlash does (HFDFlashTargetModel; in process, tests/test_frontier_families.py).
 
 The target: a tiny random-weight DeepSeek-V4 (transformers' DeepseekV4Config; draftfeed.tiny, 6 layers, hidden 64,
 2 streams, compressed and sparse attention, hash-routed first layer, 4 experts), loaded through the worker's own path.
@@ -11,7 +11,6 @@ The target: a tiny random-weight DeepSeek-V4 (transformers' DeepseekV4Config; dr
 
 from __future__ import annotations
 
-import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -20,7 +19,7 @@ from conftest import add_service, make_batch
 from reference import difference_at_real, make_packed_batch
 from support.nemo import nemo_on_path
 
-from draftfeed import RemoteDFlashTarget, RemoteDSparkTarget, RemoteEagle3Target
+from draftfeed import RemoteDSparkTarget, RemoteEagle3Target
 from draftfeed.contract.streams import first_stream, mean_streams
 
 pytestmark = pytest.mark.timeout(240)
@@ -49,18 +48,16 @@ def v4_model(v4_target):
 def services(cluster, v4_target):
     add_service(cluster, v4_target, "v4-dspark", "--task", "dspark", "--target-layer-ids", ",".join(map(str, DSPARK_IDS)))
     add_service(cluster, v4_target, "v4-eagle3", "--task", "eagle3", "--aux-layer-ids", ",".join(map(str, AUX_IDS)))
-    add_service(cluster, v4_target, "v4-dflash", "--task", "dflash", "--target-layer-ids", ",".join(map(str, AUX_IDS)))
     return cluster
 
 
 @pytest.fixture(scope="module")
 def nemo(services) -> SimpleNamespace:
     nemo_on_path()
-    from nemo_automodel.components.speculative.dflash.target import HFDFlashTargetModel
     from nemo_automodel.components.speculative.dspark.target import HFDSparkTargetModel
     from nemo_automodel.components.speculative.eagle.target import HFEagle3TargetModel
 
-    return SimpleNamespace(dspark=HFDSparkTargetModel, eagle3=HFEagle3TargetModel, dflash=HFDFlashTargetModel)
+    return SimpleNamespace(dspark=HFDSparkTargetModel, eagle3=HFEagle3TargetModel)
 
 
 def batches(seed: int) -> list[dict[str, torch.Tensor]]:
@@ -106,13 +103,3 @@ def test_eagle3_keeps_the_streams_as_nemos_wrapper_does(services, nemo, v4_model
             assert supervision.aux_hidden_states.shape == (*batch["input_ids"].shape, STREAMS, len(AUX_IDS) * HIDDEN)
             got, expected = {"aux_hidden_states": supervision.aux_hidden_states}, {"aux_hidden_states": want.aux_hidden_states}
             assert_fields_equal(got, expected, batch["attention_mask"].bool())  # aux is not shifted
-
-
-def test_dflash_keeps_the_streams_as_nemos_wrapper_does(services, nemo, v4_model):
-    wrapper = nemo.dflash(v4_model, AUX_IDS)
-    with RemoteDFlashTarget(services.frontend, "v4-dflash", prefetch_depth=2) as target:
-        for batch, supervision in target.iterate(batches(seed=30)):
-            want = wrapper.generate_batch(**nemo_inputs(batch))
-            assert supervision.hidden_states.shape == (*batch["input_ids"].shape, STREAMS, len(AUX_IDS) * HIDDEN)
-            got = {f.name: getattr(supervision, f.name) for f in dataclasses.fields(want) if f.name == "hidden_states"}
-            assert_fields_equal(got, {"hidden_states": want.hidden_states}, batch["attention_mask"].bool())
