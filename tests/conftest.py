@@ -42,7 +42,6 @@ LONGEST_FIRST = (
     "test_frontier_rows.py",  # 94
     "test_tensor_parallel.py",  # 63
     "test_mistakes.py",  # 50
-    "test_soak.py",  # 30
     "test_reliability.py",  # 49
     "test_stopping_moments.py",  # 47
     "test_partition.py",  # 37

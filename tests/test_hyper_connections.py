@@ -2,8 +2,8 @@
 reads a layer as NeMo AutoModel's own wrapper of that task does (docs/contract.md, "Targets with several residual
 streams"), bit for bit at real positions, zeros at padded ones, padded and packed rows, through a real broker and
 worker: DSpark (HFDSparkTargetModel: an intermediate layer's streams folded into their mean, the embedding output and
-the post-norm last layer of one stream) and EAGLE-3 (HFEagle3TargetModel), which keeps a layer's streams as it gives
-them, as DFlash does (HFDFlashTargetModel; in process, tests/test_frontier_families.py).
+the post-norm last layer of one stream). EAGLE-3 and DFlash keep a layer's streams as it gives them, as NeMo's
+HFEagle3TargetModel and HFDFlashTargetModel do (in process: tests/test_frontier_families.py).
 
 The target: a tiny random-weight DeepSeek-V4 (transformers' DeepseekV4Config; draftfeed.tiny, 6 layers, hidden 64,
 2 streams, compressed and sparse attention, hash-routed first layer, 4 experts), loaded through the worker's own path.
@@ -19,14 +19,13 @@ from conftest import add_service, make_batch
 from reference import difference_at_real, make_packed_batch
 from support.nemo import nemo_on_path
 
-from draftfeed import RemoteDSparkTarget, RemoteEagle3Target
+from draftfeed import RemoteDSparkTarget
 from draftfeed.contract.streams import first_stream, mean_streams
 
 pytestmark = pytest.mark.timeout(240)
 
 LAYERS, HIDDEN, STREAMS = 6, 64, 2
 DSPARK_IDS = [-1, 1, 3, 5]  # the embeddings, two intermediate layers, the post-norm last one
-AUX_IDS = [1, 3, 4]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +46,6 @@ def v4_model(v4_target):
 @pytest.fixture(scope="module")
 def services(cluster, v4_target):
     add_service(cluster, v4_target, "v4-dspark", "--task", "dspark", "--target-layer-ids", ",".join(map(str, DSPARK_IDS)))
-    add_service(cluster, v4_target, "v4-eagle3", "--task", "eagle3", "--aux-layer-ids", ",".join(map(str, AUX_IDS)))
     return cluster
 
 
@@ -55,9 +53,8 @@ def services(cluster, v4_target):
 def nemo(services) -> SimpleNamespace:
     nemo_on_path()
     from nemo_automodel.components.speculative.dspark.target import HFDSparkTargetModel
-    from nemo_automodel.components.speculative.eagle.target import HFEagle3TargetModel
 
-    return SimpleNamespace(dspark=HFDSparkTargetModel, eagle3=HFEagle3TargetModel)
+    return SimpleNamespace(dspark=HFDSparkTargetModel)
 
 
 def batches(seed: int) -> list[dict[str, torch.Tensor]]:
@@ -93,13 +90,3 @@ def test_dspark_equals_nemos_wrapper(services, nemo, v4_model):
             want = wrapper.generate_batch(**nemo_inputs(batch))
             got = {"target_hidden_states": supervision.target_hidden_states, "target_last_hidden_states": supervision.target_last_hidden_states}
             assert_fields_equal(got, {name: getattr(want, name) for name in got}, batch["attention_mask"].bool())
-
-
-def test_eagle3_keeps_the_streams_as_nemos_wrapper_does(services, nemo, v4_model):
-    wrapper = nemo.eagle3(v4_model, AUX_IDS)
-    with RemoteEagle3Target(services.frontend, "v4-eagle3", prefetch_depth=2) as target:
-        for batch, supervision in target.iterate(batches(seed=20)):
-            want = wrapper.generate_batch(**{k: v for k, v in nemo_inputs(batch).items() if k != "doc_remaining"})
-            assert supervision.aux_hidden_states.shape == (*batch["input_ids"].shape, STREAMS, len(AUX_IDS) * HIDDEN)
-            got, expected = {"aux_hidden_states": supervision.aux_hidden_states}, {"aux_hidden_states": want.aux_hidden_states}
-            assert_fields_equal(got, expected, batch["attention_mask"].bool())  # aux is not shifted

@@ -41,7 +41,7 @@ RANKS, WORKERS, BATCHES = 3, 3, 24
 # restarted broker takes a second or two on a loaded host, and a lost request is asked about after one more. Before
 # whereabouts, a lost one waited for its request_timeout (600 s).
 WAIT_PERIODS = 8
-SUITE_SEEDS = (2, 3)
+SUITE_SEEDS = (2,)  # kills, freezes and a broker restart in one schedule; the soak proper runs hundreds
 
 
 def seeds() -> list[int]:
