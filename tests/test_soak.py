@@ -162,7 +162,12 @@ def test_every_batch_once_in_order_exact_and_never_held_long_through_a_seeded_sc
         cluster.stop()
     waits = [result.get("longest_wait_s") for result in results]
     schedule = f"soak seed {seed}: {len(faults.log)} faults [{', '.join(faults.log)}]"
-    print(f"{schedule}; longest waits {waits} s; lost and sent again {[result.get('lost_resent') for result in results]}")
+    exact = [
+        result["error"] is None and not result["differences"] and result["received"] == result["sent"] and result["in_order"] for result in results
+    ]
+    print(
+        f"{schedule}; every batch once, in order, exact {exact}; longest waits {waits} s; lost and sent again {[r.get('lost_resent') for r in results]}"
+    )
     assert faults.error is None, f"{schedule}: {faults.error!r}"
     for number, result in enumerate(results):
         assert result["error"] is None, f"{schedule}: rank {number}: {result['error']}"
