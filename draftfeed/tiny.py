@@ -27,13 +27,14 @@ def build_tiny_target(
 ) -> Path:
     """Save a random-weight target to ``path`` and return the folder.
 
-    ``llama`` and ``qwen3`` are text models; ``gemma3`` a text model with scaled embeddings and logit
-    soft-capping; the mixture-of-experts families of ``MOE_ARCHS`` (4 experts, 2 per token; DeepSeek-V3 with its
-    multi-head latent attention in the real model's proportions, 16 experts in 8 groups, 4 per token, 3 dense layers
-    first; Qwen3-Next with its hybrid linear attention); ``deepseek-v4`` (DeepSeek-V4's
-    hyper-connections, 2 streams, its compressed and sparse attention and hash-routed first layer, 4 experts); ``llama4-text`` Llama 4's text model
-    (Llama4ForCausalLM: 4 experts, 1 per token, in every layer; chunked attention over 16 tokens). These load back with
-    ``AutoModelForCausalLM.from_pretrained(path)``, the same way a real target does.
+    ``llama`` and ``qwen3`` are text models; ``gemma3`` a text model with scaled embeddings and logit soft-capping; the
+    mixture-of-experts families of ``MOE_ARCHS`` (4 experts, 2 per token; DeepSeek-V3 with its multi-head latent
+    attention in the real model's proportions, 16 experts in 8 groups, 4 per token, 3 dense layers first; Qwen3-Next
+    with its hybrid linear attention); ``deepseek-v4`` (DeepSeek-V4's hyper-connections, 2 streams, its compressed and
+    sparse attention and hash-routed first layer, 4 experts; its config written as DeepSeek's released checkpoints
+    write it); ``llama4-text`` Llama 4's text model (Llama4ForCausalLM: 4 experts, 1 per token, in every layer; chunked
+    attention over 16 tokens). These load back with ``AutoModelForCausalLM.from_pretrained(path)``, the same way a real
+    target does.
 
     The image-text models (their text config under ``config.text_config``; image, video, vision start and end token
     ids ``vocab_size - 3, - 2, - 5, - 4``, inside the vocabulary): ``gemma3-multimodal`` (Gemma3ForConditionalGeneration,
