@@ -25,7 +25,8 @@ def wait_for(
 ) -> Any:
     """``future``'s result; every ``log_interval_s`` a warning says what it waits for and why no answer came yet
     (``why_no_answer``: also where the broker last said this future's request was); after ``timeout_s``
-    (request_timeout) a RemoteTargetTimeout says the same. An answer that arrives in pieces (the future's ``progressed_at``) keeps the wait going: the timeout runs from its last piece."""
+    (request_timeout) a RemoteTargetTimeout says the same. An answer that arrives in pieces (the future's
+    ``progressed_at``) keeps the wait going: the timeout runs from its last piece."""
     started = time.monotonic()
     while True:
         deadline = max(started, getattr(future, "progressed_at", None) or started) + timeout_s
