@@ -76,8 +76,13 @@ LOADERS = (
 # The DSpark recipe's own builders of its frontier targets that transformers implements too (so draftfeed's workers
 # serve them), by their names in train_dspark; ``_frontier_config`` reads each one's config as the builder does.
 FRONTIER_BUILDERS = ("build_deepseek_v4_target", "build_glm_5_2_target")
-# The DSpark targets only NeMo AutoModel's own model code implements (transformers 5.24 has no such model type).
-NEMO_ONLY_TARGETS = ("deepseek_v41", "kimi_k3", "kimi_linear")
+# The DSpark targets draftfeed does not serve yet, by model type, with why: the recipe builds them with NeMo AutoModel's
+# own model code, which draftfeed's workers do not load yet.
+NOT_SERVED_TARGETS = {
+    "deepseek_v41": "is implemented by NeMo AutoModel's own model code only (transformers has no deepseek_v41)",
+    "kimi_k3": "is implemented by NeMo AutoModel's own model code only (transformers has no kimi_k3)",
+    "kimi_linear": "is loaded by the recipe's Kimi-K3 builder, NeMo AutoModel's own model code",
+}
 # Axes of the `distributed:` section that shard the target: draftfeed's workers hold it, so none applies.
 TARGET_AXES = ("tp_size", "cp_size", "pp_size", "ep_size")
 DEFAULT_TIMEOUT = 120.0  # recipe_args.remote_timeout's default, as the EAGLE-3 recipe has it
@@ -178,11 +183,11 @@ def _dspark_checks(recipe: Any, name: str, args: Any) -> None:
         )
     dspark = importlib.import_module(f"{RECIPES}.train_dspark")
     model_type = dspark._read_target_model_type(args.target_model_name_or_path, bool(args.get("trust_remote_code", False)))
-    if model_type in NEMO_ONLY_TARGETS:
+    why = NOT_SERVED_TARGETS.get(model_type)
+    if why is not None:
         raise ValueError(
-            f"{name}: a {model_type} target is implemented by NeMo AutoModel's own model code only (transformers has no "
-            f"{model_type}), which draftfeed's workers do not load yet: train it with the recipe's own target "
-            "(target_model_backend unset)"
+            f"{name}: a {model_type} target {why}, which draftfeed's workers do not load yet: train it with the recipe's "
+            "own target (target_model_backend unset)"
         )
 
 
