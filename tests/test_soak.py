@@ -167,8 +167,10 @@ def test_every_batch_once_in_order_exact_and_never_held_long_through_a_seeded_sc
     exact = [
         result["error"] is None and not result["differences"] and result["received"] == result["sent"] and result["in_order"] for result in results
     ]
+    errors = [result["error"] for result in results if result["error"] is not None]  # said now: a soak stopped early keeps them
     print(
-        f"{schedule}; every batch once, in order, exact {exact}; longest waits {waits} s; lost and sent again {[r.get('lost_resent') for r in results]}"
+        f"{schedule}; every batch once, in order, exact {exact}; longest waits {waits} s; "
+        f"lost and sent again {[r.get('lost_resent') for r in results]}" + (f"; errors {errors}" if errors else "")
     )
     assert faults.error is None, f"{schedule}: {faults.error!r}"
     for number, result in enumerate(results):
