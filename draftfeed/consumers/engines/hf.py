@@ -56,6 +56,7 @@ class HFEngine:
     ) -> None:
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        config = transformers_config(target)
         if parallel is not None:
             from transformers.distributed import DistributedConfig
 
@@ -63,7 +64,7 @@ class HFEngine:
             # Expert parallel: the experts sharded over the group by the model's own plan (each rank its share of
             # whole experts), the rest by its tensor-parallel plan, as transformers lays them out.
             sizes = {"tp_size": parallel.world_size} | ({"ep_size": parallel.world_size} if expert_parallel else {})
-            corrections = plan_corrections(transformers_config(target))  # where transformers' plan cannot run (plan_fixes.py)
+            corrections = plan_corrections(config)  # where transformers' plan cannot run (plan_fixes.py)
             placement: dict = {"distributed_config": DistributedConfig(**sizes, **({"tp_plan": corrections} if corrections else {}))}
         elif device_map == "auto":
             placement = _spread_over(devices or [device])
@@ -71,7 +72,7 @@ class HFEngine:
             raise ValueError(f"--device-map {device_map!r}: the hf engine takes auto (layers across --devices in one process)")
         else:
             placement = {"device_map": {"": self.device}}
-        model = load_target(target, dtype=self.dtype, **placement)
+        model = load_target(target, config=config, dtype=self.dtype, **placement)
         self.model = model.eval().requires_grad_(False)
         self._text_forward = text_forward(self.model)
         self.image_inputs, self.images_refusal = accepted_image_inputs(self.model)
