@@ -45,7 +45,6 @@ def test_dspark_eagle3_and_dflash_equal_nemos_wrappers(family, tmp_path):
     from nemo_automodel.components.speculative.dspark.target import HFDSparkTargetModel
     from nemo_automodel.components.speculative.eagle.target import HFEagle3TargetModel
 
-    torch.set_num_threads(1)
     path = build_tiny_target(tmp_path / family, arch=family, num_hidden_layers=LAYERS)
     engine, model = HFEngine(str(path), device="cpu", dtype="float32"), own_class_model(path)
     batch = make_batch(2, 24, 1000, seed=13)
