@@ -48,8 +48,10 @@ def own_class_model(path):
     """The model as its checkpoint names it (config.architectures), not as the worker chose to load it."""
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(path)
-    return getattr(transformers, config.architectures[0]).from_pretrained(path, dtype=torch.float32).eval()
+    # the class's own config: a process that imported NeMo reads some model types as NeMo's configs through AutoConfig
+    raw, _ = transformers.PretrainedConfig.get_config_dict(path)
+    cls = getattr(transformers, raw["architectures"][0])
+    return cls.from_pretrained(path, config=cls.config_class.from_pretrained(path), dtype=torch.float32).eval()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
