@@ -137,3 +137,48 @@ def test_an_answer_that_stalled_is_sent_again_once_uncharged_then_fails_naming_b
     assert "stalled twice on the way to the rank" in failure.message and "\n" not in failure.message, failure.message
     assert 0 not in state.ranks[b"r"].requests
     assert state.status()["requeues"] == {"stalled": 1} and state.status()["counters"]["requests_failed"] == 1
+
+
+def poisoned(state: BrokerState, clock: Clock, request_id: int, names: list[str]) -> list:
+    """Each of ``names`` registers, is given the request (already queued, or submitted now), says it computes it and
+    dies; the broker's replies to the last death."""
+    out: list = []
+    for name in names:
+        out = register(state, name, capacity=2)
+        ticket = next((p.ticket for p in state.workers[name.encode()].in_flight.values() if p.request.request_id == request_id), None)
+        if ticket is None:
+            ticket = dispatches(submit(state, "r", request_id, tensors=INPUT))[0][1].ticket
+        beat(state, name, in_engine=ticket)
+        out = kill(state, clock, name, keep=[])
+    return out
+
+
+def test_deaths_that_churn_explains_charge_no_batch_until_the_window_passes(state, clock):
+    """Request 5's worker dies and another serves it: the workers die for reasons not their batches' (an operator,
+    a lost node). For --churn-window after that, request 7 in the engine of three dying workers is not failed as
+    poison; once the window has passed without new evidence, its next death fails it, naming every try."""
+    hello(state, "r", window=4)
+    assert errors(poisoned(state, clock, 5, ["a0"])) == []
+    peer, dispatch = dispatches(register(state, "a1", capacity=2))[0]
+    state.on_done(peer, Done(ticket=dispatch.ticket, outcome="served"))  # request 5, charged with a death, is served
+    state.on_worker_bye(b"a1")  # it leaves, as one that says goodbye: no death, no evidence
+    assert state.deaths.churning("svc")
+    assert errors(poisoned(state, clock, 7, ["w0", "w1", "w2"])) == []
+    pending = state.ranks[b"r"].requests[7]
+    assert pending.failures == 3 and pending.own_failures(churning=True) == 0
+    clock.now += BrokerSettings().churn_window_s
+    (failure,) = errors(poisoned(state, clock, 7, ["w3"]))
+    assert failure.request_id == 7 and "failed on 4 workers of service 'svc' (--max-attempts 3)" in failure.message
+    assert "its workers' deaths count as its own" in failure.message
+
+
+def test_a_worker_that_dies_holding_nothing_is_evidence_of_churn_one_holding_requests_is_not(state, clock):
+    hello(state, "r", window=4)
+    register(state, "idle", capacity=1)
+    kill(state, clock, "idle", keep=[])
+    assert state.deaths.churning("svc")
+    clock.now += BrokerSettings().churn_window_s + 1
+    assert not state.deaths.churning("svc")
+    assert errors(poisoned(state, clock, 7, ["w0", "w1"])) == [] and not state.deaths.churning("svc")
+    (failure,) = errors(poisoned(state, clock, 7, ["w2"]))
+    assert failure.request_id == 7

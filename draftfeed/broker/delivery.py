@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from draftfeed.broker.deaths import DeathJudge
 from draftfeed.broker.mappings import MappingTable
 from draftfeed.broker.records import Finished, Outgoing, Pending, RankRecord, ServiceRecord, WorkerRecord, to_rank
 from draftfeed.broker.scheduler import Scheduler
@@ -33,8 +34,10 @@ class Delivery:
         scheduler: Scheduler,
         counters: dict[str, int],
         clock: Callable[[], float],
+        deaths: DeathJudge,
     ) -> None:
         self.settings = settings
+        self.deaths = deaths
         self.mappings = mappings
         self.scheduler = scheduler
         self.counters = counters  # the broker's: requeued, requests_failed, mappings_resent
@@ -98,6 +101,8 @@ class Delivery:
     def finished(self, worker: WorkerRecord, pending: Pending, done: Done, service: ServiceRecord) -> list[Outgoing]:
         """The worker is done with the request and its rank has the answer (or a failure, or nothing: undelivered)."""
         if done.outcome == "served":
+            if pending.deaths:
+                self.deaths.churn(service.name, f"{pending.describe()}, charged with a worker's death, was served by worker {worker.name}")
             worker.served += 1
             if pending.request.kind in TASKS:
                 worker.batches += 1
@@ -133,12 +138,17 @@ class Delivery:
             pending.ticket, pending.worker, pending.placed_at = -1, None, now
             if pending.rank.gone:
                 continue  # its rank was forgotten; if it came back, it sent the request again under a new record
-            if pending.failures >= self.settings.max_attempts:
+            if pending.own_failures(self.deaths.churning(service.name)) >= self.settings.max_attempts:
                 tries = "; ".join(what for _worker, what in pending.attempts)
                 message = (
                     f"{pending.describe()} failed on {pending.failures} workers of service {service.name!r} "
                     f"(--max-attempts {self.settings.max_attempts}): {tries}"
                 )
+                if pending.deaths:
+                    message += (
+                        f"; its workers' deaths count as its own: within --churn-window {self.settings.churn_window_s:g} no "
+                        "worker of the service died holding nothing, came back, or served a batch that had been in a dying engine"
+                    )
                 out.extend(self._fail(pending, message, service))
                 continue
             self.counters["requeued"] += 1

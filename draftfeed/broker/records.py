@@ -62,6 +62,7 @@ class Pending:
     worker: bytes | None = None  # the worker it is dispatched to, while it is
     request_json: bytes | None = None  # the request, encoded once for every dispatch of it
     failures: int = 0  # tries that failed in the engine (a poison batch must not kill every worker)
+    deaths: int = 0  # of those, workers that died with it in their engine (deaths.py: counted unless churn explains them)
     excluded: set[bytes] = field(default_factory=set)  # workers it failed on
     attempts: list[tuple[bytes, str]] = field(default_factory=list)  # each failed try: the worker, what it said
     finished: bool = False  # completed, or its rank forgotten: it holds no mapping and is never dispatched again
@@ -73,9 +74,11 @@ class Pending:
         """The vocab mapping it is computed with (its digest), None for the identity."""
         return self.request.mapping_digest
 
-    def charge(self, worker: bytes, what: str) -> None:
-        """A try that failed in the engine of ``worker``: it counts against the request's attempts."""
+    def charge(self, worker: bytes, what: str, *, death: bool = False) -> None:
+        """A try that failed in the engine of ``worker`` (``death``: the worker died with it there): it counts against
+        the request's attempts."""
         self.failures += 1
+        self.deaths += death
         self.excluded.add(worker)
         self.attempts.append((worker, what))
 
@@ -83,8 +86,13 @@ class Pending:
         """The worker was not dead after all (frozen, and back): its death no longer counts against the request."""
         kept = [(peer, what) for peer, what in self.attempts if peer != worker]
         self.failures -= len(self.attempts) - len(kept)
+        self.deaths -= len(self.attempts) - len(kept)
         self.attempts = kept
         self.excluded.discard(worker)
+
+    def own_failures(self, churning: bool) -> int:
+        """The failures that are its own: the deaths count only while no churn explains them (deaths.py)."""
+        return self.failures - (self.deaths if churning else 0)
 
     def describe(self) -> str:
         """Which request this is, for an error that names it."""

@@ -20,6 +20,11 @@ class BrokerSettings(Settings):
         256, "most requests one rank may have queued or at workers; a rank asking for a larger prefetch (credit) window is refused"
     )
     max_attempts: int = setting(3, "workers a request may be tried on before the rank gets an error")
+    churn_window_s: float = setting(
+        300.0,
+        "seconds after evidence that workers die for reasons of their own (one died holding no request, a batch charged with a death "
+        "was served, a worker taken for dead came back) during which workers' deaths count against no batch",
+    )
     max_frame_bytes: int = setting(
         DEFAULT_MAX_FRAME_BYTES, "largest frame the broker takes from any peer; a peer sending more is disconnected before the frame is allocated"
     )

@@ -38,6 +38,7 @@ from typing import Any
 
 from draftfeed.broker import links
 from draftfeed.broker.admission import refuse_hello, refuse_registration, refuse_submit
+from draftfeed.broker.deaths import DeathJudge
 from draftfeed.broker.delivery import Delivery
 from draftfeed.broker.mappings import MappingTable
 from draftfeed.broker.notices import Notices
@@ -88,7 +89,8 @@ class BrokerState:
         self.started_at = clock()
         self.services: dict[str, ServiceRecord] = {}
         self.rank_book = RankBook(name, self.instance, clock)
-        self.worker_book = WorkerBook(name, self.instance, clock)
+        self.deaths = DeathJudge(self.settings.churn_window_s, clock)
+        self.worker_book = WorkerBook(name, self.instance, clock, self.deaths)
         self.ranks = self.rank_book.records
         self.workers = self.worker_book.records
         self.forgotten_ranks = self.rank_book.forgotten
@@ -97,7 +99,7 @@ class BrokerState:
         self.scheduler = Scheduler(self.mappings, clock)
         self.notices = Notices()  # what departures and arrivals tell other peers, said at the next flush
         self.counters = dict.fromkeys(COUNTERS, 0)
-        self.delivery = Delivery(self.settings, self.mappings, self.scheduler, self.counters, clock)
+        self.delivery = Delivery(self.settings, self.mappings, self.scheduler, self.counters, clock, self.deaths)
         self.requeues: Counter[str] = self.delivery.requeues  # why requests went back to the queue (delivery.py)
         # Messages refused before any handler took them, by reason (malformed, wrong_port, protocol_version; their sum
         # is the status' rejected_messages), and submits refused by a handler, by the error code the rank was sent.

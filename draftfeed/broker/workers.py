@@ -14,6 +14,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable
 
+from draftfeed.broker.deaths import DeathJudge
 from draftfeed.broker.forgotten import ForgottenPeers
 from draftfeed.broker.records import Outgoing, Pending, ServiceRecord, WorkerRecord, silent_peers, to_worker
 from draftfeed.schemas.messages import ErrorReply, ModelInfoReply, Register
@@ -36,10 +37,11 @@ def model_info_reply(service: ServiceRecord, request_id: int) -> ModelInfoReply:
 
 
 class WorkerBook:
-    def __init__(self, broker: str, instance: str, clock: Callable[[], float]) -> None:
+    def __init__(self, broker: str, instance: str, clock: Callable[[], float], deaths: DeathJudge) -> None:
         self.broker = broker
         self.instance = instance
         self.clock = clock
+        self.deaths = deaths
         self.records: OrderedDict[bytes, WorkerRecord] = OrderedDict()  # least recently heard first
         self._order = itertools.count()  # registrations, in order (the scheduler's last tie-break)
         self.forgotten = ForgottenPeers()
@@ -65,7 +67,7 @@ class WorkerBook:
         worker = WorkerRecord(peer, register, self.clock(), key=key, order=next(self._order))
         self.records[peer] = worker
         if self.forgotten.take(peer) is not None:
-            self._uncharge_deaths(peer)
+            self._uncharge_deaths(peer, register.service)
         log.info(
             "broker: worker %s (host %s, pid %d, engine %s, capacity %d) registered for service %r",
             register.worker,
@@ -96,14 +98,17 @@ class WorkerBook:
         worker.in_flight.clear()
         computing = [p for p in pendings if died and p.ticket == worker.in_engine]
         for pending in computing:
-            pending.charge(peer, f"worker {worker.name} died with it in its engine ({why})")
+            pending.charge(peer, f"worker {worker.name} died with it in its engine ({why})", death=True)
             self._death_charges.setdefault(peer, []).append(pending)
+        if died and not pendings:  # one holding requests, none said to be in its engine, may have died starting one
+            self.deaths.churn(worker.registration.service, f"worker {worker.name} died holding no request")
         self._death_charges = {w: live for w, ps in self._death_charges.items() if (live := [p for p in ps if not p.finished])}
         left = "worker_gone" if died or why == "it said goodbye" else "worker_registered_again"
         return worker, [(p, "died_in_engine" if p in computing else left) for p in pendings]
 
-    def _uncharge_deaths(self, peer: bytes) -> None:
+    def _uncharge_deaths(self, peer: bytes, service: str) -> None:
         """A worker forgotten as dead registers again: it was frozen, not dead, and its death charges nothing."""
+        self.deaths.churn(service, "a worker taken for dead registered again")
         for pending in self._death_charges.pop(peer, []):
             if not pending.finished:
                 pending.uncharge(peer)
