@@ -75,9 +75,15 @@ class FakeNonFiniteEngine(HFEngine):
     def forward(self, input_ids, attention_mask, capture, documents=None, images=None):
         out = super().forward(input_ids, attention_mask, capture, documents, images)
         first = int(input_ids[0, 0])
-        layers = sorted(out.layer_outputs)
+        parts, hidden = capture.joined.parts, self.shape.hidden_size  # every task joins its layers (engines/joining.py)
+        layers = sorted(capture.joined.layer_ids())
+
+        def spoil(layer: int, at: tuple[int, int, int], value: float) -> None:
+            row, position, column = at
+            out.joined[row, position, parts.index(layer) * hidden + column] = value
+
         if first == NAN_MARKER:
-            out.layer_outputs[layers[1]][NAN_AT] = float("nan")
+            spoil(layers[1], NAN_AT, float("nan"))
         elif first == INF_MARKER:
-            out.layer_outputs[layers[-1]][INF_AT] = float("inf")
+            spoil(layers[-1], INF_AT, float("inf"))
         return out

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
-from draftfeed.consumers.engines.base import Capture, ForwardOutput, TargetShape
+from draftfeed.consumers.engines.base import EMBEDDINGS, FINAL_HIDDEN, Capture, ForwardOutput, TargetShape
+from draftfeed.consumers.engines.joining import JoinedWriter
 from draftfeed.schemas.messages import LogitTransform
 
 # DeepSeek-V3's shape (Kimi-K2 has the same hidden size and vocabulary family).
@@ -88,11 +89,17 @@ class FakeFrontierEngine:
         def hidden(which: int) -> torch.Tensor:
             return frontier_hidden(ids, which, self.shape.hidden_size, self.dtype)
 
-        return ForwardOutput(
+        out = ForwardOutput(
             layer_outputs={i: hidden(i) for i in capture.layer_ids},
             embeddings=hidden(-1) if capture.embeddings else None,
             final_hidden=hidden(FINAL) if capture.final_hidden else None,
         )
+        if capture.joined is not None:  # each part written as it is made, as the real engines do: one copy held
+            joined = JoinedWriter(capture.joined)
+            for part in capture.joined.parts:
+                joined.write(part, hidden(-1 if part == EMBEDDINGS else FINAL if part == FINAL_HIDDEN else int(part)))
+            out.joined = joined.tensor
+        return out
 
     def input_embeddings(self) -> torch.Tensor:
         raise NotImplementedError("the fake frontier engine has no weights")

@@ -9,9 +9,9 @@ final hidden state is the final norm's output.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, Union
 
 import torch
 
@@ -53,6 +53,28 @@ class TargetShape:
         )
 
 
+# The parts of a joined tensor (``Joined``): a decoder layer's output by its id, or one of these two.
+EMBEDDINGS, FINAL_HIDDEN = "embeddings", "final_hidden"
+Part = Union[int, str]  # noqa: UP007 (an alias: the union is evaluated at import)
+
+
+@dataclass(frozen=True)
+class Joined:
+    """Captured tensors an engine writes side by side, on the last dimension, into one tensor as it computes each, so
+    that the worker holds one copy of the supervision, never the parts and their concatenation as well.
+
+    parts: in order, a decoder layer id, ``EMBEDDINGS`` or ``FINAL_HIDDEN``;
+    fold: what a part is before it is written (``fold(part, tensor)``), None for as it is: the contract's reading of
+    a layer of several residual streams (contract/streams.py) for a task that folds them.
+    """
+
+    parts: tuple[Part, ...]
+    fold: Callable[[Part, torch.Tensor], torch.Tensor] | None = None
+
+    def layer_ids(self) -> tuple[int, ...]:
+        return tuple(part for part in self.parts if isinstance(part, int))
+
+
 @dataclass(frozen=True)
 class Capture:
     """What one forward must return.
@@ -60,13 +82,25 @@ class Capture:
     layer_ids: decoder layers whose output (what the layer returns, after its residual add) is wanted;
     embeddings: the input of decoder layer 0 (``output_hidden_states[0]`` in transformers);
     final_hidden: the final norm's output (post-norm last hidden state);
-    logits: the full-vocab logits [B, S, V], with the target's own scaling or soft-capping.
+    logits: the full-vocab logits [B, S, V], with the target's own scaling or soft-capping;
+    joined: parts wanted only side by side in one tensor (``ForwardOutput.joined``), written there as computed.
     """
 
     layer_ids: tuple[int, ...] = ()
     embeddings: bool = False
     final_hidden: bool = False
     logits: bool = False
+    joined: Joined | None = None
+
+    def needed_layer_ids(self) -> tuple[int, ...]:
+        """Every decoder layer the forward must catch: those wanted alone and those joined."""
+        return tuple(sorted(set(self.layer_ids) | set(self.joined.layer_ids() if self.joined else ())))
+
+    def needs_embeddings(self) -> bool:
+        return self.embeddings or (self.joined is not None and EMBEDDINGS in self.joined.parts)
+
+    def needs_final_hidden(self) -> bool:
+        return self.final_hidden or (self.joined is not None and FINAL_HIDDEN in self.joined.parts)
 
 
 @dataclass
@@ -75,6 +109,7 @@ class ForwardOutput:
     embeddings: torch.Tensor | None = None
     final_hidden: torch.Tensor | None = None
     logits: torch.Tensor | None = None
+    joined: torch.Tensor | None = None  # the capture's ``joined`` parts side by side [B, S, ..., parts x H]
 
 
 class Engine(Protocol):
@@ -174,7 +209,7 @@ def fill_padding(out: ForwardOutput, attention_mask: torch.Tensor) -> ForwardOut
     """
     if bool(attention_mask.all()):
         return out
-    for tensor in [*out.layer_outputs.values(), out.embeddings, out.final_hidden, out.logits]:
+    for tensor in [*out.layer_outputs.values(), out.embeddings, out.final_hidden, out.logits, out.joined]:
         if tensor is not None:
             zero_padding_(tensor, attention_mask)
     return out

@@ -9,8 +9,9 @@ from typing import Any, get_args
 import torch
 from torch import nn
 
-from draftfeed.consumers.engines.base import Capture, ForwardOutput, TargetShape
+from draftfeed.consumers.engines.base import EMBEDDINGS, FINAL_HIDDEN, Capture, ForwardOutput, Part, TargetShape
 from draftfeed.consumers.engines.images import accepted_image_inputs, check_image_rows, forward_images, image_forward
+from draftfeed.consumers.engines.joining import JoinedWriter
 from draftfeed.consumers.engines.loading import load_target, text_decoder, text_forward, transformers_config
 from draftfeed.consumers.engines.parallel.group import LOAD_TIMEOUT_S, join_process_group
 from draftfeed.consumers.engines.parallel.spec import ProcessPlace
@@ -129,8 +130,10 @@ class HFEngine:
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture, documents: Documents
     ) -> ForwardOutput:
         """Row by row, without an attention mask: a padded position may only come after the real ones of its
-        document, since nothing else keeps a real token from attending to it."""
+        document, since nothing else keeps a real token from attending to it. Each row writes its joined parts into
+        its own row of the batch's joined tensor."""
         rows = []
+        joined = JoinedWriter(capture.joined, leading=tuple(input_ids.shape)) if capture.joined is not None else None
         for row in range(input_ids.shape[0]):
             for start, end in documents.spans(row):
                 real = attention_mask[row, start:end].bool()
@@ -140,12 +143,13 @@ class HFEngine:
                         "pad only at the end of a row, or serve with an eager or SDPA attention"
                     )
             position_ids = documents.position_ids[row : row + 1].to(self.device)
-            rows.append(self._forward(input_ids[row : row + 1], None, capture, position_ids=position_ids))
+            rows.append(self._forward(input_ids[row : row + 1], None, capture, position_ids=position_ids, joined=joined, at=(slice(row, row + 1),)))
         return ForwardOutput(
             layer_outputs={i: torch.cat([r.layer_outputs[i] for r in rows]) for i in capture.layer_ids},
             embeddings=torch.cat([r.embeddings for r in rows]) if capture.embeddings else None,  # type: ignore[misc]
             final_hidden=torch.cat([r.final_hidden for r in rows]) if capture.final_hidden else None,  # type: ignore[misc]
             logits=torch.cat([r.logits for r in rows]) if capture.logits else None,  # type: ignore[misc]
+            joined=joined.tensor if joined is not None else None,
         )
 
     def _forward(
@@ -154,18 +158,27 @@ class HFEngine:
         attention_mask: torch.Tensor | None,
         capture: Capture,
         runner: Callable[..., Any] | None = None,
+        joined: JoinedWriter | None = None,
+        at: tuple = (),
         **extra: torch.Tensor,
     ) -> ForwardOutput:
+        """One forward; ``joined``: the writer of the capture's joined parts (one of its own when None), written at
+        the leading index ``at``."""
         out = ForwardOutput()
+        if joined is None and capture.joined is not None:
+            joined = JoinedWriter(capture.joined)
         with ExitStack() as hooks:
-            for layer_id in capture.layer_ids:
-                hooks.callback(self.layers[layer_id].register_forward_hook(self._store_layer(out, layer_id)).remove)
-            if capture.embeddings:
-                hooks.callback(self.layers[0].register_forward_pre_hook(self._store_embeddings(out), with_kwargs=True).remove)
-            if capture.final_hidden:
+            for layer_id in capture.needed_layer_ids():
+                store = self._store(out, joined, at, layer_id, keep=layer_id in capture.layer_ids)
+                hooks.callback(self.layers[layer_id].register_forward_hook(store).remove)
+            if capture.needs_embeddings():
+                store = self._store(out, joined, at, EMBEDDINGS, keep=capture.embeddings)
+                hooks.callback(self.layers[0].register_forward_pre_hook(_embeddings_hook(store), with_kwargs=True).remove)
+            if capture.needs_final_hidden():
                 if self.final_norm is None:
                     raise ValueError(f"{type(self.model).__name__} has no final norm module (decoder.norm) to capture")
-                hooks.callback(self.final_norm.register_forward_hook(self._store_final(out)).remove)
+                store = self._store(out, joined, at, FINAL_HIDDEN, keep=capture.final_hidden)
+                hooks.callback(self.final_norm.register_forward_hook(store).remove)
             result = (runner or self._text_forward)(
                 input_ids=input_ids.to(self.device),
                 attention_mask=attention_mask.to(self.device) if attention_mask is not None else None,
@@ -176,24 +189,27 @@ class HFEngine:
             )
         if capture.logits:
             out.logits = result.logits.to(self.device)
+        if joined is not None:
+            out.joined = joined.tensor
         return out
 
-    # Hooks keep what they catch on the engine's device: with --device-map auto a layer may sit on another one.
-    def _store_layer(self, out: ForwardOutput, layer_id: int):
+    def _store(self, out: ForwardOutput, joined: JoinedWriter | None, at: tuple, part: Part, keep: bool):
+        """A forward hook that writes what a module returns (a layer's output, the final norm's) into the joined
+        tensor if it is a joined part, and keeps it in ``out`` if wanted alone; on the engine's device (with
+        --device-map auto a layer may sit on another one)."""
+
         def hook(_module: nn.Module, _inputs: object, output: object) -> None:
-            out.layer_outputs[layer_id] = (output[0] if isinstance(output, tuple) else output).to(self.device)
-
-        return hook
-
-    def _store_embeddings(self, out: ForwardOutput):
-        def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
-            out.embeddings = (args[0] if args else kwargs["hidden_states"]).to(self.device)
-
-        return hook
-
-    def _store_final(self, out: ForwardOutput):
-        def hook(_module: nn.Module, _inputs: object, output: torch.Tensor) -> None:
-            out.final_hidden = output.to(self.device)
+            tensor = (output[0] if isinstance(output, tuple) else output).to(self.device)  # type: ignore[index,union-attr]
+            if joined is not None and joined.wants(part):
+                joined.write(part, tensor, at)
+            if not keep:
+                return
+            if part == EMBEDDINGS:
+                out.embeddings = tensor
+            elif part == FINAL_HIDDEN:
+                out.final_hidden = tensor
+            else:
+                out.layer_outputs[part] = tensor  # type: ignore[index]
 
         return hook
 
@@ -253,3 +269,12 @@ def quantization_problem(target: str, device: str) -> str | None:
         "GPUs only: serve it with --device cuda:N, with --engine vllm or sglang (their own quantization support), or from a "
         "bfloat16 copy of the checkpoint"
     )
+
+
+def _embeddings_hook(store: Callable[..., None]) -> Callable[..., None]:
+    """A forward pre-hook on decoder layer 0 that gives its input (the embeddings) to ``store``."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        store(module, args, args[0] if args else kwargs["hidden_states"])
+
+    return hook

@@ -63,8 +63,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from draftfeed.consumers.engines.base import Capture, ForwardOutput, TargetShape, request_segments
+from draftfeed.consumers.engines.base import FINAL_HIDDEN, Capture, ForwardOutput, TargetShape, request_segments
 from draftfeed.consumers.engines.hf import resolve_dtype
+from draftfeed.consumers.engines.joining import JoinedWriter
 from draftfeed.consumers.engines.packages import EnginePackage, import_engine_package, refuse_own_options
 from draftfeed.consumers.engines.parallel.group import use_interface
 from draftfeed.consumers.engines.parallel.spec import ProcessPlace
@@ -99,12 +100,12 @@ def refuse_parallel_options(options: dict[str, Any]) -> None:
 def refusal(capture: Capture, num_hidden_layers: int) -> str | None:
     """Why sglang cannot give ``capture``, or None when it can."""
     last = num_hidden_layers - 1
-    if capture.embeddings:
+    if capture.needs_embeddings():
         return (
             "the sglang engine cannot capture the embeddings (the input of decoder layer 0: DSpark's layer id -1, "
             f"ViSpec's inputs_embeds): sglang's EAGLE-3 capture holds only the outputs of layers 0..{last - 1}; {INSTEAD}"
         )
-    bad = [i for i in capture.layer_ids if not 0 <= i < last]
+    bad = [i for i in capture.needed_layer_ids() if not 0 <= i < last]
     if bad:
         return (
             f"the sglang engine cannot capture layer ids {bad} of a {num_hidden_layers}-layer target: sglang captures "
@@ -195,7 +196,7 @@ class SGLangEngine:
             reason = refusal(capture, self.shape.num_hidden_layers)
             if reason is not None:
                 raise ValueError(reason)
-        ids = tuple(sorted({i for capture in captures for i in capture.layer_ids} | set(self._ids)))
+        ids = tuple(sorted({i for capture in captures for i in capture.needed_layer_ids()} | set(self._ids)))
         if self._runner is None:
             self._start()
         if ids != self._ids and ids:
@@ -283,8 +284,8 @@ class SGLangEngine:
         reason = refusal(capture, self.shape.num_hidden_layers)
         if reason is not None:
             raise ValueError(reason)
-        if not set(capture.layer_ids) <= set(self._ids):
-            raise ValueError(f"layer ids {sorted(set(capture.layer_ids) - set(self._ids))} were not prepared")
+        if not set(capture.needed_layer_ids()) <= set(self._ids):
+            raise ValueError(f"layer ids {sorted(set(capture.needed_layer_ids()) - set(self._ids))} were not prepared")
         batch, seq = input_ids.shape
         hidden = self.shape.hidden_size
 
@@ -296,15 +297,25 @@ class SGLangEngine:
             final_hidden=zeros(hidden) if capture.final_hidden else None,
             logits=zeros(self.shape.vocab_size) if capture.logits else None,
         )
+        # The joined parts go straight into the joined tensor: the worker holds one copy of them.
+        joined = JoinedWriter.allocated(capture.joined, (batch, seq), hidden, self.dtype, self.device) if capture.joined is not None else None
+        want_final = capture.needs_final_hidden()
         for row, positions in request_segments(attention_mask, documents):  # a row, or a packed row's document, is one request
-            aux, final, logits = self._extend(input_ids[row, positions].tolist(), want_final=capture.final_hidden, want_logits=capture.logits)
+            aux, final, logits = self._extend(input_ids[row, positions].tolist(), want_final=want_final, want_logits=capture.logits)
             positions = positions.to(self.device)
-            for i in capture.layer_ids:
-                out.layer_outputs[i][row, positions] = aux[i].to(self.device, self.dtype)
-            if out.final_hidden is not None and final is not None:
-                out.final_hidden[row, positions] = final.to(self.device, self.dtype)
+            for i in capture.needed_layer_ids():
+                if i in capture.layer_ids:
+                    out.layer_outputs[i][row, positions] = aux[i].to(self.device, self.dtype)
+                if joined is not None and joined.wants(i):
+                    joined.write(i, aux[i].to(self.device, self.dtype), at=(row, positions))
+            if final is not None:
+                if out.final_hidden is not None:
+                    out.final_hidden[row, positions] = final.to(self.device, self.dtype)
+                if joined is not None and joined.wants(FINAL_HIDDEN):
+                    joined.write(FINAL_HIDDEN, final.to(self.device, self.dtype), at=(row, positions))
             if out.logits is not None and logits is not None:
                 out.logits[row, positions] = logits.to(self.device, self.dtype)
+        out.joined = joined.tensor if joined is not None else None
         return out
 
     def _extend(

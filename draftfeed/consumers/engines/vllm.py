@@ -35,8 +35,9 @@ from typing import Any
 import torch
 
 from draftfeed.consumers.devices import NO_PIPELINE, VLLM_NODES
-from draftfeed.consumers.engines.base import Capture, ForwardOutput, request_segments
+from draftfeed.consumers.engines.base import EMBEDDINGS, FINAL_HIDDEN, Capture, ForwardOutput, Part, request_segments
 from draftfeed.consumers.engines.hf import resolve_dtype
+from draftfeed.consumers.engines.joining import JoinedWriter
 from draftfeed.consumers.engines.packages import EnginePackage, import_engine_package, refuse_own_options
 from draftfeed.consumers.engines.target_head import TargetHead
 from draftfeed.contract.packing import Documents
@@ -61,10 +62,15 @@ def capture_ids(captures: Sequence[Capture], num_hidden_layers: int) -> tuple[in
     """vLLM capture ids (sorted, distinct, as vLLM stores them) that cover every capture."""
     ids: set[int] = {num_hidden_layers}  # the pre-norm last hidden state: final_hidden and logits come from it
     for capture in captures:
-        ids.update(layer_id + 1 for layer_id in capture.layer_ids)
-        if capture.embeddings:
+        ids.update(layer_id + 1 for layer_id in capture.needed_layer_ids())
+        if capture.needs_embeddings():
             ids.add(0)
     return tuple(sorted(ids))
+
+
+def _vllm_id(part: Part) -> int:
+    """The vLLM capture id of a joined part other than the final norm's output (which the head computes)."""
+    return 0 if part == EMBEDDINGS else int(part) + 1
 
 
 def refuse_parallel_options(options: dict[str, Any]) -> None:
@@ -280,21 +286,35 @@ class VLLMEngine:
         batch, seq = input_ids.shape
         segments = request_segments(attention_mask, documents)  # a row, or a packed row's document, is one prompt
         prompts = [{"prompt_token_ids": input_ids[row, positions].tolist()} for row, positions in segments]
-        captured = torch.zeros(len(self._ids), batch, seq, self.shape.hidden_size, dtype=self.dtype)
+        layers = self.shape.num_hidden_layers
+        # The ids kept alone (vLLM's: 0 the embeddings, i + 1 layer i's output, L the final norm's input); the joined
+        # parts go straight into the joined tensor, so the worker holds one copy of them.
+        alone = {i + 1 for i in capture.layer_ids} | ({0} if capture.embeddings else set())
+        alone |= {layers} if capture.needs_final_hidden() or capture.logits else set()
+        hidden_size = self.shape.hidden_size
+        kept = {i: torch.zeros(batch, seq, hidden_size, dtype=self.dtype, device=self.device) for i in sorted(alone)}
+        joined = JoinedWriter.allocated(capture.joined, (batch, seq), hidden_size, self.dtype, self.device) if capture.joined else None
+        parts = {_vllm_id(part): part for part in capture.joined.parts if part != FINAL_HIDDEN} if capture.joined else {}
         if prompts:
             outputs = self._llm.generate(prompts, self._sampling, use_tqdm=False)
             for (row, positions), prompt, output in zip(segments, prompts, outputs, strict=True):
                 hidden = self._load(output, prompt["prompt_token_ids"])  # [n, len(ids), H]
-                captured[:, row, positions] = hidden.permute(1, 0, 2).to(self.dtype)
-        captured = captured.to(self.device)
-        by_id = dict(zip(self._ids, captured))
-        out = ForwardOutput(layer_outputs={i: by_id[i + 1] for i in capture.layer_ids})
+                at = (row, positions.to(self.device))
+                for column, vllm_id in enumerate(self._ids):
+                    if vllm_id in kept:
+                        kept[vllm_id][at] = hidden[:, column].to(self.device, self.dtype)
+                    if joined is not None and vllm_id in parts:
+                        joined.write(parts[vllm_id], hidden[:, column].to(self.device, self.dtype), at=at)
+        out = ForwardOutput(layer_outputs={i: kept[i + 1] for i in capture.layer_ids})
         if capture.embeddings:
-            out.embeddings = by_id[0]
-        if capture.final_hidden or capture.logits:
-            final = self.head.final_hidden(by_id[self.shape.num_hidden_layers])
+            out.embeddings = kept[0]
+        if capture.needs_final_hidden() or capture.logits:
+            final = self.head.final_hidden(kept[layers])
             out.final_hidden = final if capture.final_hidden else None
             out.logits = self.head.logits(final) if capture.logits else None
+            if joined is not None and joined.wants(FINAL_HIDDEN):
+                joined.write(FINAL_HIDDEN, final)
+        out.joined = joined.tensor if joined is not None else None
         return out
 
     def _load(self, output: Any, token_ids: list[int]) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from draftfeed.consumers.engines.base import Capture, Engine
+from draftfeed.consumers.engines.base import Capture, Engine, Joined
 from draftfeed.consumers.settings import DEFAULT_DRAFT_LAYERS, task_settings_problem
 from draftfeed.consumers.tasks.base import Task, TaskBatch, chosen_layer_ids
 from draftfeed.consumers.tasks.eagle3 import verified_logit_transform
@@ -68,7 +68,7 @@ class DFlashTask(Task):
             raise ValueError(problem)
         self.supervision: SupervisionForm = supervision or default_supervision("dflash")
         compact = capture_logits and self.supervision == "hidden"
-        self.capture = Capture(layer_ids=tuple(self.target_layer_ids), logits=capture_logits and not compact, final_hidden=compact)
+        self.capture = Capture(joined=Joined(tuple(self.target_layer_ids)), logits=capture_logits and not compact, final_hidden=compact)
         engine.prepare([self.capture, Capture(final_hidden=True, logits=True)] if compact else [self.capture])
         self.logit_transform = verified_logit_transform(engine) if compact else engine.logit_transform
 
@@ -82,7 +82,8 @@ class DFlashTask(Task):
         """hidden_states [B, S, len(ids) * H]; with logits captured, logits [B, S, V] or (compact) final_hidden_states
         [B, S, H]; nothing shifted. The rank keeps its own input_ids, loss_mask and packing fields; the vocab is not used."""
         out = self.forward(batch)
-        result = {"hidden_states": torch.cat([out.layer_outputs[i] for i in self.target_layer_ids], dim=-1)}
+        assert out.joined is not None
+        result = {"hidden_states": out.joined}
         if out.logits is not None:
             result["logits"] = out.logits
         if out.final_hidden is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from draftfeed.consumers.engines.base import Capture, Engine
+from draftfeed.consumers.engines.base import EMBEDDINGS, FINAL_HIDDEN, Capture, Engine, Joined, Part
 from draftfeed.consumers.settings import DEFAULT_DRAFT_LAYERS
 from draftfeed.consumers.tasks.base import Task, TaskBatch, chosen_layer_ids
 from draftfeed.contract.streams import first_stream, mean_streams
@@ -54,11 +54,8 @@ class DSparkTask(Task):
             target_layer_ids, layers, lambda: default_target_layer_ids(layers, draft_layers), check_target_layer_ids
         )
         last = layers - 1
-        self.capture = Capture(
-            layer_ids=tuple(i for i in self.target_layer_ids if 0 <= i < last),
-            embeddings=-1 in self.target_layer_ids,
-            final_hidden=True,
-        )
+        parts = tuple(EMBEDDINGS if i == -1 else FINAL_HIDDEN if i == last else i for i in self.target_layer_ids)
+        self.capture = Capture(final_hidden=True, joined=Joined(parts, fold=dspark_fold))
         engine.prepare([self.capture])
 
     def info_fields(self) -> dict[str, object]:
@@ -74,18 +71,11 @@ class DSparkTask(Task):
         (DSpark has no draft-vocab mapping).
         """
         out = self.forward(batch)
-        assert out.final_hidden is not None
-        last = self.shape.num_hidden_layers - 1
+        assert out.final_hidden is not None and out.joined is not None
+        return {"target_hidden_states": out.joined, "target_last_hidden_states": out.final_hidden}
 
-        def layer(layer_id: int) -> torch.Tensor:
-            if layer_id == -1:
-                assert out.embeddings is not None
-                return first_stream(out.embeddings)
-            if layer_id == last:
-                return out.final_hidden
-            return mean_streams(out.layer_outputs[layer_id])
 
-        return {
-            "target_hidden_states": torch.cat([layer(i) for i in self.target_layer_ids], dim=-1),
-            "target_last_hidden_states": out.final_hidden,
-        }
+def dspark_fold(part: Part, tensor: torch.Tensor) -> torch.Tensor:
+    """DSpark's reading of a part of a target with several residual streams: the embedding output as it was before
+    it was copied into them, any other layer as their mean (the final norm's output is one stream already)."""
+    return first_stream(tensor) if part == EMBEDDINGS else mean_streams(tensor)

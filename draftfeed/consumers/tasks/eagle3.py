@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from draftfeed.consumers.engines.base import Capture, Engine
+from draftfeed.consumers.engines.base import Capture, Engine, Joined
 from draftfeed.consumers.tasks.base import Task, TaskBatch, chosen_layer_ids
 from draftfeed.consumers.tasks.chunked_head import argmax_in_chunks, probs_in_chunks
 from draftfeed.contract.ops import lm_head_logits, shift_left
@@ -62,19 +62,19 @@ def verified_logit_transform(engine: Engine) -> LogitTransform:
 
 
 def eagle3_from_forward(
-    layer_outputs: list[torch.Tensor],
+    aux_hidden_states: torch.Tensor,
     logits: torch.Tensor,
     input_ids: torch.Tensor,
     loss_mask: torch.Tensor,
     vocab: VocabMap,
 ) -> dict[str, torch.Tensor]:
-    """The contract's tensors from the aux layer outputs (in order) and the full-vocab logits [B, S, V]."""
+    """The contract's tensors from the aux layer outputs (side by side, in order) and the full-vocab logits [B, S, V]."""
     shifted_logits = shift_left(logits)
     shifted_loss_mask = shift_left(loss_mask)
     target_probs = torch.softmax(shifted_logits.index_select(-1, vocab.selected_token_ids).float(), dim=-1)
     position_mask = (vocab.selected_token_mask[shifted_logits.argmax(-1)] & shifted_loss_mask.bool()).unsqueeze(-1)
     return {
-        "aux_hidden_states": torch.cat(layer_outputs, dim=-1),
+        "aux_hidden_states": aux_hidden_states,
         "target_probs": target_probs,
         "position_mask": position_mask,
         "input_ids": shift_left(input_ids),
@@ -103,8 +103,9 @@ class Eagle3Task(Task):
         layers = engine.shape.num_hidden_layers
         self.aux_layer_ids = chosen_layer_ids(aux_layer_ids, layers, lambda: default_aux_layer_ids(layers), check_aux_layer_ids)
         self._identity: VocabMap | None = None
-        self.capture = Capture(layer_ids=tuple(self.aux_layer_ids), logits=True, final_hidden=supervision == "hidden")
-        self._chunk_capture = Capture(layer_ids=tuple(self.aux_layer_ids), final_hidden=True)
+        aux = Joined(tuple(self.aux_layer_ids))
+        self.capture = Capture(joined=aux, logits=True, final_hidden=supervision == "hidden")
+        self._chunk_capture = Capture(joined=aux, final_hidden=True)
         self.chunk_tokens = chunk_tokens
         if chunk_tokens:
             try:
@@ -137,14 +138,14 @@ class Eagle3Task(Task):
         if self.chunk_tokens and batch.input_ids.numel() > self.chunk_tokens and self._chunks_possible():
             return self._supervise_in_chunks(batch)
         out = self.forward(batch)
-        assert out.logits is not None
+        assert out.logits is not None and out.joined is not None
         device = out.logits.device
-        aux = [out.layer_outputs[i] for i in self.aux_layer_ids]
+        aux = out.joined
         input_ids, loss_mask = batch.input_ids.to(device), batch.loss_mask.to(device)
         if self.supervision == "hidden":
             assert out.final_hidden is not None
             return {
-                "aux_hidden_states": torch.cat(aux, dim=-1),
+                "aux_hidden_states": aux,
                 "final_hidden_states": out.final_hidden,  # post-norm, not shifted
                 "target_argmax": out.logits.argmax(-1),  # over the full vocab, not shifted
                 "input_ids": shift_left(input_ids),
@@ -171,11 +172,9 @@ class Eagle3Task(Task):
 
     def _supervise_in_chunks(self, batch: TaskBatch) -> dict[str, torch.Tensor]:
         out = self.forward(batch, self._chunk_capture)
-        final = out.final_hidden
-        assert final is not None
+        final, aux = out.final_hidden, out.joined
+        assert final is not None and aux is not None
         device = final.device
-        aux = torch.cat([out.layer_outputs[i] for i in self.aux_layer_ids], dim=-1)
-        out = None  # type: ignore[assignment]  # the layer outputs are in aux now
         weight, transform = self.engine.output_embeddings(), self._chunk_transform
         assert transform is not None  # _chunks_possible() set it
         input_ids, loss_mask = batch.input_ids.to(device), batch.loss_mask.to(device)
