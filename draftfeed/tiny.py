@@ -528,3 +528,71 @@ def _minimax_m3_vl_config(common: dict[str, Any]) -> Any:
         projector_hidden_size=hidden,
         tie_word_embeddings=False,
     )
+
+
+NEMO_ONLY_ARCHS = ("deepseek-v41",)  # implemented by NeMo AutoModel only (transformers has no such model type)
+
+
+def build_tiny_nemo_target(path: str | Path, *, arch: str = "deepseek-v41", vocab_size: int = 256, seed: int = 0) -> Path:
+    """Save a random-weight target that only NeMo AutoModel implements, by NeMo's own config and model classes, its
+    weights under the released checkpoint's names (the model's ``state_dict_adapter.to_hf``), as such a checkpoint is
+    laid out; ``--engine automodel`` loads it back.
+
+    ``deepseek-v41`` (DeepSeek-V4.1's text model): 6 layers, hidden 64, 4 hyper-connection streams, its compressed
+    sparse attention (compress ratios 0, 2, 2, 1, 1, 1, key-value and indexer source layers, a candidate source), 4
+    experts, 2 per token, and one shared; no Engram layers (they need the released tokenizer) and no vision tower.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    from draftfeed.consumers.engines.automodel import CPU_BACKEND, backend_config
+
+    if arch not in NEMO_ONLY_ARCHS:
+        raise ValueError(f"unknown NeMo-only arch {arch!r}; choose one of {', '.join(NEMO_ONLY_ARCHS)}")
+    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
+    from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
+
+    text = {
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "qk_rope_head_dim": 16,
+        "q_lora_rank": 32,
+        "o_lora_rank": 16,
+        "o_groups": 2,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "sliding_window": 4,
+        "compress_ratios": [0, 2, 2, 1, 1, 1],
+        "kv_source_layer_ids": [1, 3],
+        "index_source_layer_ids": [1, 3, 5],
+        "index_n_heads": 2,
+        "index_head_dim": 32,
+        "index_topk": 4,
+        "candidate_source_layer_id": 3,
+        "candidate_topk_blocks": 2,
+        "candidate_block_size": 2,
+        "hc_mult": 4,
+        "engram_layer_ids": [],
+        "num_nextn_predict_layers": 0,
+        "dspark_target_layer_ids": [3, 4, 5],
+        "dspark_noise_token_id": vocab_size - 2,
+        "max_position_embeddings": 4096,
+        "rope_scaling": {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 256},
+        "dtype": "float32",
+    }
+    config = DeepseekV41Config(text_config=text, vision_config={"num_hidden_layers": 0}, image_token_id=vocab_size - 1, dtype="float32")
+    torch.manual_seed(seed)
+    model = DeepseekV41ForCausalLM(config, backend=backend_config(CPU_BACKEND))
+    model.initialize_weights(buffer_device=torch.device("cpu"), dtype=torch.float32)
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)
+    weights = model.state_dict_adapter.to_hf(model.state_dict())
+    save_file({name: tensor.contiguous() for name, tensor in weights.items()}, str(folder / "model.safetensors"))
+    return folder

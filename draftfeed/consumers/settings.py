@@ -18,7 +18,7 @@ from draftfeed.schemas.protocol import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TRANSF
 from draftfeed.schemas.settings import Settings, setting
 from draftfeed.security.curve import PeerKeys
 
-ENGINES = ("hf", "vllm", "sglang")  # or package.module:Class
+ENGINES = ("hf", "vllm", "sglang", "automodel")  # or package.module:Class
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]  # auto: float32 on CPU, bfloat16 on accelerators
 DEFAULT_DRAFT_LAYERS = 5  # DSpark and DFlash: layers of the draft, for the default target layer ids
 # The tasks that read chosen layers, and the field that names them; the other tasks take no layer ids.

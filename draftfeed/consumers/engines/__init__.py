@@ -70,6 +70,16 @@ def load_engine(settings: TargetSettings, plan: dict[str, Any] | None = None) ->
 
             return TensorParallelEngine("sglang", target, placed, dtype, options, **spread)
         return SGLangEngine(target, device=device, dtype=dtype, **options)
+    if name == "automodel":
+        from draftfeed.consumers.engines.automodel import AutoModelEngine
+
+        if tensor_parallel > 1 or nodes is not None or settings.device_map is not None:
+            raise ValueError(
+                "--engine automodel runs on one device in one process for now (NeMo's expert-parallel and FSDP sharding "
+                "over processes and nodes is not wired yet): leave out --tensor-parallel, --nnodes and --device-map, or "
+                "serve with --engine hf, vllm or sglang"
+            )
+        return AutoModelEngine(target, device=device, dtype=dtype, **options)
     if ":" in name:
         module_name, _, class_name = name.partition(":")
         try:

@@ -53,9 +53,20 @@ class TargetShape:
         )
 
 
-# The parts of a joined tensor (``Joined``): a decoder layer's output by its id, or one of these two.
+# The parts of a joined tensor (``Joined``): a decoder layer's output by its id, one of these two, or a ModelFeature.
 EMBEDDINGS, FINAL_HIDDEN = "embeddings", "final_hidden"
-Part = Union[int, str]  # noqa: UP007 (an alias: the union is evaluated at import)
+
+
+@dataclass(frozen=True)
+class ModelFeature:
+    """DSpark's feature of target layer ``layer_id`` as the model defines it itself (NeMo AutoModel's
+    ``get_dspark_target_feature_modules``: the first input of the module it names), asked of an engine whose
+    ``model_features`` is true (the automodel engine) only."""
+
+    layer_id: int
+
+
+Part = Union[int, str, ModelFeature]  # noqa: UP007 (an alias: the union is evaluated at import)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from draftfeed.consumers.engines.base import EMBEDDINGS, FINAL_HIDDEN, Capture, Engine, Joined, Part
+from draftfeed.consumers.engines.base import EMBEDDINGS, FINAL_HIDDEN, Capture, Engine, Joined, ModelFeature, Part
 from draftfeed.consumers.settings import DEFAULT_DRAFT_LAYERS
 from draftfeed.consumers.tasks.base import Task, TaskBatch, chosen_layer_ids
 from draftfeed.contract.streams import first_stream, mean_streams
@@ -54,7 +54,10 @@ class DSparkTask(Task):
             target_layer_ids, layers, lambda: default_target_layer_ids(layers, draft_layers), check_target_layer_ids
         )
         last = layers - 1
-        parts = tuple(EMBEDDINGS if i == -1 else FINAL_HIDDEN if i == last else i for i in self.target_layer_ids)
+        if getattr(engine, "model_features", False):  # the model says where its DSpark features are (NeMo's models)
+            parts: tuple[Part, ...] = tuple(ModelFeature(i) for i in self.target_layer_ids)
+        else:
+            parts = tuple(EMBEDDINGS if i == -1 else FINAL_HIDDEN if i == last else i for i in self.target_layer_ids)
         self.capture = Capture(final_hidden=True, joined=Joined(parts, fold=dspark_fold))
         engine.prepare([self.capture])
 

@@ -1,0 +1,233 @@
+"""The automodel engine: the target under NeMo AutoModel's own implementation of its architecture (not
+transformers'), intermediate tensors caught by forward hooks where NeMo's own target wrappers catch them.
+
+It serves what only NeMo implements (DeepSeek-V4.1, ``deepseek_v41``) and gives a NeMo user the numbers NeMo's own
+colocated target gives, for any architecture NeMo has a model class of its own for. The model is NeMo's class for the
+checkpoint's architecture (NeMo's model registry), built with a ``BackendConfig``: on CPU every choice that has a torch
+path (``CPU_BACKEND``), on an accelerator NeMo's own defaults; ``--engine-option`` sets any field of it. The weights are
+read under the released checkpoint's names and mapped by the model's own ``state_dict_adapter``.
+
+A model that defines its DSpark features itself (NeMo's ``get_dspark_target_feature_modules``: DeepSeek-V4.1 takes the
+streams entering layer i's attention, after its Engram update) gives DSpark those (``model_features``), as NeMo's
+``HFDSparkTargetModel`` does; otherwise the layer semantics are the hf engine's (base.py).
+
+One process and one device: NeMo's expert-parallel and FSDP sharding over several processes and nodes is not wired
+here yet (``--tensor-parallel``, ``--nnodes`` are refused in one line); packed rows and images are refused.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from draftfeed.consumers.engines.base import EMBEDDINGS, FINAL_HIDDEN, Capture, ForwardOutput, ModelFeature, Part, TargetShape
+from draftfeed.consumers.engines.hf import resolve_dtype
+from draftfeed.consumers.engines.joining import JoinedWriter
+from draftfeed.consumers.engines.packages import EnginePackage, import_engine_package
+from draftfeed.schemas.messages import LogitTransform
+
+AUTOMODEL = EnginePackage(module="nemo_automodel", distributions="nemo-automodel (pip install 'draftfeed[automodel]')", minimum=(0, 7), below=(0, 8))
+
+# NeMo's BackendConfig choices that run on a CPU: torch attention, linear layers, norms, experts and dispatch.
+CPU_BACKEND: dict[str, Any] = {
+    "attn": "sdpa",
+    "linear": "torch",
+    "rms_norm": "torch_fp32",
+    "rope_fusion": False,
+    "experts": "torch",
+    "dispatcher": "torch",
+    "gate_precision": "float32",
+    "enable_hf_state_dict_adapter": True,
+}
+# What NeMo 0.7.0 runs on CUDA only, and what runs the same part on a CPU.
+CUDA_ONLY_BACKEND = {
+    ("attn", "te"): "attn=sdpa",
+    ("attn", "flex"): "attn=sdpa",
+    ("attn", "tilelang"): "attn=sdpa",
+    ("linear", "te"): "linear=torch",
+    ("rms_norm", "te"): "rms_norm=torch_fp32",
+    ("experts", "te"): "experts=torch",
+    ("experts", "gmm"): "experts=torch",
+    ("experts", "torch_mm"): "experts=torch",
+    ("dispatcher", "deepep"): "dispatcher=torch",
+    ("dispatcher", "hybridep"): "dispatcher=torch",
+}
+IMAGES_REFUSAL = "engine automodel takes no image inputs in draftfeed yet: serve image-text batches with --engine hf"
+
+
+def backend_config(options: dict[str, Any]) -> Any:
+    from nemo_automodel.components.models.common import BackendConfig
+
+    return BackendConfig(**options)
+
+
+def cpu_backend_problem(options: dict[str, Any]) -> str | None:
+    """Why a backend choice cannot run on a CPU, naming the choice that does, or None."""
+    for key, value in options.items():
+        instead = CUDA_ONLY_BACKEND.get((key, value))
+        if instead is not None:
+            return f"--engine-option {key}={value} runs on CUDA only in NeMo AutoModel; on a CPU use --engine-option {instead} (or leave it out)"
+    return None
+
+
+def nemo_config(target: str) -> Any:
+    """The target's config, read with NeMo's own config class for its model type where NeMo has one, else
+    transformers' (NeMo's models of transformers' model types take transformers' configs)."""
+    from nemo_automodel._transformers.registry import resolve_custom_config_cls
+    from transformers import AutoConfig
+
+    config_file = Path(target) / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"--target {target}: no config.json there; give a checkpoint folder")
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    config_class = resolve_custom_config_cls(model_type) if model_type else None
+    return config_class.from_pretrained(target) if config_class is not None else AutoConfig.from_pretrained(target)
+
+
+def nemo_model_class(config: Any) -> type[nn.Module]:
+    """NeMo's own model class for the config's architecture, or a one-line refusal."""
+    from nemo_automodel._transformers.registry import get_registry
+
+    architectures = list(getattr(config, "architectures", None) or [])
+    for architecture in architectures:
+        model_class = get_registry().resolve_custom_model_cls(architecture, config)
+        if model_class is not None:
+            return model_class
+    raise ValueError(
+        f"NeMo AutoModel has no model implementation of its own for {', '.join(architectures) or config.model_type}; "
+        "serve this target with --engine hf (transformers' implementation), vllm or sglang"
+    )
+
+
+def read_weights(target: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint's safetensors files, under its own names."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(target).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"--target {target}: no .safetensors files there; the automodel engine reads safetensors checkpoints")
+    return {name: tensor for file in files for name, tensor in load_file(str(file)).items()}
+
+
+def _text_config(config: Any) -> Any:
+    text = getattr(config, "text_config", None)
+    return text if text is not None else config.get_text_config()
+
+
+class AutoModelEngine:
+    """Loads the target once with NeMo's model class for it, frozen and in eval mode, on one device."""
+
+    name = "automodel"
+    image_inputs: frozenset[str] = frozenset()
+    images_refusal = IMAGES_REFUSAL
+
+    def __init__(self, target: str, device: str = "cpu", dtype: str = "auto", **backend: Any) -> None:
+        import_engine_package(AUTOMODEL)
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        options = (CPU_BACKEND if self.device.type == "cpu" else {"enable_hf_state_dict_adapter": True}) | backend
+        if self.device.type == "cpu" and (problem := cpu_backend_problem(options)) is not None:
+            raise ValueError(problem)
+        config = nemo_config(target)
+        model_class = nemo_model_class(config)
+        with torch.device(self.device):
+            model = model_class(config, backend=backend_config(options))
+        weights = read_weights(target)
+        adapter = getattr(model, "state_dict_adapter", None)  # a model whose names are the checkpoint's has none
+        missing, unexpected = model.load_state_dict(adapter.from_hf(weights) if adapter is not None else weights, strict=False)
+        if missing or unexpected:
+            raise ValueError(
+                f"--target {target}: its weights do not fit NeMo's {model_class.__name__}: "
+                f"{len(missing)} missing (first {missing[:3]}), {len(unexpected)} unexpected (first {unexpected[:3]})"
+            )
+        self.model = model.to(self.dtype).eval().requires_grad_(False)
+        text_config = _text_config(config)
+        self.shape = TargetShape.from_text_config(text_config)
+        self.logit_transform = LogitTransform.from_text_config(text_config)
+        inner = model.model
+        self.layers: list[nn.Module] = (
+            [inner.layers[str(i)] for i in range(len(inner.layers))] if isinstance(inner.layers, nn.ModuleDict) else list(inner.layers)
+        )
+        self.final_norm: nn.Module = inner.norm
+        self._accepts = set(inspect.signature(model.forward).parameters)
+
+    @property
+    def model_features(self) -> bool:
+        """Whether the model defines its DSpark features itself (``get_dspark_target_feature_modules``)."""
+        return hasattr(self.model, "get_dspark_target_feature_modules")
+
+    def prepare(self, captures: Sequence[Capture]) -> None:
+        """Nothing to start: hooks are placed per forward."""
+
+    def close(self) -> None:
+        """Nothing to release beyond what garbage collection frees."""
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture) -> ForwardOutput:
+        out = ForwardOutput()
+        joined = JoinedWriter(capture.joined) if capture.joined is not None else None
+        features = [part for part in capture.joined.parts if isinstance(part, ModelFeature)] if capture.joined else []
+        with ExitStack() as hooks:
+            for layer_id in capture.needed_layer_ids():
+                store = self._store(out, joined, layer_id, keep=layer_id in capture.layer_ids)
+                hooks.callback(self.layers[layer_id].register_forward_hook(store).remove)
+            if capture.needs_embeddings():
+                store = self._store(out, joined, EMBEDDINGS, keep=capture.embeddings)
+                hooks.callback(self.layers[0].register_forward_pre_hook(_first_input(store), with_kwargs=True).remove)
+            if features:
+                modules = self.model.get_dspark_target_feature_modules([feature.layer_id for feature in features])
+                for feature, module in zip(features, modules, strict=True):
+                    store = self._store(out, joined, feature, keep=False)
+                    hooks.callback(module.register_forward_pre_hook(_first_input(store), with_kwargs=True).remove)
+            if capture.needs_final_hidden():
+                store = self._store(out, joined, FINAL_HIDDEN, keep=capture.final_hidden)
+                hooks.callback(self.final_norm.register_forward_hook(store).remove)
+            arguments = {"input_ids": input_ids.to(self.device), "attention_mask": attention_mask.to(self.device), "use_cache": False}
+            result = self.model(**{key: value for key, value in arguments.items() if key in self._accepts})
+        if capture.logits:
+            logits = result.logits if hasattr(result, "logits") else result
+            out.logits = logits.to(self.device)
+        if joined is not None:
+            out.joined = joined.tensor
+        return out
+
+    def _store(self, out: ForwardOutput, joined: JoinedWriter | None, part: Part, keep: bool):
+        """A forward hook that writes what a module returns into the joined tensor if it is a joined part, and keeps it
+        in ``out`` if wanted alone."""
+
+        def hook(_module: nn.Module, _inputs: object, output: object) -> None:
+            tensor = output[0] if isinstance(output, tuple) else output
+            if joined is not None and joined.wants(part):
+                joined.write(part, tensor)  # type: ignore[arg-type]
+            if not keep:
+                return
+            if part == EMBEDDINGS:
+                out.embeddings = tensor  # type: ignore[assignment]
+            elif part == FINAL_HIDDEN:
+                out.final_hidden = tensor  # type: ignore[assignment]
+            else:
+                out.layer_outputs[part] = tensor  # type: ignore[index,assignment]
+
+        return hook
+
+    def input_embeddings(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight.detach()
+
+    def output_embeddings(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight.detach()
+
+
+def _first_input(store: Any) -> Any:
+    """A forward pre-hook that gives a module's first input to ``store`` (as a forward hook's output)."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        store(module, args, args[0] if args else next(iter(kwargs.values())))
+
+    return hook
