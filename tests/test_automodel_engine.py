@@ -9,10 +9,9 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 from conftest import WORKER_ENV, make_batch
 from reference import difference_at_real
-from support.nemo import nemo_on_path
+from support.nemo import nemo_on_path, nemo_reference
 
 from draftfeed.consumers.tasks.dspark import DSparkTask
 from draftfeed.consumers.tasks.eagle3 import Eagle3Task
@@ -32,16 +31,6 @@ def targets(tmp_path_factory):
         "deepseek-v41": build_tiny_nemo_target(folder / "deepseek-v41", vocab_size=256),
         "deepseek-v3": build_tiny_target(folder / "deepseek-v3", arch="deepseek-v3", num_hidden_layers=6, vocab_size=256),
     }
-
-
-def nemo_reference(path):
-    """NeMo's own model of the checkpoint, built and loaded as the engine does, apart from it."""
-    from draftfeed.consumers.engines.automodel import CPU_BACKEND, backend_config, nemo_config, nemo_model_class, read_weights
-
-    config = nemo_config(str(path))
-    model = nemo_model_class(config)(config, backend=backend_config(CPU_BACKEND))
-    model.load_state_dict(model.state_dict_adapter.from_hf(read_weights(str(path))), strict=True)  # every name, mapped
-    return model.to(torch.float32).eval()
 
 
 @pytest.mark.parametrize("family", ["deepseek-v41", "deepseek-v3"])

@@ -4,7 +4,8 @@ group), called as the recipe's setup() calls it with ``target_model_backend: rem
 it, draftfeed's stand-in (no weights) and no process group; NeMo's DSpark wrapper around it is draftfeed's, whose
 supervision equals NeMo's wrapper around the model in process, bit for bit at real positions. A target the service
 does not serve (a reduced depth) is refused in one line; the targets only NeMo's own model code implements
-(DeepSeek-V4.1, Kimi-K3) are refused at setup in one line, before anything loads.
+DeepSeek-V4.1's target options give the stand-in too, served by a worker of ``--engine automodel``; Kimi-K3 is refused
+at setup in one line, before anything loads.
 """
 
 from __future__ import annotations
@@ -117,12 +118,53 @@ def test_a_reduced_target_depth_is_refused_in_one_line(nemo, url, v4_target):
     assert "\n" not in str(refused.value)
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v41", "kimi_k3"])
+V41_LAYERS = [3, 4, 5]  # the tiny DeepSeek-V4.1's dspark_target_layer_ids, which NeMo's draft insists on
+
+
+def test_deepseek_v41_target_options_give_draftfeeds_target_served_by_the_automodel_engine(nemo, cluster, tmp_path):
+    """The recipe's DeepSeek-V4.1 path (``DeepseekV41DSparkTargetConfig.build``, CUDA and a process group on its own)
+    gives the stand-in, whose DSpark wrapper, served by a worker of ``--engine automodel``, equals NeMo's wrapper
+    around NeMo's own model in process."""
+    import os
+
+    from conftest import WORKER_ENV
+    from support.nemo import NEMO_PACKAGES, nemo_reference
+
+    from draftfeed.tiny import build_tiny_nemo_target
+
+    v41 = build_tiny_nemo_target(tmp_path / "deepseek-v41")
+    env = {"PYTHONPATH": os.pathsep.join([WORKER_ENV["PYTHONPATH"], str(NEMO_PACKAGES)])}
+    ids = ",".join(map(str, V41_LAYERS))
+    cluster.add_worker(
+        v41, "--engine", "automodel", "--service", "v41-dspark", "--task", "dspark", "--target-layer-ids", ids, "--name", "v41-r", env=env
+    )
+    v41_url = f"draftfeed://{cluster.frontend.removeprefix('tcp://')}/v41-dspark?data_plane=frames"
+    recipe = nemo.recipe(config(nemo, v41, v41_url))
+    options = nemo.train_dspark.DeepseekV41DSparkTargetConfig(target_path=str(v41))
+    with draftfeed_target(recipe, "dspark"):
+        model = options.build(device=CPU, compute_dtype=torch.float32, distributed_setup=None)
+        wrapper = nemo.train_dspark.HFDSparkTargetModel(model, target_layer_ids=V41_LAYERS, cp_mesh=None)
+    try:
+        assert isinstance(model, DraftfeedTargetModel) and type(wrapper) is DraftfeedDSparkTarget
+        assert model.config.model_type == "deepseek_v41"
+        in_process = nemo.train_dspark.HFDSparkTargetModel(nemo_reference(v41), V41_LAYERS)
+        batch = make_batch(2, 24, 256, seed=5)
+        got, want = wrapper.generate_batch(**batch), in_process.generate_batch(**batch)
+        real = batch["attention_mask"].bool()
+        for name in ("target_hidden_states", "target_last_hidden_states"):
+            assert difference_at_real(name, getattr(got, name), getattr(want, name), real) is None
+    finally:
+        wrapper.close()
+    with pytest.raises(RuntimeError, match="requires CUDA"):  # outside the recipe's draftfeed target: NeMo's own
+        options.build(device=CPU, compute_dtype=torch.float32, distributed_setup=None)
+
+
+@pytest.mark.parametrize("model_type", ["kimi_k3"])
 def test_a_target_only_nemos_own_code_implements_is_refused_at_setup(nemo, url, tmp_path, model_type):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
     recipe = nemo.recipe(config(nemo, tmp_path, url))
     with pytest.raises(
-        ValueError, match=rf"a {model_type} target is implemented by NeMo AutoModel's own model code only .*do not load yet"
+        ValueError, match=rf"a {model_type} target is implemented by NeMo AutoModel's own model code only, .*do not run yet"
     ) as refused:
         recipe.setup()
     assert "\n" not in str(refused.value)

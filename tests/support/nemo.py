@@ -22,3 +22,15 @@ def nemo_on_path() -> None:
         sys.path.append(str(NEMO_PACKAGES))
     if importlib.util.find_spec("nemo_automodel") is None:
         pytest.skip(f"nemo-automodel is not installed in {NEMO_PACKAGES} (`make venv` installs it: nemo-automodel 0.7.0, --no-deps)")
+
+
+def nemo_reference(path):
+    """NeMo's own model of the checkpoint, built and loaded as the engine does, apart from it."""
+    import torch
+
+    from draftfeed.consumers.engines.automodel import CPU_BACKEND, backend_config, nemo_config, nemo_model_class, read_weights
+
+    config = nemo_config(str(path))
+    model = nemo_model_class(config)(config, backend=backend_config(CPU_BACKEND))
+    model.load_state_dict(model.state_dict_adapter.from_hf(read_weights(str(path))), strict=True)  # every name, mapped
+    return model.to(torch.float32).eval()

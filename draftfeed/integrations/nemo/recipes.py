@@ -15,8 +15,8 @@ unless a recipe's config asks for draftfeed (``recipe_args.target_model_backend:
    (``wrappers.py``) instead of themselves; around any other model they are NeMo's own;
 4. the DSpark recipe's builders of its frontier targets (DeepSeek-V4, GLM-5.2), asked for its target while it is in
    force, read the target's config as NeMo's own builder does and return the stand-in, no process group and no
-   weights (``FRONTIER_BUILDERS``); the targets only NeMo's own model code implements (DeepSeek-V4.1, Kimi-K3) and
-   the image-text MiniMax-M3 path are refused in one line.
+   weights (``FRONTIER_BUILDERS``), and so does DeepSeek-V4.1's target options' ``build`` (served by a worker of
+   ``--engine automodel``); Kimi-K3 and the image-text MiniMax-M3 path are refused in one line.
 
 After the recipe's ``setup`` returns, its ``target_wrapper`` must be draftfeed's, or the run stops there.
 """
@@ -76,11 +76,13 @@ LOADERS = (
 # The DSpark recipe's own builders of its frontier targets that transformers implements too (so draftfeed's workers
 # serve them), by their names in train_dspark; ``_frontier_config`` reads each one's config as the builder does.
 FRONTIER_BUILDERS = ("build_deepseek_v4_target", "build_glm_5_2_target")
-# The DSpark targets draftfeed does not serve yet, by model type, with why: the recipe builds them with NeMo AutoModel's
-# own model code, which draftfeed's workers do not load yet.
+# The DSpark targets draftfeed does not serve yet, by model type, with why: NeMo's Kimi-K3 needs Triton kernels that
+# draftfeed's automodel engine has not been run with (docs/engines.md).
+# DeepSeek-V4.1's target options (its ``build`` gives the stand-in while the recipe's draftfeed target is in force; a
+# worker of --engine automodel serves it).
+V41_TARGET = ("nemo_automodel.components.models.deepseek_v41.config", "DeepseekV41DSparkTargetConfig")
 NOT_SERVED_TARGETS = {
-    "deepseek_v41": "is implemented by NeMo AutoModel's own model code only (transformers has no deepseek_v41)",
-    "kimi_k3": "is implemented by NeMo AutoModel's own model code only (transformers has no kimi_k3)",
+    "kimi_k3": "is implemented by NeMo AutoModel's own model code only, whose linear attention (KDA) takes Triton kernels only",
     "kimi_linear": "is loaded by the recipe's Kimi-K3 builder, NeMo AutoModel's own model code",
 }
 # Axes of the `distributed:` section that shard the target: draftfeed's workers hold it, so none applies.
@@ -186,7 +188,7 @@ def _dspark_checks(recipe: Any, name: str, args: Any) -> None:
     why = NOT_SERVED_TARGETS.get(model_type)
     if why is not None:
         raise ValueError(
-            f"{name}: a {model_type} target {why}, which draftfeed's workers do not load yet: train it with the recipe's "
+            f"{name}: a {model_type} target {why}, which draftfeed's workers do not run yet: train it with the recipe's "
             "own target (target_model_backend unset)"
         )
 
@@ -296,6 +298,32 @@ def _patch_builder(module: Any, builder: str) -> None:
     setattr(module, builder, build)
 
 
+def _patch_v41_target(module: Any) -> None:
+    """DeepSeek-V4.1's target options (the DSpark recipe builds its target by their ``build``) give draftfeed's stand-in
+    for the recipe's target while its draftfeed target is in force: the config as NeMo's ``build`` reads it, no
+    weights, no process group. NeMo's own refusal of a reduced depth stands."""
+    options = getattr(module, V41_TARGET[1])
+    original = options.__dict__["build"]
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def build(self: Any, *args: Any, **kwargs: Any) -> Any:
+        target = _ACTIVE.get()
+        if target is None or not target.loads(self.target_path):
+            return original(self, *args, **kwargs)
+        if self.target_num_hidden_layers is not None:
+            raise ValueError(
+                "DeepSeek V4.1 DSpark does not support target_num_hidden_layers (NeMo's own rule: the released target "
+                "feature contract needs the whole depth); leave it out"
+            )
+        config = module.DeepseekV41Config.from_pretrained(self.target_path, name_or_path=self.target_path, vision_config={"num_hidden_layers": 0})
+        return target.stand_in(self.target_path, {"config": config})
+
+    setattr(build, _MARK, True)
+    options.build = build
+
+
 def _patch_wrapper(wrapper: type, ours: type[DraftfeedWrapper]) -> None:
     current = wrapper.__dict__.get("__new__")
     if getattr(current, _MARK, False):
@@ -323,6 +351,7 @@ def patch() -> None:
     dspark = importlib.import_module(f"{RECIPES}.train_dspark")
     for builder in FRONTIER_BUILDERS:
         _patch_builder(dspark, builder)
+    _patch_v41_target(importlib.import_module(V41_TARGET[0]))
 
 
 __all__ = ["RECIPE_TASKS", "RecipeTarget", "draftfeed_target", "patch"]
