@@ -34,6 +34,8 @@ from draftfeed.schemas.messages import (
     SetVocabMapping,
     StatusQuery,
     Submit,
+    UpdateTarget,
+    WeightsUpdated,
     Where,
     WorkerHeartbeat,
 )
@@ -242,6 +244,8 @@ class Broker:
             return state.on_status(peer, message)
         if isinstance(message, Where):
             return state.on_where(peer, message)
+        if isinstance(message, UpdateTarget):
+            return state.on_update_target(peer, message)
         if isinstance(message, Bye):
             return state.on_rank_bye(peer)
         raise MalformedMessage(f"unexpected message type {message.type!r} on the rank port")
@@ -259,6 +263,8 @@ class Broker:
             return state.on_register(peer, message, key)
         if isinstance(message, Draining):
             return state.on_draining(peer)
+        if isinstance(message, WeightsUpdated):
+            return state.on_weights_updated(peer, message)
         if isinstance(message, Bye):
             return state.on_worker_bye(peer)
         raise MalformedMessage(f"unexpected message type {message.type!r} on the worker port")

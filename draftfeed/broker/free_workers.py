@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Protocol
 
 
@@ -23,6 +23,7 @@ class WorkerRecord(Protocol):
     order: int
     version: int
     removed: bool
+    target_version: int
 
     @property
     def free_credits(self) -> int: ...
@@ -60,9 +61,9 @@ class FreeWorkers:
         worker.version = next(self._versions)
         self._live.pop(worker.peer, None)
 
-    def pick(self, excluded: Collection[bytes] = ()) -> WorkerRecord | None:
-        """The best free worker not in ``excluded``, or None. Entries of excluded workers are put back; the ones
-        passed are never more than ``len(excluded)``."""
+    def pick(self, excluded: Collection[bytes] = (), fits: Callable[[WorkerRecord], bool] | None = None) -> WorkerRecord | None:
+        """The best free worker not in ``excluded`` and that ``fits`` (None: any), or None. Entries of the workers
+        passed over are put back; they are never more than ``len(excluded)`` plus the workers that do not fit."""
         skipped: list[_Entry] = []
         chosen: WorkerRecord | None = None
         heap = self._heap
@@ -72,7 +73,7 @@ class FreeWorkers:
             if self._live.get(worker.peer) != entry[3]:
                 heapq.heappop(heap)  # stale
                 continue
-            if worker.peer in excluded:
+            if worker.peer in excluded or (fits is not None and not fits(worker)):
                 skipped.append(heapq.heappop(heap))
                 continue
             chosen = worker

@@ -192,6 +192,8 @@ class WorkerRecord:
     order: int = 0  # when it registered, among all workers (the scheduler's last tie-break)
     version: int = 0  # bumped at each change of its credits (free_workers.py)
     removed: bool = False  # it left its service
+    target_version: int = 0  # the version of the target's weights it serves (its registration's, then updates': versions.py)
+    checkpoint: str | None = None  # where those weights came from
 
     @property
     def free_credits(self) -> int:

@@ -2,7 +2,7 @@
 
 Policy: requests leave a service's queue round-robin across ranks (fair_queue.py); each goes to the worker
 with the most free credits, ties to the one that waited longest since its last request, skipping workers
-the request already failed on. A request that every free worker has failed on waits at the front of its
+the request already failed on and those whose target version it does not take (versions.py). A request that every free worker has failed on waits at the front of its
 rank's queue for another worker. Nothing is dispatched while the broker drains. The vocab mapping a request
 names goes to the worker before the request, if the worker does not hold it.
 
@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from draftfeed.broker.mappings import MappingTable
 from draftfeed.broker.records import Outgoing, Pending, ServiceRecord, WorkerRecord
+from draftfeed.broker.versions import fits, newest_version
 from draftfeed.schemas.messages import dispatch_header, dispatch_rank_fields
 from draftfeed.schemas.protocol import SIGNATURE
 
@@ -43,13 +44,20 @@ class Scheduler:
         out: list[Outgoing] = []
         waiting: list[Pending] = []
         queue, free = service.queue, service.free
+        newest: int | None = None  # the service's newest version, found once a call if a request asks for the latest
         while queue and len(free):
             pending = queue.pop()  # the next rank's oldest request, round-robin across ranks
             if pending.rank.gone:
                 continue
-            worker = free.pick(pending.excluded)
+            wanted = pending.request.target_version
+            if wanted is None:
+                worker = free.pick(pending.excluded)
+            else:
+                if newest is None and wanted.policy == "latest":
+                    newest = newest_version(service)
+                worker = free.pick(pending.excluded, lambda w, wanted=wanted, newest=newest: fits(wanted, w.target_version, newest or 0))
             if worker is None:
-                waiting.append(pending)  # every free worker has failed on this one; wait for another
+                waiting.append(pending)  # every free worker has failed on this one, or serves another version: wait
                 continue
             self._assign(worker, pending, out)
             service.in_flight += 1

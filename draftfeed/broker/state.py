@@ -47,6 +47,7 @@ from draftfeed.broker.records import Outgoing, ServiceRecord, to_rank, to_worker
 from draftfeed.broker.scheduler import Scheduler
 from draftfeed.broker.settings import BrokerSettings
 from draftfeed.broker.status import THROUGHPUT_WINDOW_S, status_document, status_page
+from draftfeed.broker.versions import UpdateBook
 from draftfeed.broker.whereabouts import locate
 from draftfeed.broker.workers import WorkerBook, model_info_reply
 from draftfeed.schemas.errors import MalformedMessage
@@ -66,6 +67,8 @@ from draftfeed.schemas.messages import (
     StatusQuery,
     StatusReply,
     Submit,
+    UpdateTarget,
+    WeightsUpdated,
     Welcome,
     Where,
     WorkerHeartbeat,
@@ -99,6 +102,7 @@ class BrokerState:
         self.scheduler = Scheduler(self.mappings, clock)
         self.notices = Notices()  # what departures and arrivals tell other peers, said at the next flush
         self.counters = dict.fromkeys(COUNTERS, 0)
+        self.updates = UpdateBook()
         self.delivery = Delivery(self.settings, self.mappings, self.scheduler, self.counters, clock, self.deaths)
         self.requeues: Counter[str] = self.delivery.requeues  # why requests went back to the queue (delivery.py)
         # Messages refused before any handler took them, by reason (malformed, wrong_port, protocol_version; their sum
@@ -186,7 +190,26 @@ class BrokerState:
         rank, out = self.rank_book.known(peer, None)
         if rank is None:
             return out
-        return [to_rank(peer, locate(rank, where.request_ids, self.workers, self.clock()))]
+        service = self.services.get(rank.hello.service)
+        return [to_rank(peer, locate(rank, where.request_ids, self.workers, self.clock(), service))]
+
+    # ------------------------------------------------------------ target versions
+    def on_update_target(self, peer: bytes, message: UpdateTarget) -> list[Outgoing]:
+        """Every worker of the service below the new version is told to load it (versions.py); its sender hears how
+        each went."""
+        return self.updates.start(peer, message, self.services.get(message.service))
+
+    def on_weights_updated(self, peer: bytes, message: WeightsUpdated) -> list[Outgoing]:
+        """A worker says how its update went; requests waiting for its new version go to it."""
+        worker, out = self.worker_book.known(peer)
+        if worker is None:
+            return out
+        if message.ok:
+            log.info("broker: worker %s serves target version %d now (%s)", worker.name, message.target_version, message.checkpoint)
+        else:
+            log.warning("broker: worker %s kept target version %d: %s", worker.name, message.target_version, message.message)
+        out = self.updates.answered(worker, message)
+        return out + self.scheduler.dispatch(self.service(worker.registration.service))
 
     def on_rank_bye(self, peer: bytes) -> list[Outgoing]:
         return self._forget_rank(peer, "it said goodbye")
@@ -317,6 +340,7 @@ class BrokerState:
         before = service.ready_workers
         service.remove_worker(peer)
         service.in_flight -= len(requeued)
+        out_updates = self.updates.worker_left(worker)
         self.mappings.worker_left(worker)
         self.notices.drop_worker(peer)
         links.release_worker(worker, self.ranks, self.notices)
@@ -324,6 +348,7 @@ class BrokerState:
         if worker.key is not None:
             out.extend(self.rank_book.announce_worker_keys(service))
         self.notices.workers_changed(service, before)
+        out.extend(out_updates)
         out.extend(self.delivery.requeue(requeued, service))
         self._drop_if_unused(service)
         return out

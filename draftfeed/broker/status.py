@@ -121,6 +121,8 @@ def _worker(w: WorkerRecord, now: float, pairs: bool, budget: int | None = None)
         "capacity": w.registration.capacity,
         "tensor_parallel": w.registration.tensor_parallel,
         "devices": w.registration.devices,
+        "target_version": w.target_version,
+        "checkpoint": w.checkpoint,
         "in_flight": len(w.in_flight),
         "served": w.served,
         "batches": w.batches,

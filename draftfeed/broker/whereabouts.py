@@ -12,15 +12,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from draftfeed.broker.records import RankRecord, WorkerRecord
+from draftfeed.broker.records import RankRecord, ServiceRecord, WorkerRecord
+from draftfeed.broker.versions import waiting_note
 from draftfeed.schemas.messages import Place, Whereabouts
 
 
-def locate(rank: RankRecord, request_ids: list[int], workers: Mapping[bytes, WorkerRecord], now: float) -> Whereabouts:
-    return Whereabouts(places=[_place(rank, request_id, workers, now) for request_id in request_ids])
+def locate(
+    rank: RankRecord, request_ids: list[int], workers: Mapping[bytes, WorkerRecord], now: float, service: ServiceRecord | None = None
+) -> Whereabouts:
+    """``service``: the rank's, for why a queued request waits (a target version no live worker serves)."""
+    return Whereabouts(places=[_place(rank, request_id, workers, now, service) for request_id in request_ids])
 
 
-def _place(rank: RankRecord, request_id: int, workers: Mapping[bytes, WorkerRecord], now: float) -> Place:
+def _place(rank: RankRecord, request_id: int, workers: Mapping[bytes, WorkerRecord], now: float, service: ServiceRecord | None) -> Place:
     pending = rank.requests.get(request_id)
     if pending is None:
         finished = rank.finished.get(request_id)
@@ -34,4 +38,5 @@ def _place(rank: RankRecord, request_id: int, workers: Mapping[bytes, WorkerReco
         name = worker.name if worker is not None else pending.worker.decode(errors="replace")
         computing = worker is not None and worker.in_engine == pending.ticket
         return Place(request_id=request_id, place="computing" if computing else "at_worker", age_s=age, worker=name)
-    return Place(request_id=request_id, place="parked" if pending.parked else "queued", age_s=age)
+    note = waiting_note(pending.request.target_version, service) if service is not None and not pending.parked else None
+    return Place(request_id=request_id, place="parked" if pending.parked else "queued", age_s=age, note=note)

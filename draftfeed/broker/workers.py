@@ -64,7 +64,9 @@ class WorkerBook:
 
     def add(self, peer: bytes, register: Register, key: str | None) -> WorkerRecord:
         """Record an admitted registration (the caller adds it to its service's workers)."""
-        worker = WorkerRecord(peer, register, self.clock(), key=key, order=next(self._order))
+        worker = WorkerRecord(
+            peer, register, self.clock(), key=key, order=next(self._order), target_version=register.target_version, checkpoint=register.checkpoint
+        )
         self.records[peer] = worker
         if self.forgotten.take(peer) is not None:
             self._uncharge_deaths(peer, register.service)

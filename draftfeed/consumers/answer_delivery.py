@@ -133,15 +133,18 @@ class AnswerDelivery:
         """How many ``forget_ranks`` for the rank at ``data_endpoint`` the link has passed on so far."""
         return self._forgets(data_endpoint)
 
-    def result(self, dispatch: Dispatch, tensors: dict[str, torch.Tensor], since: int) -> Outcome:
+    def result(self, dispatch: Dispatch, tensors: dict[str, torch.Tensor], since: int, target_version: int = 0) -> Outcome:
         """Send a result on the pair's plane when it has a ready one, else (or when that fails) as frames. ``since``:
         ``forgets(data_endpoint)`` when the request was filed; a ``forget_ranks`` after that, also one that came while
-        the request was computed, ends every wait of this delivery at once."""
+        the request was computed, ends every wait of this delivery at once. ``target_version``: the version of the
+        target's weights that computed it, which the result says."""
         request, data_endpoint = dispatch.request, dispatch.data_endpoint
         too_big = _over_limit(tensors, dispatch.max_result_bytes)
         if too_big is not None:
             return Refused(too_big)
         fields: dict[str, Any] = dict(request_id=request.request_id, token=request.token, kind=request.kind, worker=self.worker)
+        if target_version:
+            fields["target_version"] = target_version
         if self.settings.checksum:
             fields["digests"] = digests(tensors)
         try:

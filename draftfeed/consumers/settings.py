@@ -47,6 +47,9 @@ class TargetSettings(Settings):
     )
     device: str = setting("cpu", "torch device for the target, e.g. cuda:0")
     dtype: Dtype = setting("auto", "the target's dtype: auto is float32 on CPU, bfloat16 on GPU")
+    target_version: int = setting(
+        0, "the version of the target's weights this worker starts with (an RL step: it only grows; updates raise it: docs/versions.md)", metavar="N"
+    )
     tensor_parallel: int = setting(
         1,
         "spread the target over N devices, one process each, as one worker (hf and sglang: transformers' or sglang's tensor-parallel plan "

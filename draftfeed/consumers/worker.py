@@ -37,6 +37,7 @@ from draftfeed.consumers.mappings import MissingMapping, WorkerMappings
 from draftfeed.consumers.pair_report import PairReport
 from draftfeed.consumers.settings import WorkerSettings
 from draftfeed.consumers.tasks.base import Task
+from draftfeed.consumers.weight_updates import apply_update, read_update, update_problem
 from draftfeed.consumers.worker_session import RESET, STOP, Inbox
 from draftfeed.dataplane.choice import local_offer
 from draftfeed.dataplane.frames.worker import RankLinks, SendResult
@@ -54,7 +55,9 @@ from draftfeed.schemas.messages import (
     ForgetRanks,
     NonFiniteAt,
     Register,
+    UpdateWeights,
     VocabMapping,
+    WeightsUpdated,
     WorkerHeartbeat,
 )
 
@@ -89,6 +92,9 @@ class Worker:
         self._pair_report = PairReport()  # which pairs the next heartbeat reports
         self._stopping_since = 0.0
         self.served = 0
+        # The version of the target's weights it serves, and where they came from (updates change both: _update).
+        self.target_version = settings.target.target_version
+        self.checkpoint = settings.target.path
         self.metrics = WorkerMetrics(self.name, self.service)
         self.metrics.spread_over(list(settings.target.devices) or [str(task.engine.device)])
         self.metrics.watch(
@@ -122,6 +128,8 @@ class Worker:
             max_positions=self.max_seq_len,
             tensor_parallel=self.settings.target.tensor_parallel,
             devices=list(self.settings.target.devices),
+            target_version=self.target_version,
+            checkpoint=self.checkpoint,
         )
 
     @property
@@ -275,6 +283,46 @@ class Worker:
             self._mappings.forget(message.digest)
         elif isinstance(message, ForgetRanks):
             self._forget(message, pipe)
+        elif isinstance(message, UpdateWeights):
+            self._to_link(pipe, pack(self._update(message)))
+
+    def _update(self, message: UpdateWeights) -> WeightsUpdated:
+        """Load new weights in place, between two requests, all or nothing; what it serves from now on, or why it
+        keeps its old version (weight_updates.py). A later registration (after a broker restart) says the new one."""
+        weights = getattr(self.task.engine, "named_weights", None)
+        started = time.perf_counter()
+        if weights is None:
+            problem: str | None = (
+                f"engine {self.task.engine.name} cannot load weights in place yet: restart the worker with --target PATH "
+                f"--target-version {message.target_version}"
+            )
+        elif message.target_version <= self.target_version:
+            problem = f"version {message.target_version} is not newer than the version it serves, {self.target_version}"
+        else:
+            try:
+                new = read_update(message.weights)
+                current = weights()
+                problem = update_problem(current, new, check_finite=not self.settings.skip_finite_check)
+                if problem is None:
+                    apply_update(current, new)
+            except ValueError as exc:
+                problem = str(exc)
+        if problem is not None:
+            log.warning(
+                "worker %s: update to version %d refused, still serving %d: %s", self.name, message.target_version, self.target_version, problem
+            )
+            return WeightsUpdated(update=message.update, ok=False, target_version=self.target_version, checkpoint=self.checkpoint, message=problem)
+        self.target_version, self.checkpoint = message.target_version, message.weights
+        assert self._link is not None
+        self._link.session.registration = self.registration()
+        log.info(
+            "worker %s: serves target version %d from %s (loaded in %.2f s)",
+            self.name,
+            self.target_version,
+            self.checkpoint,
+            time.perf_counter() - started,
+        )
+        return WeightsUpdated(update=message.update, ok=True, target_version=self.target_version, checkpoint=self.checkpoint)
 
     def _forget(self, message: ForgetRanks, pipe: zmq.Socket) -> None:
         assert self._delivery is not None
@@ -300,6 +348,10 @@ class Worker:
         is in the engine before the engine starts: if the worker dies now, that one is charged with it."""
         dispatch, tensor_frames = queued.dispatch, queued.frames
         request = dispatch.request
+        wanted = request.target_version
+        if wanted is not None and not wanted.accepts(self.target_version):  # it changed since the broker dispatched it
+            why = f"worker {self.name} serves target version {self.target_version} now, not {wanted.describe()}"
+            return Done(ticket=dispatch.ticket, outcome="version_changed", message=why)
         self._in_engine = dispatch.ticket
         if self._announced != dispatch.ticket:  # the last done did not name it (the worker was idle): say it now
             self._to_link(pipe, pack(Computing(ticket=dispatch.ticket)))
@@ -337,7 +389,7 @@ class Worker:
         if failure is not None:
             return self._fail(dispatch, failure)
         assert self._delivery is not None
-        return self._done(dispatch, self._delivery.result(dispatch, tensors, queued.forgets), ok=True)
+        return self._done(dispatch, self._delivery.result(dispatch, tensors, queued.forgets, self.target_version), ok=True)
 
     def _fail(self, dispatch: Dispatch, message: str, nonfinite: NonFiniteAt | None = None) -> Done:
         """Tell the rank why its request could not be served."""

@@ -16,9 +16,14 @@ class Supervision:
 
     # Tensors the worker computes and sends; the others are the rank's own copies of what it sent.
     WIRE_FIELDS: ClassVar[tuple[str, ...]] = ()
+    # The version of the target's weights that computed it (docs/versions.md); None where nothing said (a store).
+    # Not a tensor field: set on the instance when it is made.
+    target_version: int | None = None
 
     def to(self: S, device: torch.device | str, non_blocking: bool = False) -> S:
-        return type(self)(**{name: t.to(device, non_blocking=non_blocking) for name, t in self.as_dict().items()})
+        moved = type(self)(**{name: t.to(device, non_blocking=non_blocking) for name, t in self.as_dict().items()})
+        moved.target_version = self.target_version
+        return moved
 
     def as_dict(self) -> dict[str, torch.Tensor]:
         """Its tensors by name; the packing fields only for a packed batch."""

@@ -99,6 +99,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     flags.add_flags(status, PeerKeyFiles)
 
+    target = _parser(commands, "target", help="change a service's target while it serves (docs/versions.md)")
+    target_commands = target.add_subparsers(dest="target_command", required=True)
+    update = _parser(target_commands, "update", help="every worker of a service loads new weights in place and serves them as a new version")
+    update.add_argument("--broker", type=flags.endpoint, default=DEFAULT_STATUS_BROKER, help="the broker's rank (frontend) endpoint")
+    update.add_argument("--service", required=True, help="the service whose workers load the weights")
+    update.add_argument(
+        "--weights", required=True, help="a safetensors file, or a folder of them, on the workers' filesystem: any subset of the target's tensors"
+    )
+    update.add_argument("--version", type=int, required=True, help="the target version they serve from then on (newer than what they serve)")
+    update.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for every worker's answer")
+    flags.add_flags(update, PeerKeyFiles)
+
     keys = _parser(commands, "keys", help="create CURVE keys for a secure deployment (docs/security.md)")
     key_commands = keys.add_subparsers(dest="keys_command", required=True)
     generate = _parser(key_commands, "generate", help="write key pairs in ZeroMQ's certificate format")
@@ -215,6 +227,7 @@ COMMANDS = {
     "keys": ("draftfeed.launch.keys_command", "run_keys"),
     "bench": ("draftfeed.launch.bench_command", "run_bench"),
     "status": ("draftfeed.launch.status_command", "run_status"),
+    "target": ("draftfeed.launch.target_command", "run_target"),
     "store": ("draftfeed.launch.store_commands", "run_store"),
 }
 

@@ -304,4 +304,4 @@ def _in_words(place: Place) -> str:
     where = {"queued": "queued at the broker", "parked": "parked at the broker (beyond the rank's window)"}.get(place.place)
     if where is None:
         where = f"{'computing' if place.place == 'computing' else 'waiting'} at worker {place.worker}"
-    return f"{where} for {place.age_s:.1f} s"
+    return f"{where} for {place.age_s:.1f} s" + (f" ({place.note})" if place.note else "")

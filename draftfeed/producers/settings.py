@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, StrictInt, ValidationError
 
-from draftfeed.schemas.messages import DataPlaneMode
+from draftfeed.schemas.messages import DataPlaneMode, VersionPolicy, VersionWanted
 from draftfeed.schemas.protocol import DEFAULT_MAX_MESSAGE_BYTES
 from draftfeed.schemas.settings import Settings
 
@@ -44,6 +44,21 @@ class RankSettings(Settings):
         Literal["raise", "skip"],
         Field(description="a batch whose supervision held NaN or Inf: raise NonFiniteSupervision, or skip it in iterate() (logged, counted)"),
     ] = "raise"
+    min_target_version: Annotated[
+        StrictInt | None,
+        Field(ge=0, description="the oldest version of the target's weights this rank takes (docs/versions.md); None: any"),
+    ] = None
+    version_policy: Annotated[
+        VersionPolicy | None,
+        Field(description="which versions it takes: at-least (the default once a version is asked), exact, or latest"),
+    ] = None
+
+    @property
+    def version_wanted(self) -> VersionWanted | None:
+        """What every request says of the target versions it takes; None: any."""
+        if self.min_target_version is None and self.version_policy is None:
+            return None
+        return VersionWanted(minimum=self.min_target_version or 0, policy=self.version_policy or "at-least")
 
     @classmethod
     def checked(cls, owner: str, **values: object) -> RankSettings:

@@ -39,6 +39,7 @@ from draftfeed.schemas.messages import (
     SetVocabMapping,
     StatusQuery,
     Submit,
+    VersionWanted,
 )
 from draftfeed.security.curve import PeerKeys
 from draftfeed.store.identity import StoreIdentity
@@ -68,10 +69,11 @@ def done(value: Any) -> Future:
 class BrokerSource:
     """The service's workers, through the broker."""
 
-    def __init__(self, connection: Connection, service: str, request_timeout: float) -> None:
+    def __init__(self, connection: Connection, service: str, request_timeout: float, version_wanted: VersionWanted | None = None) -> None:
         self.connection = connection
         self.service = service
         self._request_timeout = request_timeout
+        self.version_wanted = version_wanted  # the target versions its requests take (None: any); the client may change it
 
     @property
     def rank_id(self) -> str:
@@ -111,7 +113,9 @@ class BrokerSource:
     def submit(self, kind: str, tensors: dict[str, torch.Tensor], finish: Finish, mapping: str | None = None) -> Future:
         """A request for the workers (a batch's supervision, a target weight): holds a prefetch slot until answered."""
         return self.connection.request(
-            lambda rid, token: pack_tensors(Submit, tensors, request_id=rid, kind=kind, token=token, mapping_digest=mapping),
+            lambda rid, token: pack_tensors(
+                Submit, tensors, request_id=rid, kind=kind, token=token, mapping_digest=mapping, target_version=self.version_wanted
+            ),
             finish,
             RequestKind.BATCH,
             mapping=mapping,
@@ -368,5 +372,5 @@ def open_source(
         if stored is not None:
             stored.close(settings.request_timeout)
         raise
-    live = BrokerSource(connection, service, settings.request_timeout)
+    live = BrokerSource(connection, service, settings.request_timeout, settings.version_wanted)
     return StoredSource(stored, live, local_id) if stored is not None else live

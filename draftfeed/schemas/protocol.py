@@ -12,7 +12,7 @@ Peers with another protocol version are rejected with an error that names both v
 from __future__ import annotations
 
 PROTOCOL_NAME = b"draftfeed"
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 SIGNATURE = PROTOCOL_NAME + b"/" + str(PROTOCOL_VERSION).encode()
 
 # Where a message's tensor frames begin, after any ROUTER identity frame has been taken off: [signature, header, *tensors].

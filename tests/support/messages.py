@@ -22,6 +22,7 @@ from draftfeed.schemas.messages import (
     Hello,
     Register,
     Submit,
+    VersionWanted,
     Welcome,
 )
 
@@ -31,11 +32,12 @@ INFO = Eagle3TargetInfo(num_hidden_layers=8, hidden_size=64, vocab_size=1000, au
 
 
 # ---------------------------------------------------------------- to the broker
-def register(state: BrokerState, name: str, capacity: int = 1, info=INFO) -> list:
-    """Worker ``name`` registers for ``svc`` with room for ``capacity`` requests."""
-    return state.on_register(
-        name.encode(), Register(worker=name, service=SERVICE, task=info.task, engine="hf", info=info, capacity=capacity, host="h", pid=1)
+def register(state: BrokerState, name: str, capacity: int = 1, info=INFO, target_version: int = 0) -> list:
+    """Worker ``name`` registers for ``svc`` with room for ``capacity`` requests, serving ``target_version``."""
+    register = Register(
+        worker=name, service=SERVICE, task=info.task, engine="hf", info=info, capacity=capacity, host="h", pid=1, target_version=target_version
     )
+    return state.on_register(name.encode(), register)
 
 
 def hello(state: BrokerState, name: str = "r", window: int = 2) -> list:
@@ -43,13 +45,21 @@ def hello(state: BrokerState, name: str = "r", window: int = 2) -> list:
     return state.on_hello(name.encode(), Hello(rank=name, service=SERVICE, data_endpoint=f"tcp://127.0.0.1:1/{name}", window=window, host="h", pid=1))
 
 
-def submit(state: BrokerState, rank: str, request_id: int, digest: str | None = None, tensors: Mapping[str, torch.Tensor] | None = None) -> list:
+def submit(
+    state: BrokerState,
+    rank: str,
+    request_id: int,
+    digest: str | None = None,
+    tensors: Mapping[str, torch.Tensor] | None = None,
+    target_version: VersionWanted | None = None,
+) -> list:
     """Rank ``rank`` submits an eagle3 request (token ``request_id + 100``) computed with the vocab mapping ``digest``
-    (None: none), carrying ``tensors`` (none: an empty request)."""
+    (None: none), carrying ``tensors`` (none: an empty request), taking the target versions ``target_version`` wants."""
     specs, frames = encode_tensors(tensors or {})
-    return state.on_submit(
-        rank.encode(), Submit(request_id=request_id, kind="eagle3", token=request_id + 100, mapping_digest=digest, tensors=specs), frames
+    request = Submit(
+        request_id=request_id, kind="eagle3", token=request_id + 100, mapping_digest=digest, tensors=specs, target_version=target_version
     )
+    return state.on_submit(rank.encode(), request, frames)
 
 
 # ---------------------------------------------------------------- from the broker

@@ -213,6 +213,11 @@ class HFEngine:
 
         return hook
 
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """The target's tensors by their state-dict names (as ``save_pretrained`` writes them), sharing their storage:
+        a weight update copies into them (consumers/weight_updates.py). Tied tensors share one storage."""
+        return dict(self.model.state_dict())
+
     def input_embeddings(self) -> torch.Tensor:
         return _whole(self.model.get_input_embeddings().weight)
 

@@ -26,12 +26,12 @@ from draftfeed.observe.rank_metrics import RankMetrics
 from draftfeed.producers.outgoing import batch_arguments, outgoing_batch, takes_arguments_of
 from draftfeed.producers.resumable import ResumableIteration
 from draftfeed.producers.settings import RankSettings
-from draftfeed.producers.sources import Served, Source, open_source
+from draftfeed.producers.sources import BrokerSource, Served, Source, open_source
 from draftfeed.producers.tasks.view import RankView
 from draftfeed.producers.tasks.weights import TargetWeights
 from draftfeed.producers.waits import wait_for
 from draftfeed.schemas.errors import NonFiniteSupervision, RemoteTargetError
-from draftfeed.schemas.messages import AnyTargetInfo
+from draftfeed.schemas.messages import AnyTargetInfo, VersionPolicy, VersionWanted
 from draftfeed.schemas.protocol import DEFAULT_HTTP_HOST
 from draftfeed.security.curve import PeerKeys
 from draftfeed.store.identity import StoreIdentity
@@ -99,11 +99,18 @@ class RemoteTarget(RankView, Generic[Sup, Info]):
         store_shard_bytes: int = _DEFAULTS.store_shard_bytes,
         store_queue_batches: int = _DEFAULTS.store_queue_batches,
         on_nonfinite: str = _DEFAULTS.on_nonfinite,
+        min_target_version: int | None = _DEFAULTS.min_target_version,
+        version_policy: str | None = _DEFAULTS.version_policy,
     ) -> None:
         given = locals()  # the parameters above that are settings: RankSettings checks them, with its own words
         settings = RankSettings.checked(type(self).__name__, **{name: given[name] for name in RankSettings.model_fields if name in given})
         if broker is None and settings.store_mode_in_force != "replay":
             raise ValueError(f"{type(self).__name__}: broker=None works only with store_mode='replay'; give the broker's address")
+        if settings.store is not None and settings.version_wanted is not None:
+            raise ValueError(
+                f"{type(self).__name__}: a store records no target versions yet, so it cannot answer min_target_version or "
+                "version_policy: leave out the store, or the versions"
+            )
         self.settings = settings
         self.service = service
         self.prefetch_depth = settings.prefetch_depth
@@ -201,6 +208,7 @@ class RemoteTarget(RankView, Generic[Sup, Info]):
                 own = {name: t.to(self.device, non_blocking=True) for name, t in own.items()}
             made = {**own, **self._from_wire(received, own)}
             supervision = self.SUPERVISION(**{name: made[name] for name in self._field_names() if name in made})
+            supervision.target_version = getattr(_reply, "target_version", None)  # the store's replies say none (yet)
             self.metrics.received(tensor_bytes(received))
             return supervision  # type: ignore[return-value]
 
@@ -247,7 +255,17 @@ class RemoteTarget(RankView, Generic[Sup, Info]):
         self.metrics.waited(time.monotonic() - started)
         return supervision
 
-    def iterate(self, dataloader: Iterable[Mapping[str, Any]]) -> ResumableIteration[Sup]:
+    def want_target_version(self, minimum: int, policy: VersionPolicy | None = None) -> None:
+        """From the next batch sent on, take supervision of target version ``minimum`` or newer (``policy``: at-least,
+        exact or latest; None: the one in force, at-least at first). Batches already sent keep what they asked for.
+        Each supervision says the version that computed it (``target_version``; docs/versions.md)."""
+        source = self._opened()
+        if not isinstance(source, BrokerSource):
+            raise ValueError(f"{type(self).__name__}.want_target_version: a store records no target versions yet")
+        current = source.version_wanted
+        source.version_wanted = VersionWanted(minimum=minimum, policy=policy or (current.policy if current else "at-least"))
+
+    def iterate(self, dataloader: Iterable[Mapping[str, Any]], min_target_version: int | None = None) -> ResumableIteration[Sup]:
         """Yield ``(batch, supervision)`` in the dataloader's order, keeping ``prefetch_depth`` batches in flight.
 
         Each batch is a mapping with input_ids, attention_mask and loss_mask, and position_ids, seq_lens and
@@ -259,7 +277,10 @@ class RemoteTarget(RankView, Generic[Sup, Info]):
         dataloader, before its first batch, goes on after that batch, and the batches that were in flight are asked
         for again (docs/reliability.md, "Stopping and resuming training"). It needs a dataloader that saves its state
         (torchdata's ``StatefulDataLoader``); with a store, taking the state also writes what the store recorded.
+        ``min_target_version``: ``want_target_version`` first.
         """
+        if min_target_version is not None:
+            self.want_target_version(min_target_version)
         return ResumableIteration(
             dataloader,
             lambda batch: self.generate_batch_async(**batch_arguments(batch)),

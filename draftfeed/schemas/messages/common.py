@@ -34,6 +34,9 @@ SubmitKind = Literal[TaskName, "input_embeddings", "output_embeddings"]
 
 
 Token = Annotated[int, Field(ge=0, lt=2**63)]
+# The version of a target's weights a worker serves: an integer that only grows (an RL step), 0 for the checkpoint it
+# started from unless told otherwise (docs/versions.md).
+TargetVersion = Annotated[int, Field(ge=0, lt=2**63)]
 
 
 Seconds = Annotated[float, Field(gt=0, le=3600)]

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from draftfeed.schemas.messages.common import Generation, Name, PairBackend, RequestId, Seconds, Strict, SubmitKind, TensorSpec, Token
+from draftfeed.schemas.messages.common import Generation, Name, PairBackend, RequestId, Seconds, Strict, SubmitKind, TargetVersion, TensorSpec, Token
 from draftfeed.schemas.protocol import MAX_TRANSFER_CHUNK_BYTES
 
 
@@ -31,6 +31,7 @@ class Result(Strict):
     chunk_bytes: Annotated[int, Field(gt=0, le=MAX_TRANSFER_CHUNK_BYTES)] | None = None
     # With the worker's --checksum: each tensor's XXH3-64 (16 hex digits), in the order of ``tensors``.
     digests: list[Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]] | None = Field(default=None, max_length=16)
+    target_version: TargetVersion = 0  # the version of the target's weights that computed it
 
 
 class Chunk(Strict):

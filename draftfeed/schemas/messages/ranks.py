@@ -19,6 +19,7 @@ from draftfeed.schemas.messages.common import (
     Strict,
     SubmitKind,
     SupervisionForm,
+    TargetVersion,
     TaskName,
     TensorSpec,
     Token,
@@ -46,6 +47,30 @@ class Hello(Strict):
     max_result_bytes: Annotated[int, Field(gt=0)] | None = None
 
 
+# Which target versions a request takes (docs/versions.md): at-least (any worker at ``minimum`` or newer), exact (only
+# ``minimum``), latest (the newest among the service's live workers when it is dispatched, and never below ``minimum``).
+VersionPolicy = Literal["at-least", "exact", "latest"]
+
+
+class VersionWanted(Strict):
+    minimum: TargetVersion = 0
+    policy: VersionPolicy = "at-least"
+
+    def accepts(self, version: int, newest: int | None = None) -> bool:
+        """Whether supervision computed at ``version`` fits; ``newest``: the newest version among the service's live
+        workers (the broker knows it; a worker that does not passes None, and takes ``latest`` as ``at-least``)."""
+        if self.policy == "exact":
+            return version == self.minimum
+        if self.policy == "latest" and newest is not None:
+            return version >= max(self.minimum, newest)
+        return version >= self.minimum
+
+    def describe(self) -> str:
+        return {"at-least": f"version {self.minimum} or newer", "exact": f"version {self.minimum} exactly", "latest": "the newest version"}[
+            self.policy
+        ] + (f" (at least {self.minimum})" if self.policy == "latest" and self.minimum else "")
+
+
 class Submit(Strict):
     """One request: a batch to supervise (kind eagle3) or a one-off fetch (input_embeddings)."""
 
@@ -58,6 +83,8 @@ class Submit(Strict):
     # or worker that does not hold it never computes the batch without it (docs/protocol.md, "Vocab mappings").
     mapping_digest: MappingDigest | None = None
     tensors: list[TensorSpec] = Field(default_factory=list, max_length=8)
+    # The target versions it takes; None: any (a service whose workers never change version).
+    target_version: VersionWanted | None = None
 
 
 class SetVocabMapping(Strict):
@@ -72,6 +99,31 @@ class SetVocabMapping(Strict):
 class ModelInfoQuery(Strict):
     type: Literal["model_info"] = "model_info"
     request_id: RequestId
+
+
+class UpdateTarget(Strict):
+    """Every worker of ``service`` is to load the weights at ``weights`` (a safetensors file, or a folder of them, on
+    the workers' filesystem; any subset of the target's tensors) in place and serve them as ``target_version``. The
+    broker answers with an ``update_report`` once every worker it told has answered or left."""
+
+    type: Literal["update_target"] = "update_target"
+    request_id: RequestId
+    service: Name
+    weights: Annotated[str, Field(min_length=1, max_length=4096)]
+    target_version: TargetVersion
+
+
+class WorkerUpdate(Strict):
+    worker: Name
+    ok: bool
+    target_version: TargetVersion  # what it serves now: the new version, or its old one when it refused
+    message: Annotated[str, Field(max_length=4096)] | None = None
+
+
+class UpdateReport(Strict):
+    type: Literal["update_report"] = "update_report"
+    request_id: RequestId
+    workers: list[WorkerUpdate] = Field(max_length=MAX_NOTICES)
 
 
 class StatusQuery(Strict):
@@ -110,6 +162,7 @@ class Place(Strict):
     age_s: Annotated[float, Field(ge=0)] = 0.0  # seconds in that place (done: since it left the broker's care)
     worker: Name | None = None  # at_worker, computing: the worker that holds it; done: the worker that reported it
     outcome: Name | None = None  # done: how its worker said it went (served, failed, undelivered)
+    note: Annotated[str, Field(max_length=1024)] | None = None  # queued: why it waits, when the broker knows (versions.py)
 
 
 class Whereabouts(Strict):

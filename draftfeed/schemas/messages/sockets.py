@@ -20,6 +20,8 @@ from draftfeed.schemas.messages.ranks import (
     StatusQuery,
     StatusReply,
     Submit,
+    UpdateReport,
+    UpdateTarget,
     Welcome,
     Where,
     Whereabouts,
@@ -35,24 +37,39 @@ from draftfeed.schemas.messages.workers import (
     ForgetRanks,
     Register,
     Registered,
+    UpdateWeights,
     VocabMapping,
+    WeightsUpdated,
     WorkerHeartbeat,
 )
 
-FrontendInbound = Annotated[Hello | Submit | SetVocabMapping | ModelInfoQuery | StatusQuery | Where | Heartbeat | Bye, Field(discriminator="type")]
+FrontendInbound = Annotated[
+    Hello | Submit | SetVocabMapping | ModelInfoQuery | StatusQuery | Where | UpdateTarget | Heartbeat | Bye, Field(discriminator="type")
+]
 
 
 FrontendOutbound = Annotated[
-    Welcome | Ack | ModelInfoReply | StatusReply | ErrorReply | Heartbeat | Goodbye | WorkersGone | WorkerKeys | ServiceWorkers | Whereabouts,
+    Welcome
+    | Ack
+    | ModelInfoReply
+    | StatusReply
+    | ErrorReply
+    | Heartbeat
+    | Goodbye
+    | WorkersGone
+    | WorkerKeys
+    | ServiceWorkers
+    | Whereabouts
+    | UpdateReport,
     Field(discriminator="type"),
 ]
 
 
-BackendInbound = Annotated[Register | Done | Computing | WorkerHeartbeat | Draining | Bye, Field(discriminator="type")]
+BackendInbound = Annotated[Register | Done | Computing | WorkerHeartbeat | Draining | WeightsUpdated | Bye, Field(discriminator="type")]
 
 
 BackendOutbound = Annotated[
-    Registered | Dispatch | VocabMapping | ForgetMapping | ForgetRanks | ErrorReply | Heartbeat | Goodbye,
+    Registered | Dispatch | VocabMapping | ForgetMapping | ForgetRanks | UpdateWeights | ErrorReply | Heartbeat | Goodbye,
     Field(discriminator="type"),
 ]
 

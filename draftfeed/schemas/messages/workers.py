@@ -22,6 +22,7 @@ from draftfeed.schemas.messages.common import (
     PublicKey,
     Strict,
     SupervisionForm,
+    TargetVersion,
     TaskName,
     TensorSpec,
 )
@@ -47,6 +48,9 @@ class Register(Strict):
     # One worker is one replica of the target, spread over this many devices (one process each; docs/engines.md).
     tensor_parallel: Annotated[int, Field(ge=1, le=4096)] = 1
     devices: Annotated[list[Name], Field(max_length=4096)] = []
+    # The version of the target's weights it serves (--target-version), and where they came from (the checkpoint).
+    target_version: TargetVersion = 0
+    checkpoint: Annotated[str, Field(max_length=4096)] | None = None
 
     @model_validator(mode="after")
     def _one_task(self) -> Self:
@@ -63,8 +67,9 @@ class Register(Strict):
 # (the engine could not run it here, e.g. out of memory; it counts against the request, another worker may succeed),
 # draining (the worker is stopping: no fault of the request), missing_mapping (the worker lacks the vocab mapping the
 # request names: the broker sends it the mapping first next time), stalled (the rank took nothing of its answer for
-# --send-timeout, before or partway through it: sent again once, then the rank is told it failed).
-DoneOutcome = Literal["served", "failed", "undelivered", "retry", "draining", "missing_mapping", "stalled"]
+# --send-timeout, before or partway through it: sent again once, then the rank is told it failed), version_changed (the
+# worker's target version no longer fits the request: it changed since the broker dispatched it; no fault of the request).
+DoneOutcome = Literal["served", "failed", "undelivered", "retry", "draining", "missing_mapping", "stalled", "version_changed"]
 
 
 class Done(Strict):
@@ -81,7 +86,7 @@ class Done(Strict):
 
     @property
     def hands_back(self) -> bool:
-        return self.outcome in ("retry", "draining", "missing_mapping", "stalled")
+        return self.outcome in ("retry", "draining", "missing_mapping", "stalled", "version_changed")
 
 
 class PairStatus(Strict):
@@ -121,6 +126,27 @@ class Draining(Strict):
     """The worker is stopping: send it no more work (its bye follows, and requeues whatever it still held)."""
 
     type: Literal["draining"] = "draining"
+
+
+class UpdateWeights(Strict):
+    """Load the weights at ``weights`` in place, all or nothing, between two requests, and serve them as
+    ``target_version`` (broker -> worker, from an ``update_target``)."""
+
+    type: Literal["update_weights"] = "update_weights"
+    update: Annotated[int, Field(ge=0)]
+    weights: Annotated[str, Field(min_length=1, max_length=4096)]
+    target_version: TargetVersion
+
+
+class WeightsUpdated(Strict):
+    """How an ``update_weights`` went: ``ok`` and the version now served, or the old version kept and why not."""
+
+    type: Literal["weights_updated"] = "weights_updated"
+    update: Annotated[int, Field(ge=0)]
+    ok: bool
+    target_version: TargetVersion
+    checkpoint: Annotated[str, Field(max_length=4096)] | None = None
+    message: Annotated[str, Field(max_length=4096)] | None = None
 
 
 class Registered(Strict):

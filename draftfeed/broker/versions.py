@@ -1,0 +1,117 @@
+"""Target versions at the broker (docs/versions.md): which workers' versions a request takes, and the weight updates
+in progress.
+
+Every worker serves one version of its target (its registration's, then each update's it took). A request says which
+versions it takes (``Submit.target_version``): at least a version, exactly one, or the newest among the service's
+live workers when it is dispatched. The scheduler gives it only to a worker whose version fits; one that no live
+worker fits waits in its queue, and the rank that asks where it is hears why (``waiting_note``).
+
+An ``update_target`` goes to every worker of the service below the new version (one at or above it keeps what it
+serves, and the report says so); the broker answers its sender once each of them has said how it went, or has left.
+A worker that took the update serves the new version from then on: requests that wait for it are dispatched at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+from draftfeed.broker.records import Outgoing, ServiceRecord, WorkerRecord, to_rank, to_worker
+from draftfeed.schemas.messages import ErrorReply, UpdateReport, UpdateTarget, UpdateWeights, VersionWanted, WeightsUpdated, WorkerUpdate
+
+log = logging.getLogger("draftfeed.broker")
+
+
+def fits(wanted: VersionWanted | None, version: int, newest: int) -> bool:
+    """Whether a worker at ``version`` may compute a request that wants ``wanted`` (``newest``: the newest version
+    among the service's live workers)."""
+    return wanted is None or wanted.accepts(version, newest)
+
+
+def newest_version(service: ServiceRecord) -> int:
+    """The newest version the service's workers that take work serve (0 with none)."""
+    return max((w.target_version for w in service.workers.values() if not w.draining), default=0)
+
+
+def waiting_note(wanted: VersionWanted | None, service: ServiceRecord) -> str | None:
+    """Why a queued request waits, when no live worker's version fits it; None when one does."""
+    if wanted is None:
+        return None
+    newest = newest_version(service)
+    versions = sorted({w.target_version for w in service.workers.values() if not w.draining})
+    if any(fits(wanted, version, newest) for version in versions):
+        return None
+    served = ", ".join(map(str, versions)) if versions else "none (no worker)"
+    return f"no live worker of service {service.name!r} serves {wanted.describe()}; the workers serve versions {served}"
+
+
+@dataclass
+class Update:
+    """One ``update_target`` in progress: who asked, and the workers yet to answer."""
+
+    requester: bytes
+    request: UpdateTarget
+    waiting: dict[bytes, str] = field(default_factory=dict)  # worker peer -> name
+    results: list[WorkerUpdate] = field(default_factory=list)
+
+
+class UpdateBook:
+    def __init__(self) -> None:
+        self._updates: dict[int, Update] = {}
+        self._ids = itertools.count()
+
+    def start(self, requester: bytes, message: UpdateTarget, service: ServiceRecord | None) -> list[Outgoing]:
+        """Tell every worker of the service below the new version to load it; answer at once if none is."""
+        if service is None or not service.workers:
+            why = f"service {message.service!r} has no workers to update"
+            return [to_rank(requester, ErrorReply(request_id=message.request_id, message=why, code="refused"))]
+        update = Update(requester, message)
+        out: list[Outgoing] = []
+        number = next(self._ids)
+        for worker in service.workers.values():
+            if worker.target_version >= message.target_version:
+                why = f"serves version {worker.target_version} already, not older than {message.target_version}: left as it is"
+                update.results.append(WorkerUpdate(worker=worker.name, ok=False, target_version=worker.target_version, message=why))
+                continue
+            update.waiting[worker.peer] = worker.name
+            out.append(to_worker(worker.peer, UpdateWeights(update=number, weights=message.weights, target_version=message.target_version)))
+        log.info(
+            "broker: update of service %r to version %d from %s: %d workers told", message.service, message.target_version, message.weights, len(out)
+        )
+        if not update.waiting:
+            return out + self._report(update)
+        self._updates[number] = update
+        return out
+
+    def answered(self, worker: WorkerRecord, message: WeightsUpdated) -> list[Outgoing]:
+        """A worker said how its update went: its version is what it says it serves now."""
+        worker.target_version = message.target_version
+        if message.ok:
+            worker.checkpoint = message.checkpoint
+        update = self._updates.get(message.update)
+        if update is None or update.waiting.pop(worker.peer, None) is None:
+            return []
+        update.results.append(WorkerUpdate(worker=worker.name, ok=message.ok, target_version=message.target_version, message=message.message))
+        return self._finish_if_done(message.update, update)
+
+    def worker_left(self, worker: WorkerRecord) -> list[Outgoing]:
+        """A worker left with updates unanswered: each counts it as not updated."""
+        out: list[Outgoing] = []
+        for number, update in list(self._updates.items()):
+            if update.waiting.pop(worker.peer, None) is not None:
+                why = "left before it answered (its update, if it took one, left with it)"
+                update.results.append(WorkerUpdate(worker=worker.name, ok=False, target_version=worker.target_version, message=why))
+                out.extend(self._finish_if_done(number, update))
+        return out
+
+    def _finish_if_done(self, number: int, update: Update) -> list[Outgoing]:
+        if update.waiting:
+            return []
+        del self._updates[number]
+        return self._report(update)
+
+    @staticmethod
+    def _report(update: Update) -> list[Outgoing]:
+        results = sorted(update.results, key=lambda result: result.worker)
+        return [to_rank(update.requester, UpdateReport(request_id=update.request.request_id, workers=results))]

@@ -1,0 +1,101 @@
+"""Versioned target weights, updated in place (issue 48), through a real broker, worker and rank: a worker serving
+version 0 of the tiny target loads a "policy step" (a seeded change of some of its tensors, as a safetensors file)
+when ``draftfeed target update`` says so, and serves version 1 from then on, without a restart; every batch says the
+version that computed it and equals an in-process target holding exactly that version's weights, bit for bit; a rank
+that asks for version 1 or newer never gets an older one. A bad update (a wrong shape, a wrong dtype, a name the target
+lacks, NaN) is refused in one line naming the tensor, and the worker serves on at its version."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import WORKER_ENV, add_service, make_batch
+from reference import difference_at_real
+from safetensors.torch import save_file
+
+from draftfeed import RemoteDSparkTarget
+from draftfeed.consumers.engines.hf import HFEngine
+from draftfeed.consumers.tasks.dspark import DSparkTask
+from draftfeed.consumers.weight_updates import apply_update
+from draftfeed.target_updates import update_target
+
+pytestmark = pytest.mark.timeout(240)
+
+LAYER_IDS = [1, 3, 7]
+SERVICE = "versioned"
+
+
+def policy_step(engine: HFEngine, seed: int) -> dict[str, torch.Tensor]:
+    """A subset of the target's tensors changed by a seeded delta, as an RL step changes its policy."""
+    generator = torch.Generator().manual_seed(seed)
+    names = [name for name in engine.named_weights() if ".layers.2." in name or ".layers.5." in name]
+    return {name: engine.named_weights()[name] + 0.05 * torch.randn(engine.named_weights()[name].shape, generator=generator) for name in names}
+
+
+@pytest.fixture(scope="module")
+def versioned(cluster, tiny_target):
+    add_service(cluster, tiny_target, SERVICE, "--task", "dspark", "--target-layer-ids", ",".join(map(str, LAYER_IDS)), "--target-version", "0")
+    return cluster
+
+
+def supervise_locally(task: DSparkTask, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return task.compute(batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
+
+
+def assert_equal(supervision, want: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> None:
+    problems = [difference_at_real(name, getattr(supervision, name), want[name], batch["attention_mask"]) for name in want]
+    assert [p for p in problems if p] == []
+
+
+def test_an_update_in_place_serves_the_new_version_exactly_and_labels_every_batch(versioned, tiny_target, tmp_path):
+    local = HFEngine(str(tiny_target), device="cpu", dtype="float32")
+    task = DSparkTask(local, target_layer_ids=LAYER_IDS)
+    step = policy_step(local, seed=1)
+    save_file(step, str(tmp_path / "step1.safetensors"))
+    batches = [make_batch(2, 20, 1000, seed=seed) for seed in range(6)]
+    with RemoteDSparkTarget(versioned.frontend, SERVICE, prefetch_depth=2, min_target_version=0) as target:
+        for batch, supervision in target.iterate(batches[:2]):
+            assert supervision.target_version == 0
+            assert_equal(supervision, supervise_locally(task, batch), batch)
+        # the CLI, as a policy trainer's script would run it
+        command = [sys.executable, "-m", "draftfeed", "target", "update", "--broker", versioned.frontend, "--service", SERVICE]
+        done = subprocess.run(
+            [*command, "--weights", str(tmp_path / "step1.safetensors"), "--version", "1"],
+            env={**WORKER_ENV, "PATH": ""},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == f"{SERVICE}-0: updated, serves version 1", done.stdout
+        apply_update(local.named_weights(), step)  # the in-process target at version 1
+        for batch, supervision in target.iterate(batches[2:], min_target_version=1):
+            assert supervision.target_version == 1
+            assert_equal(supervision, supervise_locally(task, batch), batch)
+    status = versioned.status()["services"][SERVICE]["workers"][0]
+    assert (status["target_version"], status["checkpoint"]) == (1, str(tmp_path / "step1.safetensors"))
+
+
+@pytest.mark.parametrize(
+    "spoil, named",
+    [
+        (lambda t: {**t, "model.layers.2.mlp.down_proj.weight": torch.zeros(3, 3)}, "tensor model.layers.2.mlp.down_proj.weight: shape [3, 3]"),
+        (lambda t: {k: v.double() for k, v in t.items()}, "dtype torch.float64, the target's is torch.float32"),
+        (lambda t: {**t, "model.layers.2.mlp.no_such.weight": torch.zeros(1)}, "tensor model.layers.2.mlp.no_such.weight: the target has no tensor"),
+        (lambda t: {k: v.clone().fill_(float("nan")) for k, v in t.items()}, "holds NaN or Inf"),
+    ],
+)
+def test_a_bad_update_is_refused_naming_the_tensor_and_the_worker_serves_on(versioned, tiny_target, tmp_path, spoil, named):
+    local = HFEngine(str(tiny_target), device="cpu", dtype="float32")
+    save_file(spoil(policy_step(local, seed=9)), str(tmp_path / "bad.safetensors"))
+    before = versioned.status()["services"][SERVICE]["workers"][0]["target_version"]
+    report = update_target(versioned.frontend, SERVICE, str(tmp_path / "bad.safetensors"), before + 1, timeout_s=60)
+    (result,) = report.workers
+    assert not result.ok and result.target_version == before and named in result.message, result
+    assert "\n" not in result.message
+    with RemoteDSparkTarget(versioned.frontend, SERVICE, prefetch_depth=1) as target:
+        batch = make_batch(1, 12, 1000, seed=3)
+        assert target.generate_batch(**batch).target_version == before
