@@ -240,7 +240,7 @@ SECTIONS = (
         "peak memory in samples. Sizes this machine's memory cannot hold are left out (said on stderr).",
         lambda _: (
             "The rank allocates each answer once and writes each piece into place, so its peak stays near one "
-            "sample; the worker holds one copy, each captured layer written into its place as the engine computes it. Raw pyzmq moves one message and nothing else."
+            "sample; the worker holds its layers and their concatenation. Raw pyzmq moves one message and nothing else."
         ),
     ),
     Section(
