@@ -15,7 +15,7 @@ NEMO_PACKAGES := .nemo-packages
 # own sources too (each broker a test starts imports them); a stale compiled file is ignored by Python, never used.
 BYTECODE = -m compileall -q -j 0
 
-.PHONY: demo test venv venv-vllm clean
+.PHONY: demo test test-long venv venv-vllm clean
 
 # The two environments build side by side (pip waits on the network as much as on a core; both install quietly).
 MAKEFLAGS += --jobs=2
@@ -75,6 +75,10 @@ test: $(STAMP) $(VLLM_STAMP)
 	echo "---- the vllm engine and speculators tests ($(VLLM_VENV)):"; \
 	$(VLLM_TESTS); vllm=$$?; \
 	test $$main -eq 0 && test $$vllm -eq 0
+
+# The long variants the suite leaves out (pyproject.toml's `long` marker): more faults and sizes of what it covers once.
+test-long: $(STAMP)
+	DRAFTFEED_LONG=1 $(PY) -m pytest -q -n 2 --dist loadscope -m long tests
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(NEMO_PACKAGES) *.egg-info

@@ -2,14 +2,13 @@
 of draftfeed's tasks over it equal NeMo's own wrappers (HFDSparkTargetModel, HFEagle3TargetModel) around NeMo's own
 model of the same checkpoint in process, bit for bit at real positions, on a padded batch: DeepSeek-V4.1, which only
 NeMo implements (its DSpark features are the model's own: the streams entering each chosen layer), and DeepSeek-V3,
-which transformers implements too. What it cannot run is refused in one line at start."""
+which transformers implements too. What it cannot run is refused in one line at start. Through a real worker: the
+DeepSeek-V4.1 recipe test (tests/test_nemo_frontier.py)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from conftest import WORKER_ENV, make_batch
+from conftest import make_batch
 from reference import difference_at_real
 from support.nemo import nemo_on_path, nemo_reference
 
@@ -69,26 +68,3 @@ def test_what_the_automodel_engine_cannot_run_is_refused_in_one_line(targets, tm
         ValueError, match=r"^NeMo AutoModel has no model implementation of its own for Gemma3ForCausalLM; serve this target with --engine hf"
     ):
         AutoModelEngine(str(gemma), device="cpu")
-
-
-def test_a_worker_of_the_automodel_engine_serves_deepseek_v41_dspark_through_the_broker(cluster, targets):
-    """A real worker (``--engine automodel``, NeMo on its path) serves a padded batch to a rank: equal bit for bit to
-    the same engine and task in process."""
-    from support.nemo import NEMO_PACKAGES
-
-    from draftfeed import RemoteDSparkTarget
-    from draftfeed.consumers.engines.automodel import AutoModelEngine
-
-    path = targets["deepseek-v41"]
-    ids = ",".join(map(str, DSPARK_IDS))
-    env = {"PYTHONPATH": os.pathsep.join([WORKER_ENV["PYTHONPATH"], str(NEMO_PACKAGES)])}
-    cluster.add_worker(
-        path, "--engine", "automodel", "--service", "v41-dspark", "--task", "dspark", "--target-layer-ids", ids, "--name", "v41-0", env=env
-    )
-    local = DSparkTask(AutoModelEngine(str(path), device="cpu", dtype="float32"), target_layer_ids=DSPARK_IDS)
-    batches = [make_batch(2, 24, 256, seed=seed) for seed in (3, 4)]
-    with RemoteDSparkTarget(cluster.frontend, "v41-dspark", prefetch_depth=2) as target:
-        for batch, supervision in target.iterate(batches):
-            want = local.compute(batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
-            problems = [difference_at_real(name, getattr(supervision, name), want[name], batch["attention_mask"]) for name in want]
-            assert [p for p in problems if p] == []

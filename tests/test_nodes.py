@@ -142,6 +142,7 @@ def test_two_nodes_equal_the_same_plan_on_one_machine(hosts_available, tp_target
             show(started)
 
 
+@pytest.mark.long  # the hf engine's two nodes run in the suite; this one is sglang's stand-in over the same path
 def test_sglang_over_two_nodes_meets_at_node_0(hosts_available, tiny_target, tiny_model, tmp_path):
     """The sglang engine across machines, against the FAKE sglang (tests/fake_sglang: sglang cannot be installed here):
     each node's ModelRunner gets --nnodes, --node-rank and dist_init_addr at node 0, as sglang's own flags place
@@ -179,7 +180,7 @@ def test_sglang_over_two_nodes_meets_at_node_0(hosts_available, tiny_target, tin
 
 
 # ---------------------------------------------------------------- a node lost mid-run
-@pytest.mark.parametrize("fault", ["link-down", "sigkill"])
+@pytest.mark.parametrize("fault", ["link-down", pytest.param("sigkill", marks=pytest.mark.long)])
 def test_a_lost_node_ends_its_worker_and_the_run_completes_elsewhere(hosts_available, tiny_target, reference, tmp_path, fault):
     with Hosts(["head", "node-0", "node-1"]) as hosts:
         started: list[commands.Process] = []

@@ -79,23 +79,24 @@ def test_an_update_in_place_serves_the_new_version_exactly_and_labels_every_batc
     assert (status["target_version"], status["checkpoint"]) == (1, str(tmp_path / "step1.safetensors"))
 
 
-@pytest.mark.parametrize(
-    "spoil, named",
-    [
-        (lambda t: {**t, "model.layers.2.mlp.down_proj.weight": torch.zeros(3, 3)}, "tensor model.layers.2.mlp.down_proj.weight: shape [3, 3]"),
-        (lambda t: {k: v.double() for k, v in t.items()}, "dtype torch.float64, the target's is torch.float32"),
-        (lambda t: {**t, "model.layers.2.mlp.no_such.weight": torch.zeros(1)}, "tensor model.layers.2.mlp.no_such.weight: the target has no tensor"),
-        (lambda t: {k: v.clone().fill_(float("nan")) for k, v in t.items()}, "holds NaN or Inf"),
-    ],
-)
-def test_a_bad_update_is_refused_naming_the_tensor_and_the_worker_serves_on(versioned, tiny_target, tmp_path, spoil, named):
+BAD_UPDATES = [
+    (lambda t: {**t, "model.layers.2.mlp.down_proj.weight": torch.zeros(3, 3)}, "tensor model.layers.2.mlp.down_proj.weight: shape [3, 3]"),
+    (lambda t: {k: v.double() for k, v in t.items()}, "dtype torch.float64, the target's is torch.float32"),
+    (lambda t: {**t, "model.layers.2.mlp.no_such.weight": torch.zeros(1)}, "tensor model.layers.2.mlp.no_such.weight: the target has no tensor"),
+    (lambda t: {k: v.clone().fill_(float("nan")) for k, v in t.items()}, "holds NaN or Inf"),
+]
+
+
+def test_a_bad_update_is_refused_naming_the_tensor_and_the_worker_serves_on(versioned, tiny_target, tmp_path):
+    """A wrong shape, a wrong dtype, a name the target lacks, NaN: each refused in one line naming the tensor."""
     local = HFEngine(str(tiny_target), device="cpu", dtype="float32")
-    save_file(spoil(policy_step(local, seed=9)), str(tmp_path / "bad.safetensors"))
     before = versioned.status()["services"][SERVICE]["workers"][0]["target_version"]
-    report = update_target(versioned.frontend, SERVICE, str(tmp_path / "bad.safetensors"), before + 1, timeout_s=60)
-    (result,) = report.workers
-    assert not result.ok and result.target_version == before and named in result.message, result
-    assert "\n" not in result.message
+    for number, (spoil, named) in enumerate(BAD_UPDATES):
+        save_file(spoil(policy_step(local, seed=9)), str(tmp_path / f"bad{number}.safetensors"))
+        report = update_target(versioned.frontend, SERVICE, str(tmp_path / f"bad{number}.safetensors"), before + 1, timeout_s=60)
+        (result,) = report.workers
+        assert not result.ok and result.target_version == before and named in result.message, result
+        assert "\n" not in result.message
     with RemoteDSparkTarget(versioned.frontend, SERVICE, prefetch_depth=1) as target:
         batch = make_batch(1, 12, 1000, seed=3)
         assert target.generate_batch(**batch).target_version == before
