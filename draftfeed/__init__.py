@@ -36,6 +36,8 @@ _PUBLIC = {
     "RemoteTargetTimeout": "draftfeed.schemas.errors",
     "TargetClosed": "draftfeed.schemas.errors",
     "reexec_with_hugepage_malloc": "draftfeed.dataplane.frames.rank",
+    "publish_weights": "draftfeed.target_updates",
+    "update_target": "draftfeed.target_updates",
 }
 __all__ = [
     "DFlashSupervision",
@@ -60,7 +62,9 @@ __all__ = [
     "TargetClosed",
     "VispecSupervision",
     "VispecTargetInfo",
+    "publish_weights",
     "reexec_with_hugepage_malloc",
+    "update_target",
 ]
 
 if TYPE_CHECKING:
@@ -76,6 +80,7 @@ if TYPE_CHECKING:
     )
     from draftfeed.schemas.errors import DraftfeedError, MalformedMessage, NonFiniteSupervision, RemoteTargetError, RemoteTargetTimeout, TargetClosed
     from draftfeed.schemas.messages import DFlashTargetInfo, DSparkTargetInfo, Eagle3TargetInfo, EagleTargetInfo, VispecTargetInfo
+    from draftfeed.target_updates import publish_weights, update_target
 
 
 def __getattr__(name: str) -> Any:

@@ -1,20 +1,29 @@
 """Updating a service's target weights in place (docs/versions.md): the client side of ``update_target``, for
 ``draftfeed target update`` and for an RL trainer's own process.
 
-The broker tells every worker of the service below the new version to load the weights at ``weights`` (a path on the
-workers' filesystem: a safetensors file, or a folder of them) and answers once each has said how it went.
+The broker tells every worker of the service below the new version to load the weights, and answers once each has said
+how it went: ``update_target`` names a path on the workers' filesystem (a safetensors file, or a folder of them);
+``publish_weights`` serves tensors from this process's memory, which each worker pulls in pieces
+(dataplane/weights/).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import zmq
 
+from draftfeed.net import local_address_towards
 from draftfeed.schemas.errors import RemoteTargetError, RemoteTargetTimeout
 from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import FRONTEND_OUTBOUND, ErrorReply, UpdateReport, UpdateTarget
+from draftfeed.schemas.protocol import DEFAULT_TRANSFER_CHUNK_BYTES
 from draftfeed.security.curve import PeerKeys, make_client
+
+if TYPE_CHECKING:
+    import torch
 
 
 def update_target(
@@ -23,6 +32,10 @@ def update_target(
     """Every worker of ``service`` at the broker's rank endpoint ``broker`` loads ``weights`` and serves them as
     ``target_version``; the report says how each went. Raises RemoteTargetError when the broker refuses (no such
     service), RemoteTargetTimeout when no report comes within ``timeout_s``."""
+    return _update(broker, UpdateTarget(request_id=0, service=service, weights=weights, target_version=target_version), timeout_s, keys)
+
+
+def _update(broker: str, request: UpdateTarget, timeout_s: float, keys: PeerKeys | None) -> UpdateReport:
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -31,7 +44,6 @@ def update_target(
     try:
         sock.connect(broker)
         deadline = time.monotonic() + timeout_s
-        request = UpdateTarget(request_id=0, service=service, weights=weights, target_version=target_version)
         if not sock.poll(int(timeout_s * 1000), zmq.POLLOUT):
             raise RemoteTargetTimeout(f"no broker at {broker} took the update within {timeout_s:g} s: is it running there?")
         sock.send_multipart(pack(request))
@@ -47,6 +59,34 @@ def update_target(
     finally:
         sock.close(linger=0)
         context.term()
+
+
+def publish_weights(
+    broker: str,
+    service: str,
+    tensors: Mapping[str, torch.Tensor],
+    target_version: int,
+    *,
+    timeout_s: float = 600.0,
+    chunk_bytes: int = DEFAULT_TRANSFER_CHUNK_BYTES,
+    endpoint: str | None = None,
+    keys: PeerKeys | None = None,
+) -> UpdateReport:
+    """Every worker of ``service`` takes ``tensors`` (any subset of the target's, by their state-dict names, straight
+    from this process's memory) and serves them as ``target_version``, as RL frameworks push weights to their rollout
+    engines. The workers pull them from a socket this call opens (``endpoint``: default, this host's address towards
+    the broker, on a free port), in pieces of ``chunk_bytes``, each at its own pace; nothing is copied whole, and a
+    device tensor is copied to the host a piece at a time. Returns when every worker told has answered or left."""
+    if keys is not None:
+        raise ValueError("publish_weights does not encrypt its socket yet: on a secure deployment, write the weights to a file and use update_target")
+    from draftfeed.dataplane.weights.publisher import WeightsPublisher
+
+    publisher = WeightsPublisher(tensors, endpoint=endpoint or f"tcp://{local_address_towards(broker)}:*", chunk_bytes=chunk_bytes)
+    publisher.start()
+    try:
+        return _update(broker, UpdateTarget(request_id=0, service=service, source=publisher.endpoint, target_version=target_version), timeout_s, keys)
+    finally:
+        publisher.stop()
 
 
 def format_report(report: UpdateReport) -> str:

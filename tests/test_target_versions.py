@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import WORKER_ENV, add_service, make_batch
+from conftest import WORKER_ENV, add_service, make_batch, wait_until
 from reference import difference_at_real
 from safetensors.torch import save_file
 
@@ -100,3 +100,66 @@ def test_a_bad_update_is_refused_naming_the_tensor_and_the_worker_serves_on(vers
     with RemoteDSparkTarget(versioned.frontend, SERVICE, prefetch_depth=1) as target:
         batch = make_batch(1, 12, 1000, seed=3)
         assert target.generate_batch(**batch).target_version == before
+
+
+def test_a_policy_trainer_publishes_each_step_from_its_memory_and_every_batch_is_exact_at_its_version(versioned, tiny_target):
+    """The test is the policy trainer: each step it changes two layers (seeded) and publishes them as the next version
+    from its memory (``publish_weights``, pulled by the worker in pieces of 4 KiB); the rank asks for that version or
+    newer, and every batch it gets says it and equals an in-process target holding exactly those weights."""
+    from draftfeed import publish_weights
+
+    local = HFEngine(str(tiny_target), device="cpu", dtype="float32")
+    task = DSparkTask(local, target_layer_ids=LAYER_IDS)
+    original = {name: tensor.clone() for name, tensor in local.named_weights().items()}
+    version = versioned.status()["services"][SERVICE]["workers"][0]["target_version"]
+    with RemoteDSparkTarget(versioned.frontend, SERVICE, prefetch_depth=2) as target:
+        for step in range(1, 4):
+            version += 1
+            generator = torch.Generator().manual_seed(100 + step)
+            changed = {
+                name: original[name] + 0.05 * torch.randn(original[name].shape, generator=generator)
+                for name in original
+                if ".layers.2." in name or ".layers.5." in name
+            }
+            report = publish_weights(versioned.frontend, SERVICE, changed, version, chunk_bytes=4096, timeout_s=120)
+            assert [(r.ok, r.target_version) for r in report.workers] == [(True, version)], report
+            apply_update(local.named_weights(), changed)
+            batches = [make_batch(2, 16, 1000, seed=10 * step + i) for i in range(2)]
+            for batch, supervision in target.iterate(batches, min_target_version=version):
+                assert supervision.target_version == version
+                assert_equal(supervision, supervise_locally(task, batch), batch)
+
+
+def test_a_published_update_is_checked_before_any_byte_and_one_broken_off_makes_the_worker_leave(versioned, cluster, tiny_target):
+    """A wrong shape announced by the publisher: refused before any byte is written, the worker serves on at its
+    version. A publisher that stops answering after some pieces were written: the worker holds a mixture of versions,
+    so it says why and leaves (its own service here), and the broker serves nothing from it again."""
+    from draftfeed import publish_weights
+    from draftfeed.dataplane.weights import publisher as publishing
+
+    local = HFEngine(str(tiny_target), device="cpu", dtype="float32")
+    before = versioned.status()["services"][SERVICE]["workers"][0]["target_version"]
+    wrong = {"model.layers.2.mlp.down_proj.weight": torch.zeros(3, 3)}
+    (result,) = publish_weights(versioned.frontend, SERVICE, wrong, before + 1, timeout_s=60).workers
+    assert not result.ok and result.target_version == before and "tensor model.layers.2.mlp.down_proj.weight: shape [3, 3]" in result.message
+
+    add_service(cluster, tiny_target, "breaks", "--task", "dspark", "--target-layer-ids", ",".join(map(str, LAYER_IDS)), "--update-timeout", "2")
+    answer = publishing.WeightsPublisher._answer
+    answered: list[int] = []
+
+    def stop_after_three_pieces(self, peer, frames):  # the trainer's process hangs partway
+        if len(answered) < 4:
+            answered.append(1)
+            answer(self, peer, frames)
+
+    publishing.WeightsPublisher._answer = stop_after_three_pieces
+    try:
+        step = {name: tensor + 1 for name, tensor in local.named_weights().items() if ".layers.2." in name}
+        (result,) = publish_weights(cluster.frontend, "breaks", step, 1, chunk_bytes=4096, timeout_s=120).workers
+    finally:
+        publishing.WeightsPublisher._answer = answer
+    assert not result.ok and result.target_version == 0, result
+    assert "did not answer" in result.message and "already written: the worker holds a mixture of versions; it leaves" in result.message
+    wait_until(
+        lambda: "breaks" not in cluster.status()["services"] or not cluster.status()["services"]["breaks"]["workers"], 30, "the worker to leave"
+    )

@@ -75,9 +75,10 @@ class UpdateBook:
                 update.results.append(WorkerUpdate(worker=worker.name, ok=False, target_version=worker.target_version, message=why))
                 continue
             update.waiting[worker.peer] = worker.name
-            out.append(to_worker(worker.peer, UpdateWeights(update=number, weights=message.weights, target_version=message.target_version)))
+            told = UpdateWeights(update=number, weights=message.weights, source=message.source, target_version=message.target_version)
+            out.append(to_worker(worker.peer, told))
         log.info(
-            "broker: update of service %r to version %d from %s: %d workers told", message.service, message.target_version, message.weights, len(out)
+            "broker: update of service %r to version %d from %s: %d workers told", message.service, message.target_version, message.origin, len(out)
         )
         if not update.waiting:
             return out + self._report(update)

@@ -190,6 +190,9 @@ class WorkerSettings(Settings):
     name: str | None = setting(None, "the worker's name in logs and status (default HOST-PID-random)")
     capacity: int = setting(2, "requests the broker may hand this worker at once")
     send_timeout_s: float = setting(60.0, "seconds a rank may take to accept supervision before the worker gives up on it")
+    update_timeout_s: float = setting(
+        60.0, "seconds a worker waits for each part of a weight update published from a trainer's memory before it gives up (docs/versions.md)"
+    )
     connect_timeout_s: float = setting(5.0, "seconds to reach a rank's data socket the first time before giving up on that rank")
     register_timeout_s: float = setting(60.0, "seconds to wait for the broker at start")
     drain_timeout_s: float = setting(10.0, "on SIGTERM, seconds delivering the answer in hand may still take before it is given up")

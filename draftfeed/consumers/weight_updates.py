@@ -1,10 +1,12 @@
 """New weights for a running target, loaded in place between two requests, all or nothing (docs/versions.md).
 
-An update is a safetensors file, or a folder of them, holding any subset of the target's tensors under the names its
-engine gives them (``named_weights``: transformers' state-dict names for the hf engine, as ``save_pretrained``
-writes them). Every tensor is checked before any is copied: its name must be one of the target's, its shape and dtype
-the same, and, unless the worker skips the finite check, every value finite. The first that is not is named in one
-line and nothing changes: the worker keeps serving its old version. Then each is copied into its place.
+An update is any subset of the target's tensors under the names its engine gives them (``named_weights``:
+transformers' state-dict names for the hf engine, as ``save_pretrained`` writes them), from a safetensors file or a
+folder of them on the worker's filesystem, or pulled from a publisher's memory (dataplane/weights/worker.py). From a
+file, every tensor is checked before any is copied: its name must be one of the target's, its shape and dtype the
+same, and, unless the worker skips the finite check, every value finite; the first that is not is named in one line
+(``UpdateRefused``) and nothing changes. Then each is copied into its place; a tensor sharded over a tensor-parallel
+group (a DTensor) takes its own shard of the file's whole tensor, on every process of the group.
 """
 
 from __future__ import annotations
@@ -14,23 +16,28 @@ from pathlib import Path
 
 import torch
 
+from draftfeed.dataplane.weights.worker import UpdateBroken, UpdateRefused, pull_update
+from draftfeed.schemas.messages import UpdateWeights
+
+__all__ = ["UpdateBroken", "UpdateRefused", "apply_update", "load_update", "read_update", "update_problem"]
+
 
 def read_update(path: str) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file, or of every one in a folder; ValueError in one line if there are none."""
+    """The tensors of a safetensors file, or of every one in a folder; UpdateRefused in one line if there are none."""
     from safetensors.torch import load_file
 
     where = Path(path)
     files = sorted(where.glob("*.safetensors")) if where.is_dir() else [where] if where.is_file() else []
     if not files:
-        raise ValueError(f"weights {path}: no safetensors file there (give a .safetensors file or a folder of them, on the worker's filesystem)")
+        raise UpdateRefused(f"weights {path}: no safetensors file there (give a .safetensors file or a folder of them, on the worker's filesystem)")
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         try:
             tensors.update(load_file(str(file)))
         except Exception as exc:  # a truncated or foreign file: say which
-            raise ValueError(f"weights {file}: not a readable safetensors file ({type(exc).__name__}: {exc})") from None
+            raise UpdateRefused(f"weights {file}: not a readable safetensors file ({type(exc).__name__}: {exc})") from None
     if not tensors:
-        raise ValueError(f"weights {path}: the files hold no tensors")
+        raise UpdateRefused(f"weights {path}: the files hold no tensors")
     return tensors
 
 
@@ -53,6 +60,31 @@ def update_problem(current: Mapping[str, torch.Tensor], new: Mapping[str, torch.
 
 @torch.no_grad()
 def apply_update(current: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> None:
-    """Copy each of ``new`` into its tensor of ``current`` (checked first: ``update_problem``)."""
+    """Copy each of ``new`` into its tensor of ``current`` (checked first: ``update_problem``); a DTensor takes its own
+    shard of the whole tensor, cut here (every process of its group holds the whole tensor read from the file)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     for name, tensor in new.items():
-        current[name].copy_(tensor)
+        held = current[name]
+        if isinstance(held, DTensor):
+            shard = distribute_tensor(tensor.to(held.device), held.device_mesh, held.placements, src_data_rank=None)
+            held.to_local().copy_(shard.to_local())
+        else:
+            held.copy_(tensor)
+
+
+def load_update(current: Mapping[str, torch.Tensor], message: UpdateWeights, check_finite: bool, timeout_s: float) -> None:
+    """The update ``message`` names, into ``current`` in place: UpdateRefused when nothing was written, UpdateBroken when
+    a pull broke off after some was (``timeout_s``: the longest wait for one part of a pulled update)."""
+    if message.source is not None:
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(tensor, DTensor) for tensor in current.values()):
+            raise UpdateRefused("a tensor-parallel worker does not pull weights from a publisher yet: write them to a file and use update_target")
+        pull_update(message.source, message.update, current, check_finite, timeout_s)
+        return
+    new = read_update(message.weights or "")
+    problem = update_problem(current, new, check_finite)
+    if problem is not None:
+        raise UpdateRefused(problem)
+    apply_update(current, new)

@@ -37,10 +37,10 @@ from draftfeed.consumers.mappings import MissingMapping, WorkerMappings
 from draftfeed.consumers.pair_report import PairReport
 from draftfeed.consumers.settings import WorkerSettings
 from draftfeed.consumers.tasks.base import Task
-from draftfeed.consumers.weight_updates import apply_update, read_update, update_problem
 from draftfeed.consumers.worker_session import RESET, STOP, Inbox
 from draftfeed.dataplane.choice import local_offer
 from draftfeed.dataplane.frames.worker import RankLinks, SendResult
+from draftfeed.dataplane.weights.worker import UpdateBroken, UpdateRefused
 from draftfeed.dataplane.worker_pairs import PairPlanes
 from draftfeed.net import close_quietly, host_identity, send_to_thread
 from draftfeed.observe.worker_metrics import WorkerMetrics
@@ -288,11 +288,13 @@ class Worker:
 
     def _update(self, message: UpdateWeights) -> WeightsUpdated:
         """Load new weights in place, between two requests, all or nothing; what it serves from now on, or why it
-        keeps its old version (weight_updates.py). A later registration (after a broker restart) says the new one."""
-        weights = getattr(self.task.engine, "named_weights", None)
+        keeps its old version (weight_updates.py). One whose pull broke off holds a mixture of versions and leaves. A
+        later registration (after a broker restart) says the new version."""
+        update = getattr(self.task.engine, "update_weights", None)
         started = time.perf_counter()
-        if weights is None:
-            problem: str | None = (
+        problem: str | None = None
+        if update is None:
+            problem = (
                 f"engine {self.task.engine.name} cannot load weights in place yet: restart the worker with --target PATH "
                 f"--target-version {message.target_version}"
             )
@@ -300,19 +302,19 @@ class Worker:
             problem = f"version {message.target_version} is not newer than the version it serves, {self.target_version}"
         else:
             try:
-                new = read_update(message.weights)
-                current = weights()
-                problem = update_problem(current, new, check_finite=not self.settings.skip_finite_check)
-                if problem is None:
-                    apply_update(current, new)
-            except ValueError as exc:
+                update(message, check_finite=not self.settings.skip_finite_check, timeout_s=self.settings.update_timeout_s)
+            except UpdateRefused as exc:
                 problem = str(exc)
+            except Exception as exc:  # broken off, or the engine lost, or a fault of its own: it may hold a mixture
+                problem = f"{exc if isinstance(exc, UpdateBroken | EngineLost) else f'{type(exc).__name__}: {exc}'}; it leaves"
+                log.error("worker %s: update to version %d broke off: %s", self.name, message.target_version, problem)
+                self.stop()
         if problem is not None:
             log.warning(
                 "worker %s: update to version %d refused, still serving %d: %s", self.name, message.target_version, self.target_version, problem
             )
             return WeightsUpdated(update=message.update, ok=False, target_version=self.target_version, checkpoint=self.checkpoint, message=problem)
-        self.target_version, self.checkpoint = message.target_version, message.weights
+        self.target_version, self.checkpoint = message.target_version, message.weights or f"published by {message.source}"
         assert self._link is not None
         self._link.session.registration = self.registration()
         log.info(

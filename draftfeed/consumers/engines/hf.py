@@ -17,10 +17,11 @@ from draftfeed.consumers.engines.parallel.group import LOAD_TIMEOUT_S, join_proc
 from draftfeed.consumers.engines.parallel.spec import ProcessPlace
 from draftfeed.consumers.engines.plan_fixes import plan_corrections
 from draftfeed.consumers.settings import Dtype
+from draftfeed.consumers.weight_updates import load_update
 from draftfeed.contract.images import PACKED_WITH_IMAGES
 from draftfeed.contract.packing import Documents
 from draftfeed.schemas.errors import BadRequest
-from draftfeed.schemas.messages import LogitTransform
+from draftfeed.schemas.messages import LogitTransform, UpdateWeights
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -215,8 +216,13 @@ class HFEngine:
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The target's tensors by their state-dict names (as ``save_pretrained`` writes them), sharing their storage:
-        a weight update copies into them (consumers/weight_updates.py). Tied tensors share one storage."""
+        a weight update copies into them (consumers/weight_updates.py). Tied tensors share one storage; a tensor-parallel
+        process holds DTensors."""
         return dict(self.model.state_dict())
+
+    def update_weights(self, message: UpdateWeights, check_finite: bool, timeout_s: float = 60.0) -> None:
+        """Load the update in place, all or nothing (consumers/weight_updates.py): UpdateRefused, UpdateBroken."""
+        load_update(self.named_weights(), message, check_finite, timeout_s)
 
     def input_embeddings(self) -> torch.Tensor:
         return _whole(self.model.get_input_embeddings().weight)

@@ -69,6 +69,8 @@ from draftfeed.schemas.messages.sockets import (
     DATA_OUTBOUND,
     FRONTEND_INBOUND,
     FRONTEND_OUTBOUND,
+    WEIGHTS_INBOUND,
+    WEIGHTS_OUTBOUND,
     Accepts,
     BackendInbound,
     BackendOutbound,
@@ -86,6 +88,7 @@ from draftfeed.schemas.messages.target_info import (
     TargetInfo,
     VispecTargetInfo,
 )
+from draftfeed.schemas.messages.weights import MANIFEST_PAGE, WeightsManifest, WeightsPiece, WeightsPull
 from draftfeed.schemas.messages.workers import (
     Computing,
     Dispatch,
@@ -107,6 +110,12 @@ from draftfeed.schemas.messages.workers import (
 )
 
 __all__ = [
+    "MANIFEST_PAGE",
+    "WeightsManifest",
+    "WeightsPiece",
+    "WeightsPull",
+    "WEIGHTS_INBOUND",
+    "WEIGHTS_OUTBOUND",
     "CLIENTS",
     "Accepts",
     "Ack",

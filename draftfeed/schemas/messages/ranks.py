@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
+from typing_extensions import Self
 
 from draftfeed.schemas.messages.common import (
     DataPlaneOffer,
@@ -102,15 +103,27 @@ class ModelInfoQuery(Strict):
 
 
 class UpdateTarget(Strict):
-    """Every worker of ``service`` is to load the weights at ``weights`` (a safetensors file, or a folder of them, on
-    the workers' filesystem; any subset of the target's tensors) in place and serve them as ``target_version``. The
-    broker answers with an ``update_report`` once every worker it told has answered or left."""
+    """Every worker of ``service`` is to load new weights in place and serve them as ``target_version``: from
+    ``weights`` (a safetensors file, or a folder of them, on the workers' filesystem), or pulled from ``source`` (a
+    publisher's socket: ``publish_weights``); any subset of the target's tensors. The broker answers with an
+    ``update_report`` once every worker it told has answered or left."""
 
     type: Literal["update_target"] = "update_target"
     request_id: RequestId
     service: Name
-    weights: Annotated[str, Field(min_length=1, max_length=4096)]
+    weights: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+    source: Name | None = None
     target_version: TargetVersion
+
+    @model_validator(mode="after")
+    def _one_origin(self) -> Self:
+        if (self.weights is None) == (self.source is None):
+            raise ValueError("an update names its weights (a path) or its source (a publisher's endpoint), one of the two")
+        return self
+
+    @property
+    def origin(self) -> str:
+        return self.weights if self.weights is not None else f"publisher {self.source}"
 
 
 class WorkerUpdate(Strict):

@@ -28,6 +28,7 @@ from draftfeed.schemas.messages.ranks import (
     WorkerKeys,
     WorkersGone,
 )
+from draftfeed.schemas.messages.weights import WeightsManifest, WeightsPiece, WeightsPull
 from draftfeed.schemas.messages.workers import (
     Computing,
     Dispatch,
@@ -75,6 +76,11 @@ BackendOutbound = Annotated[
 
 
 DataInbound = Annotated[Result | Chunk | Failure | PairOpen | PairClose | NixlOpen | NixlWant, Field(discriminator="type")]
+
+
+# worker -> a weights publisher, and back (dataplane/weights/)
+WeightsInbound = WeightsPull
+WeightsOutbound = Annotated[WeightsManifest | WeightsPiece | ErrorReply, Field(discriminator="type")]
 
 
 # rank -> worker, back on the worker's connection to the rank's data socket
@@ -125,3 +131,9 @@ DATA_INBOUND = Accepts(DataInbound)
 
 
 DATA_OUTBOUND = Accepts(DataOutbound)
+
+
+WEIGHTS_INBOUND = Accepts(WeightsInbound)
+
+
+WEIGHTS_OUTBOUND = Accepts(WeightsOutbound)

@@ -134,7 +134,8 @@ class UpdateWeights(Strict):
 
     type: Literal["update_weights"] = "update_weights"
     update: Annotated[int, Field(ge=0)]
-    weights: Annotated[str, Field(min_length=1, max_length=4096)]
+    weights: Annotated[str, Field(min_length=1, max_length=4096)] | None = None  # a path on the worker's filesystem
+    source: Name | None = None  # or a publisher's endpoint to pull them from (dataplane/weights/)
     target_version: TargetVersion
 
 

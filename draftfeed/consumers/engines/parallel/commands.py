@@ -22,7 +22,7 @@ from pydantic import Field
 from draftfeed.dataplane.frames.codec import decode_tensors, encode_tensors
 from draftfeed.schemas.errors import CannotServe
 from draftfeed.schemas.frames import pack, unpack
-from draftfeed.schemas.messages import Accepts, Strict, TensorSpec
+from draftfeed.schemas.messages import Accepts, Strict, TensorSpec, UpdateWeights
 
 
 class CaptureSpec(Strict):
@@ -70,6 +70,15 @@ class Weight(Strict):
     which: Literal["input", "output"]
 
 
+class Update(Strict):
+    """``engine.update_weights`` on every rank: each reads the update and keeps its own shard (weight_updates.py)."""
+
+    type: Literal["update"] = "update"
+    call: Annotated[int, Field(ge=0)]
+    message: UpdateWeights
+    check_finite: bool
+
+
 class Stop(Strict):
     type: Literal["stop"] = "stop"
 
@@ -83,7 +92,7 @@ class GoOn(Strict):
     call: Annotated[int, Field(ge=0)]
 
 
-Command = Prepare | Forward | Weight | Stop | GoOn
+Command = Prepare | Forward | Weight | Update | Stop | GoOn
 TO_FOLLOWERS = Accepts(Annotated[Command, Field(discriminator="type")])
 TO_LEADER = Accepts(Annotated[Hello | Ack, Field(discriminator="type")])
 UNBOUNDED = 1 << 62

@@ -29,16 +29,29 @@ from typing import Any, Literal
 import torch
 
 from draftfeed.consumers.engines.base import Capture, Engine, EngineLost, ForwardOutput
-from draftfeed.consumers.engines.parallel.commands import Ack, CaptureSpec, Forward, GoOn, LeaderChannel, Prepare, Stop, Weight, local_endpoint
+from draftfeed.consumers.engines.parallel.commands import (
+    Ack,
+    CaptureSpec,
+    Forward,
+    GoOn,
+    LeaderChannel,
+    Prepare,
+    Stop,
+    Update,
+    Weight,
+    local_endpoint,
+)
 from draftfeed.consumers.engines.parallel.followers import FollowerProcesses
 from draftfeed.consumers.engines.parallel.group import COLLECTIVE_TIMEOUT_S, LOAD_TIMEOUT_S, host_rendezvous, interface_towards
 from draftfeed.consumers.engines.parallel.ranked import build_ranked
 from draftfeed.consumers.engines.parallel.spec import LOOPBACK, FollowerSpec, Meeting, TargetSpec, place_at
 from draftfeed.consumers.engines.parallel.watch import LeaderWatch
 from draftfeed.consumers.nodes import NodePlan
+from draftfeed.consumers.weight_updates import UpdateRefused
 from draftfeed.contract.packing import Documents
 from draftfeed.net import free_port
 from draftfeed.schemas.errors import CannotServe
+from draftfeed.schemas.messages import UpdateWeights
 
 # Keys of rank 0's store that the other nodes read (node.py) and write.
 PLAN_KEY, MEETING_KEY = "draftfeed/plan", "draftfeed/meeting"
@@ -206,7 +219,7 @@ class TensorParallelEngine:
             self._followers.kill()
         os._exit(70)
 
-    def _call(self, command: Prepare | Forward | Weight, run: Callable[[], Any], tensors: dict[str, torch.Tensor] | None = None) -> Any:
+    def _call(self, command: Prepare | Forward | Weight | Update, run: Callable[[], Any], tensors: dict[str, torch.Tensor] | None = None) -> Any:
         """Send a call to the followers, make it here, and take every follower's ack of it.
 
         The call's result when every rank made it; its exception when every rank raised one of the same type (the
@@ -289,6 +302,15 @@ class TensorParallelEngine:
                 f"{target}: the target fails a padded batch at --tensor-parallel {self.tensor_parallel} ({type(exc).__name__}: {exc}); "
                 "serve it with --device-map auto, or with --engine vllm"
             ) from None
+
+    def update_weights(self, message: UpdateWeights, check_finite: bool, timeout_s: float = 60.0) -> None:
+        """Every rank loads the update and keeps its own shard, between two calls; refused alike on every rank (the
+        same file, the same checks), or the ranks are out of step and the worker stops (EngineLost). The embeddings
+        gathered before are gathered again."""
+        if getattr(self.inner, "update_weights", None) is None:
+            raise UpdateRefused(f"engine {self.inner.name} cannot load weights in place yet: restart the worker with --target-version")
+        self._call(Update(call=0, message=message, check_finite=check_finite), lambda: self.inner.update_weights(message, check_finite))
+        self._weights.clear()
 
     def input_embeddings(self) -> torch.Tensor:
         return self._weight("input")

@@ -20,7 +20,7 @@ import sys
 import torch
 
 from draftfeed.consumers.engines.base import Capture, Engine
-from draftfeed.consumers.engines.parallel.commands import CaptureSpec, FollowerChannel, Forward, GoOn, Prepare, Stop, Weight
+from draftfeed.consumers.engines.parallel.commands import CaptureSpec, FollowerChannel, Forward, GoOn, Prepare, Stop, Update, Weight
 from draftfeed.consumers.engines.parallel.ranked import build_ranked
 from draftfeed.consumers.engines.parallel.spec import FollowerSpec
 from draftfeed.consumers.engines.parallel.watch import FollowerWatch
@@ -67,8 +67,10 @@ def serve(engine: Engine, channel: FollowerChannel) -> None:
             channel.ack(command.call)
 
 
-def call(engine: Engine, command: Prepare | Forward | Weight, tensors: dict[str, torch.Tensor]) -> None:
-    if isinstance(command, Prepare):
+def call(engine: Engine, command: Prepare | Forward | Weight | Update, tensors: dict[str, torch.Tensor]) -> None:
+    if isinstance(command, Update):
+        engine.update_weights(command.message, command.check_finite)  # type: ignore[attr-defined]
+    elif isinstance(command, Prepare):
         engine.prepare([capture_of(c) for c in command.captures])
     elif isinstance(command, Weight):
         engine.input_embeddings() if command.which == "input" else engine.output_embeddings()

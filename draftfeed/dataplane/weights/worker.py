@@ -1,0 +1,129 @@
+"""The worker's half: pull a weight update from its publisher and write it into the target's tensors in place.
+
+The manifest comes first, page by page, and every tensor it names is checked against the target's (name, shape,
+dtype, contiguous) before any byte is written: a mismatch leaves the target as it was (``UpdateRefused``). Then the
+pieces come one at a time, each checked finite (a piece holds whole elements: its size is a multiple of 8 bytes) and
+written into its place: memory beyond the target's own is one piece. A fault after the
+first write (the publisher gone, a NaN in a later piece) leaves a mixture of versions (``UpdateBroken``): the worker
+must not serve it, and leaves."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+import torch
+import zmq
+
+from draftfeed.dataplane.frames.codec import DTYPES
+from draftfeed.dataplane.weights.plan import plan
+from draftfeed.schemas.frames import pack, unpack
+from draftfeed.schemas.messages import MANIFEST_PAGE, WEIGHTS_OUTBOUND, ErrorReply, TensorSpec, WeightsManifest, WeightsPiece, WeightsPull
+from draftfeed.schemas.tensor_specs import frame_buffer
+
+
+class UpdateRefused(ValueError):
+    """Nothing was written: the worker keeps its version."""
+
+
+class UpdateBroken(RuntimeError):
+    """Some tensors were written, not all: the worker holds a mixture and must leave."""
+
+
+def spec_problem(current: Mapping[str, torch.Tensor], specs: list[TensorSpec]) -> str | None:
+    """Why the announced tensors cannot replace the target's, naming the first, or None."""
+    for spec in specs:
+        held = current.get(spec.name)
+        if held is None:
+            return f"tensor {spec.name}: the target has no tensor of that name"
+        if list(held.shape) != spec.shape:
+            return f"tensor {spec.name}: shape {spec.shape}, the target's is {list(held.shape)}"
+        if DTYPES.get(spec.dtype) != held.dtype:
+            return f"tensor {spec.name}: dtype {spec.dtype}, the target's is {held.dtype} (convert it before the update)"
+        if not held.is_contiguous():
+            return f"tensor {spec.name}: the target's is not contiguous and cannot be written in place"
+    return None
+
+
+class _Puller:
+    def __init__(self, source: str, update: int, timeout_s: float) -> None:
+        self.source, self.update, self.timeout_s = source, update, timeout_s
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(source)
+
+    def ask(self, what: str, index: int = 0) -> tuple[object, list]:
+        self.socket.send_multipart(pack(WeightsPull(update=self.update, what=what, index=index)))
+        deadline = time.monotonic() + self.timeout_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            if self.socket.poll(int(remaining * 1000)):
+                message, frames = unpack(self.socket.recv_multipart(copy=False), WEIGHTS_OUTBOUND)
+                if isinstance(message, ErrorReply):
+                    raise ConnectionError(message.message)
+                if getattr(message, "update", None) == self.update:
+                    return message, frames
+        raise TimeoutError(f"the weights publisher at {self.source} did not answer within {self.timeout_s:g} s")
+
+    def close(self) -> None:
+        try:
+            self.socket.send_multipart(pack(WeightsPull(update=self.update, what="done")), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        self.socket.close(linger=0)
+        self.context.term()
+
+
+def pull_update(source: str, update: int, current: Mapping[str, torch.Tensor], check_finite: bool, timeout_s: float = 60.0) -> int:
+    """Pull update ``update`` from ``source`` into ``current`` (the target's tensors by name, in place); the bytes
+    written. UpdateRefused before any write, UpdateBroken after."""
+    puller = _Puller(source, update, timeout_s)
+    written = 0
+    try:
+        try:
+            manifest, _ = puller.ask("manifest", 0)
+            assert isinstance(manifest, WeightsManifest)
+            specs, chunk_bytes = list(manifest.tensors), manifest.chunk_bytes
+            while len(specs) < manifest.total:
+                page, _ = puller.ask("manifest", len(specs) // MANIFEST_PAGE)
+                assert isinstance(page, WeightsManifest)
+                specs.extend(page.tensors)
+        except (ConnectionError, TimeoutError) as exc:
+            raise UpdateRefused(str(exc)) from None
+        problem = spec_problem(current, specs) if chunk_bytes % 8 == 0 else f"pieces of {chunk_bytes} bytes, not a multiple of 8"
+        if problem is not None:
+            raise UpdateRefused(problem)
+        targets = [current[spec.name].view(-1).view(torch.uint8) for spec in specs]
+        for index, piece in enumerate(plan(specs, chunk_bytes)):
+            try:
+                reply, frames = puller.ask("piece", index)
+            except (ConnectionError, TimeoutError) as exc:
+                raise _broken_or_refused(written, str(exc)) from None
+            assert isinstance(reply, WeightsPiece)
+            if len(frames) != 1:
+                raise _broken_or_refused(written, f"piece {index}: {len(frames)} frames where one was due")
+            data = torch.frombuffer(frame_buffer(frames[0]), dtype=torch.uint8)
+            spec = specs[piece.tensor]
+            if data.numel() != piece.nbytes:
+                raise _broken_or_refused(written, f"tensor {spec.name}: a piece of {data.numel()} bytes where {piece.nbytes} were due")
+            if check_finite and (why := _not_finite(spec, data)) is not None:
+                raise _broken_or_refused(written, why)
+            targets[piece.tensor][piece.offset : piece.offset + piece.nbytes].copy_(data)
+            written += piece.nbytes
+        return written
+    finally:
+        puller.close()
+
+
+def _broken_or_refused(written: int, why: str) -> Exception:
+    if written == 0:
+        return UpdateRefused(why)
+    return UpdateBroken(f"{why}; {written} bytes of the update were already written: the worker holds a mixture of versions")
+
+
+def _not_finite(spec: TensorSpec, data: torch.Tensor) -> str | None:
+    """Why a piece of a floating tensor is not finite, or None."""
+    dtype = DTYPES[spec.dtype]
+    if dtype.is_floating_point and data.numel() and not bool(torch.isfinite(data.view(dtype)).all()):
+        return f"tensor {spec.name}: holds NaN or Inf (the worker's finite check is on)"
+    return None
