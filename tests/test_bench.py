@@ -78,6 +78,7 @@ def test_every_scenario_is_a_module_with_one_signature():
         "long-rows",
         "frontier-rows",
         "store",
+        "weight-updates",
         "speculators",
     )
     for name in SCENARIO_NAMES:

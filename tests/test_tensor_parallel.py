@@ -99,6 +99,28 @@ def test_across_degrees_only_the_last_bits_differ(services, reference, tiny_mode
     assert worst < 1e-5
 
 
+def test_an_update_in_place_reaches_every_rank_of_a_tensor_parallel_worker(services, reference, tp_targets, tmp_path):
+    """Each process of the worker reads the update and keeps its own shard (issue 48): a step that changes layer 2
+    makes the supervision differ from the plan's reference, and the original weights published back as the next
+    version make it equal again, bit for bit, every batch labelled with its version."""
+    from safetensors.torch import load_file, save_file
+
+    from draftfeed.target_updates import update_target
+
+    original = {name: t for name, t in load_file(str(tp_targets["llama"] / "model.safetensors")).items() if ".layers.2." in name}
+    save_file({name: t + 0.05 for name, t in original.items()}, str(tmp_path / "step.safetensors"))
+    save_file(original, str(tmp_path / "back.safetensors"))
+    service, batch = "tp-llama-eagle3", batches()["plain-0"]
+    for version, weights in ((1, "step"), (2, "back")):
+        (result,) = update_target(services.frontend, service, str(tmp_path / f"{weights}.safetensors"), version, timeout_s=120).workers
+        assert result.ok and result.target_version == version, result
+        with RemoteEagle3Target(services.frontend, service, min_target_version=version) as remote:
+            supervision = remote.generate_batch(**batch)
+        assert supervision.target_version == version
+        same = torch.equal(supervision.aux_hidden_states, expected(reference, "llama", "eagle3", "plain-0")["aux_hidden_states"])
+        assert same == (weights == "back"), f"version {version} ({weights}): equal to the original plan's supervision: {same}"
+
+
 def test_status_health_and_metrics_say_tensor_parallel_2(services, http_port):
     from draftfeed.observe.status_client import format_status
 

@@ -252,6 +252,15 @@ SECTIONS = (
         "recording against the same loop without a store.",
     ),
     Section(
+        "weight-updates",
+        "updates",
+        "Weight updates",
+        "the time from `publish_weights` to the first batch served at the new version, for a random-weight Llama of about "
+        "1 GB in float32, against restarting the worker from the same weights and against raw pyzmq moving the same bytes; "
+        'and a rank\'s longest wait for a batch under `version_policy="latest"` while the weights are published every 4 '
+        "batches, against the same loop without updates.",
+    ),
+    Section(
         "speculators",
         "speculators",
         "speculators' trainer",

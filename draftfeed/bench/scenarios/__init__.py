@@ -23,6 +23,7 @@ _MODULES = {
     "long-rows": "long_rows",
     "frontier-rows": "frontier_rows",
     "store": "store",
+    "weight-updates": "weight_updates",
     "speculators": "speculators",
 }
 SCENARIO_NAMES = tuple(_MODULES)

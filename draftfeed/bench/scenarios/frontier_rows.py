@@ -6,7 +6,7 @@ The worker runs FakeFrontierEngine (bench/frontier.py: no model) behind the real
 ``python -m draftfeed.bench.frontier``, which checks every byte, at prefetch 0, so that nothing else runs while a
 sample moves. The rate is the sample's bytes over the time from its header to its last piece at the rank (the
 worker's compute is not in it); the baseline receives one message of the same size as raw pyzmq. A size is left out, and said so on stderr, where this machine's memory cannot hold a sample at
-the worker (the layers and their concatenation), two at the rank and the baseline's at once.
+the worker (its tensors once, and a layer on its way), two at the rank and the baseline's at once.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ LAYER_IDS = "1,15,30,45,60"
 BYTES_PER_TOKEN = 6 * HIDDEN * 2  # five layers and the last hidden state, bfloat16
 GB = 1 << 30
 SAMPLE_GB = (1, 4, 16)
-HELD = 5  # samples' worth of memory a size needs: worker 2 (layers + concatenation), rank 1, the baseline's 1, one spare
+HELD = 5  # samples' worth of memory a size needs: worker 1.2 (the sample, a layer on its way), rank 1, the baseline's 1, spares
 
 
 def run(quick: bool, workdir: Path) -> list[Row]:

@@ -1,0 +1,118 @@
+"""Weight updates (docs/versions.md): the time from ``publish_weights`` to the first batch served at the new version,
+against restarting the worker from the same weights (stop it, start one with ``--target-version``, its first batch),
+for a target of about 1 GB on CPU; and against raw pyzmq moving the same bytes between two processes, the least the
+plane's bytes take. Then a rank's waits under ``version_policy="latest"``: its longest wait for a batch while a
+publisher updates the worker every few batches, against the same loop with no updates.
+
+The target is a random-weight Llama (draftfeed.tiny) of 16 layers of width 1024 in float32; the update is every tensor
+of it (its state dict, held by the bench's process), published in the default 16 MiB pieces.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from draftfeed.bench.harness import Row
+from draftfeed.bench.scenarios.data_plane import raw_rate
+from draftfeed.processes import commands
+
+SERVICE = "updates"
+LAYERS, HIDDEN, VOCAB = 16, 1024, 32000
+
+
+def run(quick: bool, workdir: Path) -> list[Row]:
+    import torch
+
+    from draftfeed import RemoteDSparkTarget, publish_weights
+    from draftfeed.tiny import build_tiny_target
+
+    layers = 4 if quick else LAYERS
+    target = build_tiny_target(workdir / "update-target", num_hidden_layers=layers, hidden_size=HIDDEN, vocab_size=VOCAB)
+    weights = {name: tensor for name, tensor in _state_dict(target).items()}
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    batch = {"input_ids": torch.arange(64).unsqueeze(0) % VOCAB, "attention_mask": torch.ones(1, 64, dtype=torch.int64)}
+    batch["loss_mask"] = batch["attention_mask"].clone()
+    flags = ("--service", SERVICE, "--task", "dspark", "--target-layer-ids", f"1,{layers - 1}")
+    broker = commands.start_broker(extra=["--log-level", "WARNING"])
+    worker = commands.start_worker(broker.ready["backend"], str(target), *flags, "--log-level", "WARNING")
+    rows: list[Row] = []
+    try:
+        with RemoteDSparkTarget(broker.ready["frontend"], SERVICE, prefetch_depth=0) as rank:
+            rank.generate_batch(**batch)  # warm
+            started = time.perf_counter()
+            report = publish_weights(broker.ready["frontend"], SERVICE, weights, 1)
+            rank.want_target_version(1)
+            served = rank.generate_batch(**batch)
+            published_s = time.perf_counter() - started
+            assert report.workers[0].ok and served.target_version == 1, report
+        started = time.perf_counter()
+        worker.stop()
+        worker = commands.start_worker(broker.ready["backend"], str(target), *flags, "--target-version", "2", "--log-level", "WARNING")
+        with RemoteDSparkTarget(broker.ready["frontend"], SERVICE, prefetch_depth=0, min_target_version=2) as rank:
+            rank.generate_batch(**batch)
+        restart_s = time.perf_counter() - started
+        raw = raw_rate(nbytes, 1, None)
+        gb = nbytes / 1e9
+        rows.append(
+            Row(
+                "updates",
+                f"publish_weights to the first batch at the new version, {gb:.2f} GB target",
+                published_s,
+                restart_s,
+                "s",
+                "restarting the worker",
+                "<= 0.2",
+            )
+        )
+        rows.append(
+            Row(
+                "updates",
+                f"publish_weights to the first batch, {gb:.2f} GB",
+                published_s,
+                nbytes / raw["bytes_per_s"],
+                "s",
+                "raw pyzmq moving the bytes",
+            )
+        )
+        rows.extend(_latest_waits(broker.ready["frontend"], weights, batch, 6 if quick else 24))
+    finally:
+        worker.stop()
+        broker.stop()
+    return rows
+
+
+def _latest_waits(frontend: str, weights: dict, batch: dict, steps: int) -> list[Row]:
+    """The rank's longest wait for a batch under ``latest`` while the weights are published every 4 batches (by a
+    thread of this process, as a trainer beside it would), against the same loop without updates."""
+    import threading
+
+    from draftfeed import RemoteDSparkTarget, publish_weights
+
+    def longest(updating: bool) -> float:
+        with RemoteDSparkTarget(frontend, SERVICE, prefetch_depth=2, version_policy="latest") as rank:
+            worst, threads = 0.0, []
+            for step in range(steps):
+                if updating and step % 4 == 0:
+                    version = 10 + step
+                    threads.append(threading.Thread(target=publish_weights, args=(frontend, SERVICE, weights, version), daemon=True))
+                    threads[-1].start()
+                started = time.perf_counter()
+                rank.generate_batch(**batch)
+                worst = max(worst, time.perf_counter() - started)
+            for thread in threads:
+                thread.join(120)
+        return worst
+
+    quiet, updated = longest(False), longest(True)
+    return [
+        Row(
+            "updates", "a rank's longest wait for a batch under latest, updates every 4 batches", updated, quiet, "s", "the same loop without updates"
+        )
+    ]
+
+
+def _state_dict(target: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return {name: tensor for file in sorted(target.glob("*.safetensors")) for name, tensor in load_file(str(file)).items()}
