@@ -247,3 +247,29 @@ def test_recorder_flush_writes_a_partial_shard_a_new_store_reads(tmp_path):
     store.close(10)
     beside.close(10)
     assert sum(len(r.batches) for r in IndexFile(tmp_path).read_new()[0]) == 4, "close wrote a batch a flush had written"
+
+
+class Versioned:
+    """A supervision that says the target version that computed it: batch k's is k // 3 (an update every 3 batches)."""
+
+    def __init__(self, first_id: int) -> None:
+        self.target_version = first_id // 6  # rows 0..5 are batches 0..2
+
+
+def test_the_state_says_the_target_version_of_every_batch_yielded_and_a_resume_asks_for_the_last_or_newer():
+    def submit(batch) -> Future:
+        future: Future = Future()
+        future.set_result(Versioned(int(batch["input_ids"][0, 0])))
+        return future
+
+    first = ResumableIteration(loader(), submit, lambda future: future.result(timeout=10), DEPTH)
+    for _ in range(7):
+        next(first)
+    state = first.state_dict()
+    assert state["target_versions"] == [[0, 3], [1, 3], [2, 1]] and first.target_versions == [(0, 3), (1, 3), (2, 1)]
+    asked: list[int] = []
+    resumed = ResumableIteration(loader(), submit, lambda future: future.result(timeout=10), DEPTH, on_resumed_version=asked.append)
+    resumed.load_state_dict(state)
+    assert asked == [2]  # the rank raises its minimum to the last version trained on
+    rest = [supervision.target_version for _batch, supervision in resumed]
+    assert rest == [2, 2, 3] and resumed.target_versions == [(0, 3), (1, 3), (2, 3), (3, 1)]

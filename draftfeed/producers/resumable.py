@@ -60,6 +60,7 @@ class ResumableIteration(Generic[R]):
         depth: int,
         before_state: Callable[[], None] = lambda: None,
         on_skipped: Callable[[NonFiniteSupervision], None] | None = None,
+        on_resumed_version: Callable[[int], None] | None = None,
     ) -> None:
         self._dataloader = dataloader
         self._submit = submit
@@ -72,6 +73,10 @@ class ResumableIteration(Generic[R]):
         self._results: Iterator[tuple[tuple[Mapping[str, Any], Any], R]] | None = None
         self._state: Any = None  # the dataloader's state as of the last batch yielded (or as of the start)
         self._yielded = 0  # batches of this pass over the dataloader yielded, those before a resume included
+        # The target version of each batch yielded, as runs of [version, batches] (docs/versions.md); a supervision
+        # without one (a store's) counts as None.
+        self._versions: list[list[Any]] = []
+        self._on_resumed_version = on_resumed_version
 
     def __iter__(self) -> ResumableIteration[R]:
         return self
@@ -84,6 +89,7 @@ class ResumableIteration(Generic[R]):
             self._state = state
             if not isinstance(outcome, _Skipped):
                 self._yielded += 1
+                self._count_version(getattr(outcome, "target_version", None))
                 return batch, outcome
             self._skipped += 1
             assert self._on_skipped is not None
@@ -107,6 +113,18 @@ class ResumableIteration(Generic[R]):
     def _snapshot(self) -> Any:
         return copy.deepcopy(self._dataloader.state_dict())  # type: ignore[attr-defined]
 
+    def _count_version(self, version: int | None) -> None:
+        if self._versions and self._versions[-1][0] == version:
+            self._versions[-1][1] += 1
+        else:
+            self._versions.append([version, 1])
+
+    @property
+    def target_versions(self) -> list[tuple[int | None, int]]:
+        """The target version of the batches yielded, in order, as (version, how many in a row): those before a resume
+        included."""
+        return [(version, count) for version, count in self._versions]
+
     @property
     def batches_yielded(self) -> int:
         """Batches of this pass over the dataloader yielded so far, those before a resume included."""
@@ -118,12 +136,19 @@ class ResumableIteration(Generic[R]):
         return self._skipped
 
     def state_dict(self) -> dict[str, Any]:
-        """The state to resume from: the dataloader's state as of the last batch yielded, and how many were."""
+        """The state to resume from: the dataloader's state as of the last batch yielded, how many were, and the target
+        version of each (``target_versions``)."""
         if not self._saves:
             raise TypeError(f"iterate().state_dict(): the dataloader ({type(self._dataloader).__name__}) {STATELESS}")
         self._before_state()
         state = self._state if self._state is not None else self._snapshot()
-        return {"format": STATE_FORMAT, "dataloader": state, "batches_yielded": self._yielded, "batches_skipped": self._skipped}
+        return {
+            "format": STATE_FORMAT,
+            "dataloader": state,
+            "batches_yielded": self._yielded,
+            "batches_skipped": self._skipped,
+            "target_versions": copy.deepcopy(self._versions),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume after the batch a ``state_dict()`` was taken at; call it before the first batch is drawn."""
@@ -140,6 +165,10 @@ class ResumableIteration(Generic[R]):
         self._state = copy.deepcopy(state["dataloader"])
         self._yielded = int(state.get("batches_yielded", 0))
         self._skipped = int(state.get("batches_skipped", 0))
+        self._versions = [[version, int(count)] for version, count in state.get("target_versions", [])]
+        versions = [version for version, _count in self._versions if version is not None]
+        if versions and self._on_resumed_version is not None:
+            self._on_resumed_version(max(versions))  # a resumed run never takes an older target than it trained on
 
     def close(self) -> None:
         """Cancel the batches in flight (also done when the iterator is garbage)."""

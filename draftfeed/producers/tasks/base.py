@@ -288,7 +288,15 @@ class RemoteTarget(RankView, Generic[Sup, Info]):
             self.prefetch_depth,
             before_state=self._write_store,
             on_skipped=self._skipped if self.settings.on_nonfinite == "skip" else None,
+            on_resumed_version=self._resumed_at_version,
         )
+
+    def _resumed_at_version(self, version: int) -> None:
+        """A resumed iterate() trained on target ``version`` last: a rank that takes versions asks for it or newer."""
+        source = self._opened()
+        wanted = source.version_wanted if isinstance(source, BrokerSource) else None
+        if wanted is not None and wanted.minimum < version and wanted.policy != "exact":
+            self.want_target_version(version)
 
     def _skipped(self, error: NonFiniteSupervision) -> None:
         """A batch iterate() leaves out (on_nonfinite="skip"): said and counted."""
