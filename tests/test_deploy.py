@@ -148,6 +148,7 @@ def get(url: str) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
+@pytest.mark.long  # the sbatch recipe's two nodes, as processes on this machine: make test-long
 def test_slurm_nodes_on_localhost(tiny_target, tiny_model, tmp_path):
     steps, batch_size, seq_len, draft_vocab, saved = 3, 2, 32, 256, 2
     frontend, backend, broker_http, worker_http, master = (free_port() for _ in range(5))

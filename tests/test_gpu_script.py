@@ -15,6 +15,7 @@ pytestmark = pytest.mark.timeout(240)
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
 
 
+@pytest.mark.long  # benchmarks/gpu.py at a small shape on CPU, to keep it runnable for a GPU session: make test-long
 def test_gpu_script_small_on_cpu(tmp_path):
     out = tmp_path / "gpu.json"
     result = subprocess.run(

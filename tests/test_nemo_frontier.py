@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import add_service, make_batch
 from reference import difference_at_real
-from support.nemo import nemo_on_path
+from support.nemo import nemo_on_path, train_steps
 
 from draftfeed.integrations.nemo import use_draftfeed
 from draftfeed.integrations.nemo.recipes import draftfeed_target
@@ -87,6 +87,13 @@ def build_target(nemo, recipe, target: Path):
     return target_config, model, setup, wrapper
 
 
+def assert_same_dspark(wrapper, in_process, batch) -> None:
+    """Both wrappers' DSpark batches of ``batch`` are equal at real positions (and draftfeed's zero at padded ones)."""
+    got, want = wrapper.generate_batch(**batch), in_process.generate_batch(**batch)
+    for name in ("target_hidden_states", "target_last_hidden_states"):
+        assert difference_at_real(name, getattr(got, name), getattr(want, name), batch["attention_mask"].bool()) is None
+
+
 def test_the_deepseek_v4_builder_gives_draftfeeds_target_equal_to_nemos_wrapper(nemo, url, v4_target):
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
@@ -99,11 +106,7 @@ def test_the_deepseek_v4_builder_gives_draftfeeds_target_equal_to_nemos_wrapper(
         reference = DeepseekV4ForCausalLM.from_pretrained(v4_target, config=DeepseekV4Config.from_pretrained(v4_target), dtype=torch.float32)
         in_process = nemo.train_dspark.HFDSparkTargetModel(reference.eval(), LAYERS)
         for seed in (1, 2):
-            batch = make_batch(2, 24, 1000, seed=seed)
-            got, want = wrapper.generate_batch(**batch), in_process.generate_batch(**batch)
-            real = batch["attention_mask"].bool()
-            for name in ("target_hidden_states", "target_last_hidden_states"):
-                assert difference_at_real(name, getattr(got, name), getattr(want, name), real) is None
+            assert_same_dspark(wrapper, in_process, make_batch(2, 24, 1000, seed=seed))
     finally:
         wrapper.close()
     # outside the recipe's draftfeed target, the builder is NeMo's own (which asks for CUDA on this machine)
@@ -148,11 +151,7 @@ def test_deepseek_v41_target_options_give_draftfeeds_target_served_by_the_automo
         assert isinstance(model, DraftfeedTargetModel) and type(wrapper) is DraftfeedDSparkTarget
         assert model.config.model_type == "deepseek_v41"
         in_process = nemo.train_dspark.HFDSparkTargetModel(nemo_reference(v41), V41_LAYERS)
-        batch = make_batch(2, 24, 256, seed=5)
-        got, want = wrapper.generate_batch(**batch), in_process.generate_batch(**batch)
-        real = batch["attention_mask"].bool()
-        for name in ("target_hidden_states", "target_last_hidden_states"):
-            assert difference_at_real(name, getattr(got, name), getattr(want, name), real) is None
+        assert_same_dspark(wrapper, in_process, make_batch(2, 24, 256, seed=5))
     finally:
         wrapper.close()
     with pytest.raises(RuntimeError, match="requires CUDA"):  # outside the recipe's draftfeed target: NeMo's own
@@ -168,3 +167,52 @@ def test_a_target_only_nemos_own_code_implements_is_refused_at_setup(nemo, url, 
     ) as refused:
         recipe.setup()
     assert "\n" not in str(refused.value)
+
+
+def dspark_training(nemo, wrapper, target_config, batches) -> tuple[list[torch.Tensor], torch.nn.Module]:
+    """NeMo's DSpark draft for DeepSeek-V4 as the recipe's setup() builds it (its own draft-config builder, registry
+    and trainer module), stepped with the recipe's own ``_forward_batch`` on ``wrapper``'s batches: the losses and the
+    trained draft."""
+    from nemo_automodel.components.speculative.dspark.config import build_deepseek_v4_draft_config
+    from nemo_automodel.components.speculative.dspark.core import DSparkTrainerModule
+    from nemo_automodel.components.speculative.dspark.registry import resolve_dspark_draft_spec
+
+    margs = nemo.train_dspark._DraftArgs(
+        num_draft_layers=1,
+        target_layer_ids=LAYERS,
+        block_size=4,
+        num_anchors=4,
+        mask_token_id=target_config.vocab_size - 1,
+        markov_rank=8,
+        markov_head_type="vanilla",
+        confidence_head_alpha=1.0,
+        confidence_head_with_markov=True,
+    )
+    torch.manual_seed(0)
+    draft = resolve_dspark_draft_spec(["DeepseekV4ForCausalLM"]).draft_cls(build_deepseek_v4_draft_config(target_config, margs)).float()
+    draft.initialize_embeddings_and_head(embed_tokens=wrapper.get_input_embeddings(), lm_head=wrapper.get_output_embeddings(), freeze=True)
+    trainer = DSparkTrainerModule(draft, loss_decay_gamma=None, ce_loss_alpha=0.1, l1_loss_alpha=0.9, confidence_head_alpha=1.0)
+    recipe = nemo.recipe(nemo.ConfigNode({"recipe_args": {}}))
+    recipe.__dict__.update(target_wrapper=wrapper, trainer_module=trainer, compute_dtype=torch.float32)
+    return train_steps(trainer, batches, recipe._forward_batch, before_each=lambda index: torch.manual_seed(100 + index)), draft  # the anchors
+
+
+def test_nemos_dspark_trainer_on_a_deepseek_v4_draftfeed_target_gives_the_losses_of_its_colocated_target(nemo, url, v4_target):
+    """A few steps of the recipe's DeepSeek-V4 DSpark draft: on the target its builder gives with
+    ``target_model_backend: remote`` (served by a worker) the losses and the trained draft equal, bit for bit, those of
+    the same steps on NeMo's wrapper around the model in process (NeMo's own builder of this target asks for CUDA, so
+    the colocated target here is its wrapper over transformers' model, as the builder would load it)."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    recipe = nemo.recipe(config(nemo, v4_target, url))
+    target_config, _model, _setup, remote = build_target(nemo, recipe, v4_target)
+    reference = DeepseekV4ForCausalLM.from_pretrained(v4_target, config=DeepseekV4Config.from_pretrained(v4_target), dtype=torch.float32)
+    colocated = nemo.train_dspark.HFDSparkTargetModel(reference.eval(), LAYERS)
+    batches = [make_batch(2, 24, 1000, seed=seed) for seed in (21, 22, 23)]
+    try:
+        expected, reference_draft = dspark_training(nemo, colocated, target_config, batches)
+        got, trained = dspark_training(nemo, remote, target_config, batches)
+    finally:
+        remote.close()
+    assert [loss.item() for loss in got] == [loss.item() for loss in expected]
+    assert all(torch.equal(a, b) for a, b in zip(trained.state_dict().values(), reference_draft.state_dict().values()))

@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import add_service, make_batch
 from reference import make_packed_batch
-from support.nemo import nemo_on_path
+from support.nemo import nemo_on_path, train_steps
 
 from draftfeed.integrations.nemo import (
     DraftfeedDFlashTarget,
@@ -303,22 +303,17 @@ def dflash_training(nemo, recipe, template: torch.nn.Module, batches) -> tuple[l
     _run_trainer_step on its target wrapper's batches: the losses and the trained draft."""
     recipe.draft_model = copy.deepcopy(template)
     trainer = recipe._build_trainer_module("sdpa", nemo.ConfigNode({"num_anchors": 6, "loss_decay_gamma": 7.0}))
-    optimizer = torch.optim.AdamW([p for p in trainer.parameters() if p.requires_grad], lr=1e-2, betas=(0.9, 0.95))
     recipe.trainer_module = trainer
     torch.manual_seed(0)  # the anchors the trainer samples
-    losses = []
-    for batch in batches:
+
+    def step(batch):
         packing = {k: batch[k] for k in ("position_ids", "seq_lens", "doc_remaining") if k in batch}
         target_batch = recipe.target_wrapper.generate_batch(
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], loss_mask=batch["loss_mask"], **packing
         )
-        metrics = recipe._run_trainer_step(target_batch)
-        metrics.loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainer.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(metrics.loss.detach())
-    return losses, recipe.draft_model
+        return recipe._run_trainer_step(target_batch)
+
+    return train_steps(trainer, batches, step), recipe.draft_model
 
 
 @pytest.mark.parametrize("name, service", [("TrainDFlashRecipe", "dflash"), ("TrainJetSpecRecipe", "jetspec")])
@@ -367,17 +362,8 @@ def eagle1_training(nemo, wrapper, template: torch.nn.Module, batches) -> tuple[
         feature_noise_config=nemo.train_eagle1._build_feature_noise(0.1),
     )
     recipe = nemo.recipe("train_eagle1", "TrainEagle1Recipe")(target_wrapper=wrapper, trainer_module=trainer, device=CPU)
-    optimizer = torch.optim.AdamW([p for p in trainer.parameters() if p.requires_grad], lr=1e-2, betas=(0.9, 0.95))
     torch.manual_seed(0)  # the feature noise
-    losses = []
-    for batch in batches:
-        metrics = recipe._compute_metrics(batch)
-        metrics.loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainer.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(metrics.loss.detach())
-    return losses, draft
+    return train_steps(trainer, batches, recipe._compute_metrics), draft
 
 
 @pytest.mark.parametrize("kind", ["padded", "packed"])

@@ -128,7 +128,9 @@ def demo_folder(demo: Launched) -> Path:
     return Path(demo.wait_for_line(r"saved to (\S+)").group(1)).parent
 
 
-@pytest.mark.parametrize("moment", ["starting its workers", "training", pytest.param("stopping", marks=pytest.mark.long)])
+@pytest.mark.parametrize(
+    "moment", [pytest.param("starting its workers", marks=pytest.mark.long), "training", pytest.param("stopping", marks=pytest.mark.long)]
+)
 def test_a_sigterm_to_the_demo_at_any_moment_stops_every_process_it_started_and_removes_its_folder(moment):
     demo = run_demo()
     folder = None

@@ -163,3 +163,66 @@ def test_a_published_update_is_checked_before_any_byte_and_one_broken_off_makes_
     wait_until(
         lambda: "breaks" not in cluster.status()["services"] or not cluster.status()["services"]["breaks"]["workers"], 30, "the worker to leave"
     )
+
+
+def test_a_worker_killed_mid_update_costs_the_run_nothing_and_an_old_replacement_waits_for_its_update(fast_cluster, tiny_target, tmp_path):
+    """Two workers pull a published update; once both have written part of it, one is SIGKILLed. The report says it
+    left; the other serves the new version, and a rank asking for it gets every batch once, in order, exact at that
+    version. A replacement started from the old checkpoint (version 0) is given none of those requests until it is
+    updated from a file; then it serves them too."""
+    import threading
+
+    from draftfeed import publish_weights
+    from draftfeed.dataplane.weights import publisher as publishing
+    from draftfeed.schemas.frames import unpack
+    from draftfeed.schemas.messages import WEIGHTS_INBOUND
+
+    flags = ("--task", "dspark", "--target-layer-ids", ",".join(map(str, LAYER_IDS)))
+    doomed = fast_cluster.add_worker(tiny_target, "--service", "mid", *flags, "--name", "doomed")
+    fast_cluster.add_worker(tiny_target, "--service", "mid", *flags, "--name", "survivor")
+    local = HFEngine(str(tiny_target), device="cpu", dtype="float32")
+    task = DSparkTask(local, target_layer_ids=LAYER_IDS)
+    step = policy_step(local, seed=5)
+    pieces: dict[bytes, int] = {}
+    both_writing, killed = threading.Event(), threading.Event()
+    answer = publishing.WeightsPublisher._answer
+
+    def gated(self, peer, frames):  # once each worker has had a piece, hold every answer until one worker is dead
+        if unpack(frames, WEIGHTS_INBOUND)[0].what == "piece":
+            pieces[peer] = pieces.get(peer, 0) + 1
+            if len(pieces) == 2 and min(pieces.values()) >= 2 and not killed.is_set():
+                both_writing.set()
+                killed.wait(30)
+        answer(self, peer, frames)
+
+    publishing.WeightsPublisher._answer = gated
+    reports: list = []
+    try:
+        publishing_thread = threading.Thread(
+            target=lambda: reports.append(publish_weights(fast_cluster.frontend, "mid", step, 1, chunk_bytes=4096, timeout_s=120))
+        )
+        publishing_thread.start()
+        assert both_writing.wait(60), "the two workers never both pulled"
+        doomed.kill()
+        killed.set()
+        publishing_thread.join(120)
+    finally:
+        publishing.WeightsPublisher._answer = answer
+        killed.set()
+    (report,) = reports
+    assert [(r.worker, r.ok, r.target_version) for r in report.workers] == [("doomed", False, 0), ("survivor", True, 1)], report
+    apply_update(local.named_weights(), step)
+    fast_cluster.add_worker(tiny_target, "--service", "mid", *flags, "--name", "replacement")  # the old checkpoint: version 0
+    batches = [make_batch(2, 16, 1000, seed=40 + i) for i in range(6)]
+    with RemoteDSparkTarget(fast_cluster.frontend, "mid", prefetch_depth=2, min_target_version=1) as target:
+        got = list(target.iterate(batches[:3]))
+        served = {w["worker"]: w["batches"] for w in fast_cluster.status()["services"]["mid"]["workers"]}
+        assert served["replacement"] == 0, served
+        save_file(step, str(tmp_path / "step.safetensors"))
+        results = {r.worker: r for r in update_target(fast_cluster.frontend, "mid", str(tmp_path / "step.safetensors"), 1, timeout_s=60).workers}
+        assert results["replacement"].ok and not results["survivor"].ok, results  # the survivor serves version 1 already
+        got += list(target.iterate(batches[3:]))
+    assert [batch["input_ids"].tolist() for batch, _ in got] == [batch["input_ids"].tolist() for batch in batches]
+    for batch, supervision in got:
+        assert supervision.target_version == 1
+        assert_equal(supervision, supervise_locally(task, batch), batch)

@@ -34,3 +34,23 @@ def nemo_reference(path):
     model = nemo_model_class(config)(config, backend=backend_config(CPU_BACKEND))
     model.load_state_dict(model.state_dict_adapter.from_hf(read_weights(str(path))), strict=True)  # every name, mapped
     return model.to(torch.float32).eval()
+
+
+def train_steps(trainer, batches, step, before_each=None) -> list:
+    """AdamW steps of ``trainer`` as NeMo's recipes take them (lr 1e-2, betas 0.9 / 0.95, gradients clipped to 1.0), one a
+    batch: ``step(batch)`` gives the recipe's metrics, whose loss is backpropagated; ``before_each(index)`` runs first
+    (a seed for what the step samples). The losses, detached."""
+    import torch
+
+    optimizer = torch.optim.AdamW([p for p in trainer.parameters() if p.requires_grad], lr=1e-2, betas=(0.9, 0.95))
+    losses = []
+    for index, batch in enumerate(batches):
+        if before_each is not None:
+            before_each(index)
+        metrics = step(batch)
+        metrics.loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainer.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(metrics.loss.detach())
+    return losses
