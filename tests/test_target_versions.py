@@ -72,6 +72,7 @@ def test_an_update_in_place_serves_the_new_version_exactly_and_labels_every_batc
         assert done.returncode == 0, done.stderr
         assert done.stdout.strip() == f"{SERVICE}-0: updated, serves version 1", done.stdout
         apply_update(local.named_weights(), step)  # the in-process target at version 1
+        assert target.worker_versions() == {f"{SERVICE}-0": 1}
         for batch, supervision in target.iterate(batches[2:], min_target_version=1):
             assert supervision.target_version == 1
             assert_equal(supervision, supervise_locally(task, batch), batch)

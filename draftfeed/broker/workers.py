@@ -25,11 +25,13 @@ log = logging.getLogger("draftfeed.broker")
 def model_info_reply(service: ServiceRecord, request_id: int) -> ModelInfoReply:
     """What the service's workers serve: its target, their names, supervision forms and limits."""
     assert service.info is not None
-    registrations = sorted((w.registration for w in service.workers.values()), key=lambda r: r.worker)
+    workers = sorted(service.workers.values(), key=lambda w: w.name)
+    registrations = [w.registration for w in workers]
     return ModelInfoReply(
         request_id=request_id,
         info=service.info,
         workers=[r.worker for r in registrations],
+        target_versions=[w.target_version for w in workers],
         supervision=sorted({r.supervision for r in registrations}),
         logit_transform=registrations[0].logit_transform if registrations else None,
         max_positions=service.max_positions,

@@ -100,6 +100,7 @@ class Worker:
         self.metrics.watch(
             in_flight=lambda: len(self._queue) + (self._in_engine is not None),
             registered=lambda: float(self._link is not None and self._link.is_alive() and self._link.registered.is_set()),
+            target_version=lambda: float(self.target_version),
         )
 
     def health(self) -> str | None:

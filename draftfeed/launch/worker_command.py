@@ -48,6 +48,8 @@ def checked(command: WorkerCommand) -> WorkerCommand:
     worker, target = command.worker, command.worker.target
     if (problem := worker.task.problem()) is not None:
         raise UsageError(problem)
+    if (missing := _missing_folder(target.path)) is not None:
+        raise UsageError(missing)
     keys = command.security.worker_keys()
     if worker.max_seq_len is not None and worker.max_seq_len < 1:
         raise UsageError(f"--max-seq-len {worker.max_seq_len}: give the longest row to take, at least 1 (or leave it out for the target's own limit)")
@@ -181,13 +183,22 @@ def _check_device(device: str) -> None:
         raise UsageError(f"--device {device}: {why}; use --device cpu on this machine")
 
 
+def _looks_local(target: str) -> bool:
+    path = Path(target)
+    return path.is_absolute() or target.startswith((".", "~")) or path.exists() or os.sep in target.strip(os.sep) and path.parent.exists()
+
+
+def _missing_folder(target: str) -> str | None:
+    """Why ``target``, written as a local folder, cannot be one (it does not exist), or None: found out before torch loads."""
+    if _looks_local(target) and not Path(target).expanduser().exists():
+        return f"--target {target}: no such folder; pass a folder holding the model (its config.json and weights), or a hub id"
+    return None
+
+
 def _target_problem(target: str, exc: OSError) -> str:
     """Why a target could not be loaded, in one line: a missing folder, or a hub id the hub could not give."""
-    path = Path(target)
-    if path.is_absolute() or target.startswith((".", "~")) or path.exists() or os.sep in target.strip(os.sep) and path.parent.exists():
-        if not path.expanduser().exists():
-            return f"--target {target}: no such folder; pass a folder holding the model (its config.json and weights), or a hub id"
-        return f"--target {target}: transformers cannot load a model from this folder: {str(exc).splitlines()[0]}"
+    if _looks_local(target):
+        return _missing_folder(target) or f"--target {target}: transformers cannot load a model from this folder: {str(exc).splitlines()[0]}"
     first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return (
         f"--target {target}: not a local folder, and the hub could not give it ({first}); without network access, download the "

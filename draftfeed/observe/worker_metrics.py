@@ -29,6 +29,9 @@ class WorkerMetrics:
         )
         self._in_flight = Gauge("draftfeed_worker_in_flight", "requests queued at the worker or computing", names, registry=self.registry)
         self._registered = Gauge("draftfeed_worker_registered", "1 while registered with a broker", names, registry=self.registry)
+        self._target_version = Gauge(
+            "draftfeed_worker_target_version", "the version of the target's weights it serves (docs/versions.md)", names, registry=self.registry
+        )
         self._labels = labels
 
     def spread_over(self, devices: list[str]) -> None:
@@ -41,10 +44,11 @@ class WorkerMetrics:
         )
         gauge.labels(**self._labels, devices=",".join(devices)).set(len(devices))
 
-    def watch(self, in_flight: Callable[[], float], registered: Callable[[], float]) -> None:
-        """Gauges read when scraped: the worker's queue and its registration."""
+    def watch(self, in_flight: Callable[[], float], registered: Callable[[], float], target_version: Callable[[], float]) -> None:
+        """Gauges read when scraped: the worker's queue, its registration and its target version."""
         self._in_flight.labels(**self._labels).set_function(in_flight)
         self._registered.labels(**self._labels).set_function(registered)
+        self._target_version.labels(**self._labels).set_function(target_version)
 
     def computed(self, seconds: float) -> None:
         self._forward.labels(**self._labels).observe(seconds)

@@ -14,7 +14,7 @@ import os
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,7 @@ class Served:
     workers: list[str]  # none in replay
     forms: list[str]
     logit_transform: LogitTransform | None
+    target_versions: list[int] = field(default_factory=list)  # each worker's, in the order of ``workers``
 
 
 def done(value: Any) -> Future:
@@ -99,7 +100,10 @@ class BrokerSource:
         """The service's target, asked of the broker (which answers from its workers' registrations)."""
 
         def served(reply: Any, _tensors: dict[str, Any]) -> Served:
-            return Served(reply.info, f"service {self.service!r}", "serves", list(reply.workers), list(reply.supervision), reply.logit_transform)
+            origin = f"service {self.service!r}"
+            return Served(
+                reply.info, origin, "serves", list(reply.workers), list(reply.supervision), reply.logit_transform, list(reply.target_versions)
+            )
 
         return self.connection.request(lambda rid, _token: pack(ModelInfoQuery(request_id=rid)), served, RequestKind.QUERY)
 

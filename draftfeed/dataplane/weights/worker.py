@@ -3,7 +3,7 @@
 The manifest comes first, page by page, and every tensor it names is checked against the target's (name, shape,
 dtype, contiguous) before any byte is written: a mismatch leaves the target as it was (``UpdateRefused``). Then the
 pieces come one at a time, each checked finite (a piece holds whole elements: its size is a multiple of 8 bytes) and
-written into its place: memory beyond the target's own is one piece. A fault after the
+written into its place, the next few asked for meanwhile: memory beyond the target's own is those few pieces. A fault after the
 first write (the publisher gone, a NaN in a later piece) leaves a mixture of versions (``UpdateBroken``): the worker
 must not serve it, and leaves."""
 
@@ -20,6 +20,8 @@ from draftfeed.dataplane.weights.plan import plan
 from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import MANIFEST_PAGE, WEIGHTS_OUTBOUND, ErrorReply, TensorSpec, WeightsManifest, WeightsPiece, WeightsPull
 from draftfeed.schemas.tensor_specs import frame_buffer
+
+AHEAD = 4  # pieces asked for before the one being written: at most this many wait in the socket (64 MiB at 16 MiB)
 
 
 class UpdateRefused(ValueError):
@@ -54,7 +56,14 @@ class _Puller:
         self.socket.connect(source)
 
     def ask(self, what: str, index: int = 0) -> tuple[object, list]:
+        self.send(what, index)
+        return self.receive()
+
+    def send(self, what: str, index: int = 0) -> None:
         self.socket.send_multipart(pack(WeightsPull(update=self.update, what=what, index=index)))
+
+    def receive(self) -> tuple[object, list]:
+        """The next answer (the publisher answers one worker's pulls in the order they came)."""
         deadline = time.monotonic() + self.timeout_s
         while (remaining := deadline - time.monotonic()) > 0:
             if self.socket.poll(int(remaining * 1000)):
@@ -94,12 +103,18 @@ def pull_update(source: str, update: int, current: Mapping[str, torch.Tensor], c
         if problem is not None:
             raise UpdateRefused(problem)
         targets = [current[spec.name].view(-1).view(torch.uint8) for spec in specs]
-        for index, piece in enumerate(plan(specs, chunk_bytes)):
+        pieces = plan(specs, chunk_bytes)
+        for index in range(min(AHEAD, len(pieces))):  # a few pieces asked for ahead: the wire never waits on the writes
+            puller.send("piece", index)
+        for index, piece in enumerate(pieces):
             try:
-                reply, frames = puller.ask("piece", index)
+                reply, frames = puller.receive()
             except (ConnectionError, TimeoutError) as exc:
                 raise _broken_or_refused(written, str(exc)) from None
-            assert isinstance(reply, WeightsPiece)
+            if index + AHEAD < len(pieces):
+                puller.send("piece", index + AHEAD)
+            if not isinstance(reply, WeightsPiece) or reply.index != index:
+                raise _broken_or_refused(written, f"piece {index} was due, the publisher sent {reply}")
             if len(frames) != 1:
                 raise _broken_or_refused(written, f"piece {index}: {len(frames)} frames where one was due")
             data = torch.frombuffer(frame_buffer(frames[0]), dtype=torch.uint8)
@@ -122,8 +137,12 @@ def _broken_or_refused(written: int, why: str) -> Exception:
 
 
 def _not_finite(spec: TensorSpec, data: torch.Tensor) -> str | None:
-    """Why a piece of a floating tensor is not finite, or None."""
+    """Why a piece of a floating tensor is not finite, or None: one reduction, no mask (a NaN reaches both ends of
+    ``aminmax``, an Inf is one of them)."""
     dtype = DTYPES[spec.dtype]
-    if dtype.is_floating_point and data.numel() and not bool(torch.isfinite(data.view(dtype)).all()):
+    if not dtype.is_floating_point or not data.numel():
+        return None
+    low, high = torch.aminmax(data.view(dtype))
+    if not (bool(torch.isfinite(low)) and bool(torch.isfinite(high))):
         return f"tensor {spec.name}: holds NaN or Inf (the worker's finite check is on)"
     return None

@@ -140,6 +140,12 @@ class RemoteTarget(RankView, Generic[Sup, Info]):
         replay, what the store was recorded from)."""
         return self._served_target().info  # type: ignore[return-value]
 
+    def worker_versions(self) -> dict[str, int]:
+        """The target version each worker of the service serves now, by worker name (asked of the broker each time;
+        docs/versions.md)."""
+        served = self._wait(self._opened().served(), "the model info (is a worker for this service running?)")
+        return dict(zip(served.workers, served.target_versions, strict=False))
+
     def _served_target(self) -> Served:
         if self._served is None:
             served = self._wait(self._opened().served(), "the model info (is a worker for this service running?)")

@@ -227,6 +227,7 @@ class ModelInfoReply(Strict):
     supervision: list[SupervisionForm] = Field(default_factory=list)  # the forms the service's workers send
     logit_transform: LogitTransform | None = None
     max_positions: Annotated[int, Field(gt=0)] | None = None  # the longest row the service's workers take
+    target_versions: list[TargetVersion] = Field(default_factory=list)  # each worker's, in the order of ``workers``
 
 
 class StatusReply(Strict):
