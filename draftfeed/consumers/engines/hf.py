@@ -23,6 +23,31 @@ from draftfeed.contract.packing import Documents
 from draftfeed.schemas.errors import BadRequest
 from draftfeed.schemas.messages import LogitTransform, UpdateWeights
 
+_UNCHECKED = object()
+# How far a packed document may be from itself alone: the same math over rows of other lengths differs in the last
+# bits (5e-7 on the tiny targets here); a target that lets documents see each other differs by tenths.
+PACKING_TOLERANCE = 1e-4
+
+
+def packing_leak(engine: HFEngine) -> float:
+    """The largest difference between a document packed after another in one row (block-causal mask, its own positions)
+    and the same document alone, over the last layer's output: 0 for a target that keeps documents apart, up to float
+    noise."""
+    first, second = 5, 7
+    ids = (torch.arange(first + second, dtype=torch.int64) * 7919 + 11) % engine.shape.vocab_size
+    packed_ids, mask = ids.unsqueeze(0), torch.ones(1, first + second, dtype=torch.int64)
+    documents = Documents(seq_lens=torch.tensor([[first, second]]), position_ids=torch.cat([torch.arange(first), torch.arange(second)]).unsqueeze(0))
+    last = (engine.shape.num_hidden_layers - 1,)
+    capture = Capture(layer_ids=last)
+    if engine.packs_by_position_ids:
+        packed = engine._forward(packed_ids, None, capture, position_ids=documents.position_ids.to(engine.device))
+    else:
+        additive = documents.additive_mask(mask, engine.dtype, engine.device)
+        packed = engine._forward(packed_ids, additive, capture, position_ids=documents.position_ids.to(engine.device))
+    alone = engine._forward(packed_ids[:, first:], mask[:, first:], capture)
+    got, want = packed.layer_outputs[last[0]][:, first:], alone.layer_outputs[last[0]]
+    return float((got.double() - want.double()).abs().max())
+
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """``auto`` is float32 on CPU and bfloat16 on accelerators, as the supervision contract says."""
@@ -110,6 +135,8 @@ class HFEngine:
             return self._forward(
                 input_ids, attention_mask, capture, runner=image_forward(self.model), **forward_images(images, self.device, self.dtype)
             )
+        if documents is not None and (refusal := self.packing_refusal()) is not None:
+            raise BadRequest(refusal)
         if documents is not None and self.packs_by_position_ids:
             return self._forward_rows_by_position_ids(input_ids, attention_mask, capture, documents)
         extra: dict[str, torch.Tensor] = {}
@@ -117,6 +144,26 @@ class HFEngine:
             extra["position_ids"] = documents.position_ids.to(self.device)
             attention_mask = documents.additive_mask(attention_mask, self.dtype, self.device)
         return self._forward(input_ids, attention_mask, capture, **extra)
+
+    def packing_refusal(self) -> str | None:
+        """Why this target's packed rows would not keep their documents apart, or None; found once, at the first packed
+        batch, by packing two documents in one row and comparing the second with itself alone (``packing_leak``).
+        Linear attention (Qwen3-Next, Qwen3.5, GLM-5.3's linear layers), DeepSeek-V4's compressed attention and
+        MiniMax-M3's run over the whole row whatever the mask says."""
+        if self._packing_refusal is _UNCHECKED:
+            leak = packing_leak(self)
+            self._packing_refusal = (
+                None
+                if leak <= PACKING_TOLERANCE
+                else (
+                    f"packed rows (seq_lens): this target ({self.model.config.model_type}) does not keep packed documents apart "
+                    f"(a document packed after another differs from itself alone by up to {leak:.3g}: some of its layers attend "
+                    "over the whole row whatever the block mask says); send unpacked rows for it"
+                )
+            )
+        return self._packing_refusal  # type: ignore[return-value]
+
+    _packing_refusal: object = _UNCHECKED
 
     @property
     def packs_by_position_ids(self) -> bool:

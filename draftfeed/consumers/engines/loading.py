@@ -60,7 +60,8 @@ def transformers_config(target: str) -> Any:
         architectures = ", ".join(raw.get("architectures") or ["no architectures named"])
         raise ValueError(
             f"{target}: model type {model_type!r} ({architectures}) is not implemented by transformers {transformers.__version__}, "
-            "whose implementations the hf engine runs: serve it with an engine that implements it (vllm, sglang)"
+            "whose implementations the hf engine runs: serve it with an engine that implements it (--engine automodel for NeMo "
+            "AutoModel's own model types, vllm, sglang)"
         )
     return transformers.AutoConfig.from_pretrained(target)
 
