@@ -27,7 +27,7 @@ CUTS = (30, 60, 90)  # batches after which the rank's host is cut off
 
 @pytest.mark.parametrize(
     "task, form, draft_vocab",
-    [("eagle3", "probs", 300), ("eagle3", "hidden", 300), ("dspark", "probs", 0)],
+    [("eagle3", "probs", 300), pytest.param("eagle3", "hidden", 300, marks=pytest.mark.long), ("dspark", "probs", 0)],
     ids=["eagle3-mapping", "eagle3-compact-mapping", "dspark"],
 )
 def test_rank_partitioned_longer_than_the_liveness_window(hosts_available, tiny_target, task, form, draft_vocab):
