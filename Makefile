@@ -77,8 +77,10 @@ test: $(STAMP) $(VLLM_STAMP)
 	test $$main -eq 0 && test $$vllm -eq 0
 
 # The long variants the suite leaves out (pyproject.toml's `long` marker): more faults and sizes of what it covers once.
-test-long: $(STAMP)
-	DRAFTFEED_LONG=1 $(PY) -m pytest -q -n 2 --dist loadscope -m long tests
+test-long: $(STAMP) $(VLLM_STAMP)
+	DRAFTFEED_LONG=1 $(PY) -m pytest -q -n 2 --dist loadscope -m long tests; main=$$?; \
+	DRAFTFEED_LONG=1 VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) -m pytest -q -p no:cacheprovider -m long tests/test_engines.py tests/test_speculators.py; vllm=$$?; \
+	test $$main -eq 0 && test $$vllm -eq 0
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(NEMO_PACKAGES) *.egg-info

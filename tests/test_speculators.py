@@ -336,6 +336,7 @@ def test_mtp_trains_on_the_last_layer_alone(service, mtp_verifier, mtp_data, off
     assert_same_run(expected, got)
 
 
+@pytest.mark.long  # one dataloader process a rank runs in the suite (the algorithms' runs): make test-long
 def test_two_dataloader_workers_each_a_rank(service, tiny_target, data, offline_runs, tmp_path):
     workers = ("--num-workers", "2", "--prefetch-factor", "2")
     expected = offline_runs["eagle3"]
