@@ -2,8 +2,8 @@
 
 Policy: requests leave a service's queue round-robin across ranks (fair_queue.py); each goes to the worker
 with the most free credits, ties to the one that waited longest since its last request, skipping workers
-the request already failed on and those whose target version it does not take (versions.py). A request that every free worker has failed on waits at the front of its
-rank's queue for another worker. Nothing is dispatched while the broker drains. The vocab mapping a request
+the request already failed on and those whose target version it does not take (versions.py). A request no free
+worker takes waits at the front of its rank's queue for another worker. Nothing is dispatched while the broker drains. The vocab mapping a request
 names goes to the worker before the request, if the worker does not hold it.
 
 Cost: the service keeps its free workers best first (free_workers.py), so a dispatch costs O(log W) whatever the
