@@ -32,7 +32,6 @@ class WeightsPublisher(threading.Thread):
         self.specs = encode_specs(dict(zip(tensors, self.tensors)))
         self.chunk_bytes = max(8, chunk_bytes - chunk_bytes % 8)  # whole elements in every piece, of any dtype
         self.pieces = plan(self.specs, chunk_bytes)
-        self.served: dict[bytes, int] = {}  # pieces sent, by worker
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -66,7 +65,6 @@ class WeightsPublisher(threading.Thread):
                 data = flat_bytes(self.tensors[piece.tensor])[piece.offset : piece.offset + piece.nbytes]
                 frame = memoryview(data.numpy()) if data.device.type == "cpu" else memoryview(data.cpu().numpy())
                 self._socket.send_multipart([peer, *pack(WeightsPiece(update=pull.update, index=pull.index)), frame], copy=False)
-                self.served[peer] = self.served.get(peer, 0) + 1
         except (MalformedMessage, IndexError) as exc:  # a bad pull costs its sender, never the publisher
             log.warning("draftfeed: weights publisher: a bad pull: %s", exc)
             self._socket.send_multipart([peer, *pack(ErrorReply(message=f"weights publisher: {exc}", code="refused"))])
