@@ -31,8 +31,12 @@ SERVICE = "versioned"
 def policy_step(engine: HFEngine, seed: int) -> dict[str, torch.Tensor]:
     """A subset of the target's tensors changed by a seeded delta, as an RL step changes its policy."""
     generator = torch.Generator().manual_seed(seed)
-    names = [name for name in engine.named_weights() if ".layers.2." in name or ".layers.5." in name]
-    return {name: engine.named_weights()[name] + 0.05 * torch.randn(engine.named_weights()[name].shape, generator=generator) for name in names}
+    weights = engine.named_weights()
+    return {
+        name: held + 0.05 * torch.randn(held.shape, generator=generator)
+        for name, held in weights.items()
+        if ".layers.2." in name or ".layers.5." in name
+    }
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from draftfeed.dataplane.weights.worker import UpdateBroken, UpdateRefused, pull_update
+from draftfeed.dataplane.weights.worker import UpdateBroken, UpdateRefused, pull_update, tensor_problem
 from draftfeed.schemas.messages import UpdateWeights
 
 __all__ = ["UpdateBroken", "UpdateRefused", "apply_update", "load_update", "read_update", "update_problem"]
@@ -44,15 +44,8 @@ def read_update(path: str) -> dict[str, torch.Tensor]:
 def update_problem(current: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], check_finite: bool) -> str | None:
     """Why ``new`` cannot replace its tensors of ``current`` (the first tensor that does not fit, named), or None."""
     for name, tensor in new.items():
-        held = current.get(name)
-        if held is None:
-            near = sorted(n for n in current if n.rsplit(".", 1)[-1] == name.rsplit(".", 1)[-1])[:2]
-            hint = f" (the target has e.g. {', '.join(near)})" if near else ""
-            return f"tensor {name}: the target has no tensor of that name{hint}"
-        if tuple(tensor.shape) != tuple(held.shape):
-            return f"tensor {name}: shape {list(tensor.shape)}, the target's is {list(held.shape)}"
-        if tensor.dtype != held.dtype:
-            return f"tensor {name}: dtype {tensor.dtype}, the target's is {held.dtype} (convert it before the update)"
+        if (problem := tensor_problem(current, name, list(tensor.shape), tensor.dtype)) is not None:
+            return problem
         if check_finite and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             return f"tensor {name}: holds NaN or Inf (the worker's finite check is on)"
     return None

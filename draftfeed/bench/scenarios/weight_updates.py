@@ -25,11 +25,12 @@ def run(quick: bool, workdir: Path) -> list[Row]:
     import torch
 
     from draftfeed import RemoteDSparkTarget, publish_weights
+    from draftfeed.consumers.weight_updates import read_update
     from draftfeed.tiny import build_tiny_target
 
     layers = 4 if quick else LAYERS
     target = build_tiny_target(workdir / "update-target", num_hidden_layers=layers, hidden_size=HIDDEN, vocab_size=VOCAB)
-    weights = {name: tensor for name, tensor in _state_dict(target).items()}
+    weights = read_update(str(target))  # every tensor of the checkpoint, as a worker reads an update
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     batch = {"input_ids": torch.arange(64).unsqueeze(0) % VOCAB, "attention_mask": torch.ones(1, 64, dtype=torch.int64)}
     batch["loss_mask"] = batch["attention_mask"].clone()
@@ -110,9 +111,3 @@ def _latest_waits(frontend: str, weights: dict, batch: dict, steps: int) -> list
             "updates", "a rank's longest wait for a batch under latest, updates every 4 batches", updated, quiet, "s", "the same loop without updates"
         )
     ]
-
-
-def _state_dict(target: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return {name: tensor for file in sorted(target.glob("*.safetensors")) for name, tensor in load_file(str(file)).items()}

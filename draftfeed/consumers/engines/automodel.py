@@ -27,8 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from draftfeed.consumers.engines.base import EMBEDDINGS, FINAL_HIDDEN, Capture, ForwardOutput, ModelFeature, Part, TargetShape
+from draftfeed.consumers.engines.base import EMBEDDINGS, FINAL_HIDDEN, Capture, ForwardOutput, ModelFeature, TargetShape
 from draftfeed.consumers.engines.hf import resolve_dtype
+from draftfeed.consumers.engines.hooks import first_input_hook, store_hook
 from draftfeed.consumers.engines.joining import JoinedWriter
 from draftfeed.consumers.engines.packages import EnginePackage, import_engine_package
 from draftfeed.schemas.messages import LogitTransform
@@ -176,18 +177,18 @@ class AutoModelEngine:
         features = [part for part in capture.joined.parts if isinstance(part, ModelFeature)] if capture.joined else []
         with ExitStack() as hooks:
             for layer_id in capture.needed_layer_ids():
-                store = self._store(out, joined, layer_id, keep=layer_id in capture.layer_ids)
+                store = store_hook(out, joined, layer_id, layer_id in capture.layer_ids, self.device)
                 hooks.callback(self.layers[layer_id].register_forward_hook(store).remove)
             if capture.needs_embeddings():
-                store = self._store(out, joined, EMBEDDINGS, keep=capture.embeddings)
-                hooks.callback(self.layers[0].register_forward_pre_hook(_first_input(store), with_kwargs=True).remove)
+                store = store_hook(out, joined, EMBEDDINGS, capture.embeddings, self.device)
+                hooks.callback(self.layers[0].register_forward_pre_hook(first_input_hook(store), with_kwargs=True).remove)
             if features:
                 modules = self.model.get_dspark_target_feature_modules([feature.layer_id for feature in features])
                 for feature, module in zip(features, modules, strict=True):
-                    store = self._store(out, joined, feature, keep=False)
-                    hooks.callback(module.register_forward_pre_hook(_first_input(store), with_kwargs=True).remove)
+                    store = store_hook(out, joined, feature, False, self.device)
+                    hooks.callback(module.register_forward_pre_hook(first_input_hook(store), with_kwargs=True).remove)
             if capture.needs_final_hidden():
-                store = self._store(out, joined, FINAL_HIDDEN, keep=capture.final_hidden)
+                store = store_hook(out, joined, FINAL_HIDDEN, capture.final_hidden, self.device)
                 hooks.callback(self.final_norm.register_forward_hook(store).remove)
             arguments = {"input_ids": input_ids.to(self.device), "attention_mask": attention_mask.to(self.device), "use_cache": False}
             result = self.model(**{key: value for key, value in arguments.items() if key in self._accepts})
@@ -198,36 +199,8 @@ class AutoModelEngine:
             out.joined = joined.tensor
         return out
 
-    def _store(self, out: ForwardOutput, joined: JoinedWriter | None, part: Part, keep: bool):
-        """A forward hook that writes what a module returns into the joined tensor if it is a joined part, and keeps it
-        in ``out`` if wanted alone."""
-
-        def hook(_module: nn.Module, _inputs: object, output: object) -> None:
-            tensor = output[0] if isinstance(output, tuple) else output
-            if joined is not None and joined.wants(part):
-                joined.write(part, tensor)  # type: ignore[arg-type]
-            if not keep:
-                return
-            if part == EMBEDDINGS:
-                out.embeddings = tensor  # type: ignore[assignment]
-            elif part == FINAL_HIDDEN:
-                out.final_hidden = tensor  # type: ignore[assignment]
-            else:
-                out.layer_outputs[part] = tensor  # type: ignore[index,assignment]
-
-        return hook
-
     def input_embeddings(self) -> torch.Tensor:
         return self.model.get_input_embeddings().weight.detach()
 
     def output_embeddings(self) -> torch.Tensor:
         return self.model.get_output_embeddings().weight.detach()
-
-
-def _first_input(store: Any) -> Any:
-    """A forward pre-hook that gives a module's first input to ``store`` (as a forward hook's output)."""
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        store(module, args, args[0] if args else next(iter(kwargs.values())))
-
-    return hook

@@ -9,7 +9,8 @@ from typing import Any, get_args
 import torch
 from torch import nn
 
-from draftfeed.consumers.engines.base import EMBEDDINGS, FINAL_HIDDEN, Capture, ForwardOutput, Part, TargetShape
+from draftfeed.consumers.engines.base import EMBEDDINGS, FINAL_HIDDEN, Capture, ForwardOutput, TargetShape
+from draftfeed.consumers.engines.hooks import first_input_hook, store_hook
 from draftfeed.consumers.engines.images import accepted_image_inputs, check_image_rows, forward_images, image_forward
 from draftfeed.consumers.engines.joining import JoinedWriter
 from draftfeed.consumers.engines.loading import load_target, text_decoder, text_forward, transformers_config
@@ -39,11 +40,7 @@ def packing_leak(engine: HFEngine) -> float:
     documents = Documents(seq_lens=torch.tensor([[first, second]]), position_ids=torch.cat([torch.arange(first), torch.arange(second)]).unsqueeze(0))
     last = (engine.shape.num_hidden_layers - 1,)
     capture = Capture(layer_ids=last)
-    if engine.packs_by_position_ids:
-        packed = engine._forward(packed_ids, None, capture, position_ids=documents.position_ids.to(engine.device))
-    else:
-        additive = documents.additive_mask(mask, engine.dtype, engine.device)
-        packed = engine._forward(packed_ids, additive, capture, position_ids=documents.position_ids.to(engine.device))
+    packed = engine._forward_packed(packed_ids, mask, capture, documents)
     alone = engine._forward(packed_ids[:, first:], mask[:, first:], capture)
     got, want = packed.layer_outputs[last[0]][:, first:], alone.layer_outputs[last[0]]
     return float((got.double() - want.double()).abs().max())
@@ -106,6 +103,7 @@ class HFEngine:
         text_config = model.config.get_text_config()
         self.shape = TargetShape.from_text_config(text_config)
         self.logit_transform = LogitTransform.from_text_config(text_config)
+        self._packing_refusal: object = _UNCHECKED  # packing_refusal(): found at the first packed batch
         decoder = text_decoder(self.model)
         self.layers: nn.ModuleList = decoder.layers
         self.final_norm: nn.Module | None = getattr(decoder, "norm", None)
@@ -135,15 +133,19 @@ class HFEngine:
             return self._forward(
                 input_ids, attention_mask, capture, runner=image_forward(self.model), **forward_images(images, self.device, self.dtype)
             )
-        if documents is not None and (refusal := self.packing_refusal()) is not None:
-            raise BadRequest(refusal)
-        if documents is not None and self.packs_by_position_ids:
-            return self._forward_rows_by_position_ids(input_ids, attention_mask, capture, documents)
-        extra: dict[str, torch.Tensor] = {}
         if documents is not None:
-            extra["position_ids"] = documents.position_ids.to(self.device)
-            attention_mask = documents.additive_mask(attention_mask, self.dtype, self.device)
-        return self._forward(input_ids, attention_mask, capture, **extra)
+            if (refusal := self.packing_refusal()) is not None:
+                raise BadRequest(refusal)
+            return self._forward_packed(input_ids, attention_mask, capture, documents)
+        return self._forward(input_ids, attention_mask, capture)
+
+    def _forward_packed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture, documents: Documents) -> ForwardOutput:
+        """A packed batch under its block-causal mask with per-document position ids, or, on a FlashAttention target,
+        row by row by its position ids alone."""
+        if self.packs_by_position_ids:
+            return self._forward_rows_by_position_ids(input_ids, attention_mask, capture, documents)
+        mask = documents.additive_mask(attention_mask, self.dtype, self.device)
+        return self._forward(input_ids, mask, capture, position_ids=documents.position_ids.to(self.device))
 
     def packing_refusal(self) -> str | None:
         """Why this target's packed rows would not keep their documents apart, or None; found once, at the first packed
@@ -162,8 +164,6 @@ class HFEngine:
                 )
             )
         return self._packing_refusal  # type: ignore[return-value]
-
-    _packing_refusal: object = _UNCHECKED
 
     @property
     def packs_by_position_ids(self) -> bool:
@@ -217,15 +217,15 @@ class HFEngine:
             joined = JoinedWriter(capture.joined)
         with ExitStack() as hooks:
             for layer_id in capture.needed_layer_ids():
-                store = self._store(out, joined, at, layer_id, keep=layer_id in capture.layer_ids)
+                store = store_hook(out, joined, layer_id, layer_id in capture.layer_ids, self.device, at)
                 hooks.callback(self.layers[layer_id].register_forward_hook(store).remove)
             if capture.needs_embeddings():
-                store = self._store(out, joined, at, EMBEDDINGS, keep=capture.embeddings)
-                hooks.callback(self.layers[0].register_forward_pre_hook(_embeddings_hook(store), with_kwargs=True).remove)
+                store = store_hook(out, joined, EMBEDDINGS, capture.embeddings, self.device, at)
+                hooks.callback(self.layers[0].register_forward_pre_hook(first_input_hook(store), with_kwargs=True).remove)
             if capture.needs_final_hidden():
                 if self.final_norm is None:
                     raise ValueError(f"{type(self.model).__name__} has no final norm module (decoder.norm) to capture")
-                store = self._store(out, joined, at, FINAL_HIDDEN, keep=capture.final_hidden)
+                store = store_hook(out, joined, FINAL_HIDDEN, capture.final_hidden, self.device, at)
                 hooks.callback(self.final_norm.register_forward_hook(store).remove)
             result = (runner or self._text_forward)(
                 input_ids=input_ids.to(self.device),
@@ -240,26 +240,6 @@ class HFEngine:
         if joined is not None:
             out.joined = joined.tensor
         return out
-
-    def _store(self, out: ForwardOutput, joined: JoinedWriter | None, at: tuple, part: Part, keep: bool):
-        """A forward hook that writes what a module returns (a layer's output, the final norm's) into the joined
-        tensor if it is a joined part, and keeps it in ``out`` if wanted alone; on the engine's device (with
-        --device-map auto a layer may sit on another one)."""
-
-        def hook(_module: nn.Module, _inputs: object, output: object) -> None:
-            tensor = (output[0] if isinstance(output, tuple) else output).to(self.device)  # type: ignore[index,union-attr]
-            if joined is not None and joined.wants(part):
-                joined.write(part, tensor, at)
-            if not keep:
-                return
-            if part == EMBEDDINGS:
-                out.embeddings = tensor
-            elif part == FINAL_HIDDEN:
-                out.final_hidden = tensor
-            else:
-                out.layer_outputs[part] = tensor  # type: ignore[index]
-
-        return hook
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The target's tensors by their state-dict names (as ``save_pretrained`` writes them), sharing their storage:
@@ -327,12 +307,3 @@ def quantization_problem(target: str, device: str) -> str | None:
         "GPUs only: serve it with --device cuda:N, with --engine vllm or sglang (their own quantization support), or from a "
         "bfloat16 copy of the checkpoint"
     )
-
-
-def _embeddings_hook(store: Callable[..., None]) -> Callable[..., None]:
-    """A forward pre-hook on decoder layer 0 that gives its input (the embeddings) to ``store``."""
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        store(module, args, args[0] if args else kwargs["hidden_states"])
-
-    return hook

@@ -299,11 +299,11 @@ class SGLangEngine:
         )
         # The joined parts go straight into the joined tensor: the worker holds one copy of them.
         joined = JoinedWriter.allocated(capture.joined, (batch, seq), hidden, self.dtype, self.device) if capture.joined is not None else None
-        want_final = capture.needs_final_hidden()
+        want_final, needed = capture.needs_final_hidden(), capture.needed_layer_ids()
         for row, positions in request_segments(attention_mask, documents):  # a row, or a packed row's document, is one request
             aux, final, logits = self._extend(input_ids[row, positions].tolist(), want_final=want_final, want_logits=capture.logits)
             positions = positions.to(self.device)
-            for i in capture.needed_layer_ids():
+            for i in needed:
                 if i in capture.layer_ids:
                     out.layer_outputs[i][row, positions] = aux[i].to(self.device, self.dtype)
                 if joined is not None and joined.wants(i):

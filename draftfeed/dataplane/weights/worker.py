@@ -32,17 +32,27 @@ class UpdateBroken(RuntimeError):
     """Some tensors were written, not all: the worker holds a mixture and must leave."""
 
 
+def tensor_problem(current: Mapping[str, torch.Tensor], name: str, shape: list[int], dtype: torch.dtype | None) -> str | None:
+    """Why a tensor of ``name``, ``shape`` and ``dtype`` cannot replace the target's of that name (one line that names
+    it), or None: the checks of every update, from a file or pulled."""
+    held = current.get(name)
+    if held is None:
+        near = sorted(n for n in current if n.rsplit(".", 1)[-1] == name.rsplit(".", 1)[-1])[:2]
+        hint = f" (the target has e.g. {', '.join(near)})" if near else ""
+        return f"tensor {name}: the target has no tensor of that name{hint}"
+    if list(shape) != list(held.shape):
+        return f"tensor {name}: shape {list(shape)}, the target's is {list(held.shape)}"
+    if dtype != held.dtype:
+        return f"tensor {name}: dtype {dtype}, the target's is {held.dtype} (convert it before the update)"
+    return None
+
+
 def spec_problem(current: Mapping[str, torch.Tensor], specs: list[TensorSpec]) -> str | None:
     """Why the announced tensors cannot replace the target's, naming the first, or None."""
     for spec in specs:
-        held = current.get(spec.name)
-        if held is None:
-            return f"tensor {spec.name}: the target has no tensor of that name"
-        if list(held.shape) != spec.shape:
-            return f"tensor {spec.name}: shape {spec.shape}, the target's is {list(held.shape)}"
-        if DTYPES.get(spec.dtype) != held.dtype:
-            return f"tensor {spec.name}: dtype {spec.dtype}, the target's is {held.dtype} (convert it before the update)"
-        if not held.is_contiguous():
+        if (problem := tensor_problem(current, spec.name, spec.shape, DTYPES.get(spec.dtype))) is not None:
+            return problem
+        if not current[spec.name].is_contiguous():
             return f"tensor {spec.name}: the target's is not contiguous and cannot be written in place"
     return None
 
