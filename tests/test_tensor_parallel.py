@@ -99,7 +99,7 @@ def test_across_degrees_only_the_last_bits_differ(services, reference, tiny_mode
     assert worst < 1e-5
 
 
-def test_an_update_in_place_reaches_every_rank_of_a_tensor_parallel_worker(services, reference, tp_targets, tmp_path):
+def test_an_update_in_place_reaches_every_rank_of_a_tensor_parallel_worker(services, reference, tp_targets, http_port, tmp_path):
     """Each process of the worker reads the update and keeps its own shard (issue 48): a step that changes layer 2
     makes the supervision differ from the plan's reference, and the original weights published back as the next
     version make it equal again, bit for bit, every batch labelled with its version."""
@@ -119,6 +119,9 @@ def test_an_update_in_place_reaches_every_rank_of_a_tensor_parallel_worker(servi
         assert supervision.target_version == version
         same = torch.equal(supervision.aux_hidden_states, expected(reference, "llama", "eagle3", "plain-0")["aux_hidden_states"])
         assert same == (weights == "back"), f"version {version} ({weights}): equal to the original plan's supervision: {same}"
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10).read().decode()
+        assert metric(metrics, "draftfeed_worker_target_version") == version, metrics  # the worker's own gauge
+        assert services.worker_status(f"{service}-0")["target_version"] == version
 
 
 def test_status_health_and_metrics_say_tensor_parallel_2(services, http_port):
