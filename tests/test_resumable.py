@@ -219,7 +219,7 @@ def test_recorder_flush_writes_a_partial_shard_a_new_store_reads(tmp_path):
         tensors = {"target_probs": torch.rand(2, 4, 16, generator=torch.Generator().manual_seed(seed))}
         key = store.key({"input_ids": torch.full((2, 4), seed)})
         store.admit(10)
-        store.record(key, tensors, tokens=8)
+        store.record(key, 0, tensors, tokens=8)
         recorded[key] = tensors
     assert not IndexFile(tmp_path).read_new()[0], "nothing reaches the index before a flush with a shard this large"
     store.flush(10)
@@ -229,11 +229,11 @@ def test_recorder_flush_writes_a_partial_shard_a_new_store_reads(tmp_path):
     assert len(IndexFile(tmp_path).read_new()[0]) == 1
     # Recorded again after the flush (in flight at a stop, then asked for again): not written twice, no error.
     again = next(iter(recorded))
-    store.record(again, recorded[again], tokens=8)
+    store.record(again, 0, recorded[again], tokens=8)
     store.flush(10)
     # Another rank, which read the index before, records one of them too: the index then names it twice.
     beside.admit(10)
-    beside.record(again, recorded[again], tokens=8)
+    beside.record(again, 0, recorded[again], tokens=8)
     beside.flush(10)
     assert sum(len(r.batches) for r in IndexFile(tmp_path).read_new()[0]) == 4
     # A new store opened on the folder (a resumed process, this one killed without closing) reads them back.
@@ -241,7 +241,7 @@ def test_recorder_flush_writes_a_partial_shard_a_new_store_reads(tmp_path):
     reader.bind(identity())
     for key, tensors in recorded.items():
         assert key in reader
-        assert torch.equal(reader.read(key)["target_probs"], tensors["target_probs"])
+        assert torch.equal(reader.read(key, 0)["target_probs"], tensors["target_probs"])
     assert reader.batches == 3 and not reader.problems
     reader.close(10)
     store.close(10)

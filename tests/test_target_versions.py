@@ -231,3 +231,53 @@ def test_a_worker_killed_mid_update_costs_the_run_nothing_and_an_old_replacement
     for batch, supervision in got:
         assert supervision.target_version == 1
         assert_equal(supervision, supervise_locally(task, batch), batch)
+
+
+def test_a_store_holds_a_batch_at_each_version_and_answers_each_request_from_the_one_it_takes(versioned, tiny_target, tmp_path):
+    """A cache filled at version a, then asked for version b (the worker updated): every batch misses, is computed at
+    b and recorded beside its a. Replayed with no broker, each request is answered from the version it takes, exact
+    and labelled: ``exact a`` from a, ``at-least b`` and no version from b; ``exact b+1`` names the versions held."""
+    from draftfeed.store.errors import BatchNotInStore
+    from draftfeed.store.inspect import info_lines
+
+    local = HFEngine(str(tiny_target), device="cpu", dtype="float32")
+    task = DSparkTask(local, target_layer_ids=LAYER_IDS)
+    original = {name: tensor.clone() for name, tensor in local.named_weights().items()}
+    save_file(original, str(tmp_path / "original.safetensors"))
+    step = policy_step(local, seed=21)
+    save_file(step, str(tmp_path / "step.safetensors"))
+    a = versioned.status()["services"][SERVICE]["workers"][0]["target_version"] + 1  # earlier tests moved it on
+    b = a + 1
+    batches = [make_batch(2, 14 + i, 1000, seed=60 + i) for i in range(3)]
+    at_a = [supervise_locally(task, batch) for batch in batches]
+    apply_update(local.named_weights(), step)
+    at_b = [supervise_locally(task, batch) for batch in batches]
+    store = tmp_path / "store"
+
+    def check(supervisions, want, version) -> None:
+        for batch, supervision, expected in zip(batches, supervisions, want):
+            assert supervision.target_version == version
+            assert_equal(supervision, expected, batch)
+
+    assert update_target(versioned.frontend, SERVICE, str(tmp_path / "original.safetensors"), a, timeout_s=60).workers[0].ok
+    with RemoteDSparkTarget(versioned.frontend, SERVICE, store=store, min_target_version=a) as cached:
+        check([sup for _, sup in cached.iterate(batches)], at_a, a)
+    assert update_target(versioned.frontend, SERVICE, str(tmp_path / "step.safetensors"), b, timeout_s=60).workers[0].ok
+    with RemoteDSparkTarget(versioned.frontend, SERVICE, store=store, min_target_version=b) as cached:
+        check([sup for _, sup in cached.iterate(batches)], at_b, b)
+        assert (cached.status()["store"]["hits"], cached.status()["store"]["misses"]) == (0, 3)  # a's records do not answer b
+        check([sup for _, sup in cached.iterate(batches)], at_b, b)
+        assert cached.status()["store"]["hits"] == 3  # b's own, held now
+    for wanted, want, version in (
+        ({"min_target_version": a, "version_policy": "exact"}, at_a, a),
+        ({"min_target_version": b}, at_b, b),
+        ({}, at_b, b),
+    ):
+        with RemoteDSparkTarget(None, SERVICE, store=store, store_mode="replay", **wanted) as replay:
+            check([sup for _, sup in replay.iterate(batches)], want, version)
+    with RemoteDSparkTarget(None, SERVICE, store=store, store_mode="replay", min_target_version=b + 1, version_policy="exact") as replay:
+        with pytest.raises(BatchNotInStore, match=f"at versions {a}, {b} only, and this rank takes version {b + 1} exactly"):
+            replay.generate_batch(**batches[0])
+    with pytest.raises(ValueError, match="version_policy='latest' with store_mode='cache'"):
+        RemoteDSparkTarget(versioned.frontend, SERVICE, store=store, version_policy="latest")
+    assert f"target versions: {a} (3 batches), {b} (3 batches)" in info_lines(store)

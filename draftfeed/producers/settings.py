@@ -77,7 +77,19 @@ class RankSettings(Settings):
         settings.check_device(owner)
         if settings.store_mode is not None and settings.store is None:
             raise ValueError(f"{owner}: store_mode={settings.store_mode!r} needs store=PATH, the store's folder")
+        if (problem := settings.store_version_problem(settings.version_wanted)) is not None:
+            raise ValueError(f"{owner}: {problem}")
         return settings
+
+    def store_version_problem(self, wanted: VersionWanted | None) -> str | None:
+        """Why this rank's store cannot answer for ``wanted``, or None: a cache cannot tell which version is the newest
+        among the live workers, so it cannot serve ``latest``."""
+        if self.store_mode_in_force == "cache" and wanted is not None and wanted.policy == "latest":
+            return (
+                "version_policy='latest' with store_mode='cache': the store cannot tell which version is the newest among the "
+                "live workers; take version_policy='at-least' with a min_target_version, or record with store_mode='record'"
+            )
+        return None
 
     @property
     def store_mode_in_force(self) -> Literal["record", "replay", "cache"] | None:

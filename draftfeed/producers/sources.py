@@ -210,11 +210,23 @@ class BrokerSource:
 class StoredSource:
     """A store in front of the broker (``cache``, ``record``), or in its place (``replay``: ``broker`` is None)."""
 
-    def __init__(self, stored: StoredSupervision, broker: BrokerSource | None, replay_id: str) -> None:
+    def __init__(self, stored: StoredSupervision, broker: BrokerSource | None, replay_id: str, version_wanted: VersionWanted | None) -> None:
         self.stored = stored
         self.store = stored.store
         self.broker = broker
         self._replay_id = replay_id
+        self._version_wanted = version_wanted
+
+    @property
+    def version_wanted(self) -> VersionWanted | None:
+        """The target versions its requests take, from the store and from the workers alike (None: any)."""
+        return self._version_wanted
+
+    @version_wanted.setter
+    def version_wanted(self, wanted: VersionWanted | None) -> None:
+        self._version_wanted = wanted
+        if self.broker is not None:
+            self.broker.version_wanted = wanted
 
     @property
     def rank_id(self) -> str:
@@ -243,7 +255,7 @@ class StoredSource:
 
     def supervise(self, task: str, sent: dict[str, torch.Tensor], finish: Finish, mapping: str | None) -> tuple[Future, bool | None]:
         key = self.store.key(sent)
-        answered = self.stored.answer(key, finish)
+        answered = self.stored.answer(key, self._version_wanted, finish)
         if answered is not None:
             return answered, True
         recording = self.stored.recording(key, int(sent["attention_mask"].sum()), finish)
@@ -356,7 +368,7 @@ def open_source(
         opened = SupervisionStore(settings.store, settings.store_mode_in_force, local_id, settings.store_shard_bytes, settings.store_queue_batches)
         stored = StoredSupervision(opened, max(settings.prefetch_depth, 1), settings.request_timeout)
         if replaying:
-            return StoredSource(stored, None, local_id)
+            return StoredSource(stored, None, local_id, settings.version_wanted)
     assert broker is not None  # RemoteTarget refuses broker=None unless it replays
     try:
         rank_keys = PeerKeys.resolve(keys, "rank")
@@ -377,4 +389,4 @@ def open_source(
             stored.close(settings.request_timeout)
         raise
     live = BrokerSource(connection, service, settings.request_timeout, settings.version_wanted)
-    return StoredSource(stored, live, local_id) if stored is not None else live
+    return StoredSource(stored, live, local_id, settings.version_wanted) if stored is not None else live

@@ -3,7 +3,9 @@
 ``record``: every batch goes to the workers and is also written. ``replay``: every batch comes from the store,
 and one it does not hold is an error naming its key. ``cache``: the store answers the batches it holds, the
 workers the others, which are written back. Reads run on one thread in the order they were asked for, at most
-``window`` at a time, so a replayed epoch keeps the prefetch depth and memory bound of a computed one.
+``window`` at a time, so a replayed epoch keeps the prefetch depth and memory bound of a computed one. A store may
+hold a batch at several target versions: it answers with the one the rank's versions take (store/versions.py), or
+not at all, and records each batch under the version its worker computed it at.
 """
 
 from __future__ import annotations
@@ -11,14 +13,24 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from draftfeed.schemas.messages import VersionWanted
 from draftfeed.store.errors import BatchNotInStore, StoreError
 from draftfeed.store.store import StoreMode, SupervisionStore
+from draftfeed.store.versions import Recorded, describe_recorded
 
 Finish = Callable[[Any, dict[str, torch.Tensor]], Any]
+
+
+@dataclass(frozen=True)
+class StoredReply:
+    """What ``finish`` gets in place of a worker's result for a batch the store answered."""
+
+    target_version: Recorded  # the version that computed it; None: recorded without one
 
 
 class StoredSupervision:
@@ -34,24 +46,36 @@ class StoredSupervision:
         self.hits = 0
         self.misses = 0
 
-    def answer(self, key: str, finish: Finish) -> Future | None:
-        """A future of the batch's supervision read from the store; None when the workers must compute it."""
-        if self.mode == "record" or (self.mode == "cache" and key not in self.store):
+    def answer(self, key: str, wanted: VersionWanted | None, finish: Finish) -> Future | None:
+        """A future of the batch's supervision read from the store, at a version ``wanted`` takes; None when the
+        workers must compute it."""
+        found, version = (False, None) if self.mode == "record" else self.store.find(key, wanted)
+        if self.mode == "replay" and not found:
+            raise BatchNotInStore(self._not_held(key, wanted))
+        if not found:
             self.misses += 1
             return None
-        if self.mode == "replay" and key not in self.store:
-            raise BatchNotInStore(
-                f"batch {key} is not in the store at {self.store.path} (store_mode='replay'): it was not recorded, or was "
-                "recorded from other tensors (dtype, padding and packing count); record it with store_mode='cache'"
-            )
         self.hits += 1
         if not self._window.acquire(timeout=self._timeout_s):
             raise StoreError(f"no read from the store at {self.store.path} finished within {self._timeout_s:.0f} s (request_timeout)")
         with self._count_lock:
             self._reading += 1
-        future = self._reads.submit(lambda: finish(None, self.store.read(key)))
+        future = self._reads.submit(lambda: finish(StoredReply(version), self.store.read(key, version)))
         future.add_done_callback(self._read_done)
         return future
+
+    def _not_held(self, key: str, wanted: VersionWanted | None) -> str:
+        recorded = self.store.recorded(key)
+        if recorded and wanted is not None:
+            return (
+                f"batch {key} is in the store at {self.store.path} {describe_recorded(recorded)} only, and this rank takes "
+                f"{wanted.describe()} (store_mode='replay'): record it at that version with store_mode='cache', or take the "
+                "versions the store holds"
+            )
+        return (
+            f"batch {key} is not in the store at {self.store.path} (store_mode='replay'): it was not recorded, or was "
+            "recorded from other tensors (dtype, padding and packing count); record it with store_mode='cache'"
+        )
 
     def _read_done(self, _future: Future) -> None:
         with self._count_lock:
@@ -66,7 +90,8 @@ class StoredSupervision:
 
         def record_then_finish(reply: Any, received: dict[str, torch.Tensor]) -> Any:
             # A copy: the rank's supervision may view the same memory, and the training loop may change it in place.
-            self.store.record(key, {name: t.detach().to("cpu", copy=True).contiguous() for name, t in received.items()}, tokens)
+            copied = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in received.items()}
+            self.store.record(key, reply.target_version, copied, tokens)
             return finish(reply, received)
 
         return record_then_finish

@@ -79,9 +79,10 @@ def export_speculators(store_path: Path, data: Path, out: Path, skip_missing: bo
         dtype, written = "", 0
         for row, ids in enumerate(row_input_ids(data)):
             key = store.key(row_batch(ids))
-            if key not in store:
+            found, version = store.find(key, None)  # the newest version recorded
+            if not found:
                 continue
-            hidden = store.read(key)["hidden_states"]
+            hidden = store.read(key, version)["hidden_states"]
             if hidden.shape[:2] != (1, ids.numel()):
                 raise StoreError(f"batch {key} (row {row}) holds hidden_states of shape {list(hidden.shape)} for {ids.numel()} tokens")
             _write_atomic(sample_file(out, row), to_sample(hidden, ids, hidden_size))

@@ -18,6 +18,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from draftfeed.store.shards import entry_name
+
 INDEX_NAME = "index.jsonl"
 
 
@@ -31,7 +33,8 @@ class FieldSpec(BaseModel):
 
 
 class BatchRecord(BaseModel):
-    """One batch in a shard: its key, its tensors (named ``KEY/FIELD`` in the shard), its size."""
+    """One batch in a shard: its key, the target version that computed it, its tensors (named ``ENTRY/FIELD`` in
+    the shard: shards.entry_name), its size."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -39,6 +42,11 @@ class BatchRecord(BaseModel):
     fields: dict[str, FieldSpec]
     tokens: Annotated[int, Field(ge=0)]  # real (attended) positions of the batch
     nbytes: Annotated[int, Field(ge=0)]  # bytes of its tensors
+    target_version: Annotated[int, Field(ge=0)] | None = None  # None: recorded before workers said their version
+
+    @property
+    def entry(self) -> str:
+        return entry_name(self.key, self.target_version)
 
 
 class ShardRecord(BaseModel):

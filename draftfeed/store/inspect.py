@@ -3,6 +3,7 @@ index reads back as written."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,12 +39,16 @@ def info_lines(path: Path) -> list[str]:
     if identity is None:
         raise FileNotFoundError(f"there is no store at {path} (no {MANIFEST_NAME})")
     found = contents(path)
-    seen: set[str] = set()
+    seen: set[str] = set()  # entries: a batch at one target version
+    keys: set[str] = set()
+    versions: Counter[int | None] = Counter()
     tokens = nbytes = 0
     for record in found.records:
         for batch in record.batches:
-            if batch.key not in seen:
-                seen.add(batch.key)
+            if batch.entry not in seen:
+                seen.add(batch.entry)
+                keys.add(batch.key)
+                versions[batch.target_version] += 1
                 tokens, nbytes = tokens + batch.tokens, nbytes + batch.nbytes
     target = ", ".join(f"{name}={value}" for name, value in identity.target.model_dump().items() if name != "task")
     per_token = f"{nbytes / tokens:,.0f} bytes per token" if tokens else "no tokens"
@@ -54,11 +59,22 @@ def info_lines(path: Path) -> list[str]:
         f"target: {target}",
         f"form: {_form(identity)}",
         f"vocab mapping: {identity.mapping_digest or 'identity (the whole target vocab)'}",
-        f"batches: {len(seen)}",
+        f"batches: {len(keys)}",
+        f"target versions: {_versions(versions)}",
         f"tokens: {tokens}",
         f"supervision: {nbytes:,} bytes, {per_token}; {on_disk:,} bytes on disk",
         f"shards: {len(found.records)} from {len({r.writer for r in found.records})} recording ranks",
     ]
+
+
+def _versions(versions: Counter[int | None]) -> str:
+    """'0 (12 batches), 1 (5 batches)'; a batch held at two versions counts at each."""
+    if not versions:
+        return "none recorded"
+    return ", ".join(
+        f"{'not said' if version is None else version} ({count} batch{'es' if count != 1 else ''})"
+        for version, count in sorted(versions.items(), key=lambda item: -1 if item[0] is None else item[0])
+    )
 
 
 def _form(identity: StoreIdentity) -> str:
@@ -98,7 +114,7 @@ def _shard_failure(store: Path, record: ShardRecord) -> str | None:
             names = set(handle.keys())
             for batch in record.batches:
                 for name, spec in batch.fields.items():
-                    stored = tensor_name(batch.key, name)
+                    stored = tensor_name(batch.entry, name)
                     if stored not in names:
                         return f"{record.shard}: batch {batch.key} has no {name}"
                     got = handle.get_slice(stored)

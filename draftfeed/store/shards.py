@@ -1,4 +1,4 @@
-"""Shard files: a safetensors file of many batches, each tensor named ``KEY/FIELD``.
+"""Shard files: a safetensors file of many batches, each tensor named ``ENTRY/FIELD`` (``entry_name``).
 
 A shard is written whole, under a temporary name in its folder, flushed to disk, then renamed into place and
 its folder flushed: a file under a shard's final name is always complete. Its size and sha256 go into the
@@ -22,8 +22,14 @@ SHARD_SUFFIX = ".safetensors"
 UNFINISHED_SUFFIX = ".unfinished"  # a shard being written (or left by a writer that was killed)
 
 
-def tensor_name(key: str, field: str) -> str:
-    return f"{key}/{field}"
+def entry_name(key: str, target_version: int | None) -> str:
+    """A recorded batch's name in its shard: its key, and ``@N`` when it was computed at target version N (a store
+    may hold one batch at several versions; docs/store.md, "Target versions")."""
+    return key if target_version is None else f"{key}@{target_version}"
+
+
+def tensor_name(entry: str, field: str) -> str:
+    return f"{entry}/{field}"
 
 
 def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, str]:
@@ -80,9 +86,9 @@ class ShardReader:
         self._open: OrderedDict[Path, object] = OrderedDict()
         self._limit = open_files
 
-    def read(self, path: Path, key: str, fields: list[str]) -> dict[str, torch.Tensor]:
+    def read(self, path: Path, entry: str, fields: list[str]) -> dict[str, torch.Tensor]:
         handle = self._handle(path)
-        return {field: handle.get_tensor(tensor_name(key, field)) for field in fields}  # type: ignore[attr-defined]
+        return {field: handle.get_tensor(tensor_name(entry, field)) for field in fields}  # type: ignore[attr-defined]
 
     def _handle(self, path: Path) -> object:
         handle = self._open.pop(path, None)

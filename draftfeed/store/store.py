@@ -20,10 +20,12 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 
 from draftfeed.dataplane.frames.codec import dtype_name
+from draftfeed.schemas.messages import VersionWanted
 from draftfeed.store.errors import BatchNotInStore, StoreError, StoreWriteError
 from draftfeed.store.identity import STORE_FORMAT, StoreIdentity, batch_key
 from draftfeed.store.index import BatchRecord, IndexFile, ShardRecord
 from draftfeed.store.shards import ShardReader, write_shard
+from draftfeed.store.versions import Recorded, describe_recorded, pick_version
 from draftfeed.store.writer import Recorder
 
 log = logging.getLogger("draftfeed.store")
@@ -49,7 +51,7 @@ class SupervisionStore:
         self.identity = read_manifest(self.path)
         self.problems: list[str] = []  # shards and index lines skipped at open, each with why
         self._index = IndexFile(self.path)
-        self._batches: dict[str, tuple[Path, BatchRecord]] = {}
+        self._batches: dict[str, dict[Recorded, tuple[Path, BatchRecord]]] = {}  # by key, then by target version
         self._lock = threading.Lock()
         self._reader = ShardReader()
         self._digest: str | None = None
@@ -99,32 +101,39 @@ class SupervisionStore:
         shard = self.path / record.shard
         with self._lock:
             for batch in record.batches:
-                self._batches.setdefault(batch.key, (shard, batch))
+                self._batches.setdefault(batch.key, {}).setdefault(batch.target_version, (shard, batch))
+
+    def recorded(self, key: str) -> set[Recorded]:
+        """The target versions the store holds the batch ``key`` at (None: recorded without one); empty: not held."""
+        pending = set(self._recorder.pending(key)) if self._recorder is not None else set()
+        with self._lock:
+            return pending | set(self._batches.get(key, {}))
+
+    def find(self, key: str, wanted: VersionWanted | None) -> tuple[bool, Recorded]:
+        """(found, version): the recorded version of the batch ``key`` that answers ``wanted`` (versions.py); a
+        cache looks again at what other ranks recorded before it says no."""
+        found = pick_version(self.recorded(key), wanted)
+        if not found[0] and self.mode == "cache":
+            self.refresh()
+            found = pick_version(self.recorded(key), wanted)
+        return found
 
     def __contains__(self, key: str) -> bool:
-        if self._recorder is not None and self._recorder.pending(key) is not None:
-            return True
-        with self._lock:
-            if key in self._batches:
-                return True
-        if self.mode == "cache":
-            self.refresh()
-            with self._lock:
-                return key in self._batches
-        return False
+        """Whether the store holds the batch ``key`` at any version."""
+        return self.find(key, None)[0]
 
-    def read(self, key: str) -> dict[str, torch.Tensor]:
-        """The stored tensors of the batch ``key``, as a worker sent them."""
-        if self._recorder is not None and (pending := self._recorder.pending(key)) is not None:
+    def read(self, key: str, version: Recorded) -> dict[str, torch.Tensor]:
+        """The stored tensors of the batch ``key`` computed at target ``version``, as a worker sent them."""
+        if self._recorder is not None and (pending := self._recorder.pending(key).get(version)) is not None:
             return dict(pending)
         with self._lock:
-            found = self._batches.get(key)
+            found = self._batches.get(key, {}).get(version)
         if found is None:
-            raise BatchNotInStore(f"batch {key} is not in the store at {self.path}")
+            raise BatchNotInStore(f"batch {key} is not in the store at {self.path} {describe_recorded([version])}")
         shard, batch = found
         with self._lock:  # the reader's open files are shared
             try:
-                tensors = self._reader.read(shard, key, list(batch.fields))
+                tensors = self._reader.read(shard, batch.entry, list(batch.fields))
             except Exception as exc:  # safetensors raises its own errors for a damaged file
                 raise StoreError(f"the store's shard {shard} cannot be read ({exc}); run `draftfeed store verify {self.path}`") from None
         for name, spec in batch.fields.items():
@@ -146,12 +155,13 @@ class SupervisionStore:
         """Wait until the recorder can take one more batch (raises its error, if writing failed)."""
         self._recording().admit(timeout_s)
 
-    def record(self, key: str, tensors: dict[str, torch.Tensor], tokens: int) -> None:
-        """Write one batch (in the background), unless the store holds it already (a second epoch in record mode)."""
+    def record(self, key: str, version: Recorded, tensors: dict[str, torch.Tensor], tokens: int) -> None:
+        """Write one batch computed at target ``version`` (in the background), unless the store holds it at that
+        version already (a second epoch in record mode)."""
         with self._lock:
-            if key in self._batches:
+            if version in self._batches.get(key, {}):
                 return
-        self._recording().put(key, tensors, tokens)
+        self._recording().put(key, version, tensors, tokens)
 
     def _recording(self) -> Recorder:
         if self._recorder is None:

@@ -45,8 +45,9 @@ class Recorder:
         self._shard_bytes = shard_bytes
         self._queue_batches = queue_batches
         self._cond = threading.Condition()
-        self._queue: deque[tuple[str, dict[str, torch.Tensor], int]] = deque()
-        self._pending: dict[str, dict[str, torch.Tensor]] = {}  # recorded, their shard not yet in the index
+        self._queue: deque[tuple[str, int | None, dict[str, torch.Tensor], int]] = deque()
+        # Recorded, their shard not yet in the index: by key, then by target version.
+        self._pending: dict[str, dict[int | None, dict[str, torch.Tensor]]] = {}
         self._error: StoreWriteError | None = None
         self._closing = False
         self._flushes_asked = 0  # flush() calls so far; the thread has written everything queued before the last done
@@ -64,18 +65,19 @@ class Recorder:
             if self._error is not None:
                 raise self._error
 
-    def put(self, key: str, tensors: dict[str, torch.Tensor], tokens: int) -> None:
-        """Queue one batch (CPU tensors this recorder owns); never blocks."""
+    def put(self, key: str, version: int | None, tensors: dict[str, torch.Tensor], tokens: int) -> None:
+        """Queue one batch computed at target version ``version`` (CPU tensors this recorder owns); never blocks."""
         with self._cond:
-            if self._error is not None or self._closing or key in self._pending:
+            if self._error is not None or self._closing or version in self._pending.get(key, {}):
                 return
-            self._pending[key] = tensors
-            self._queue.append((key, tensors, tokens))
+            self._pending.setdefault(key, {})[version] = tensors
+            self._queue.append((key, version, tensors, tokens))
             self._cond.notify_all()
 
-    def pending(self, key: str) -> dict[str, torch.Tensor] | None:
+    def pending(self, key: str) -> dict[int | None, dict[str, torch.Tensor]]:
+        """The batch ``key``'s recorded tensors not yet in the index, by target version."""
         with self._cond:
-            return self._pending.get(key)
+            return dict(self._pending.get(key, {}))
 
     def flush(self, timeout_s: float) -> None:
         """Write every batch queued so far into a shard and its index line, then return (a partial shard: a resumed
@@ -121,11 +123,12 @@ class Recorder:
                 flushed = self._flushes_asked
                 self._cond.notify_all()  # room for admit()
             if item is not None:
-                key, fields, tokens = item
+                key, version, fields, tokens = item
                 nbytes = tensor_bytes(fields)
-                tensors.update({tensor_name(key, name): t for name, t in fields.items()})
                 specs = {name: FieldSpec(dtype=dtype_name(t.dtype), shape=list(t.shape)) for name, t in fields.items()}
-                batches.append(BatchRecord(key=key, fields=specs, tokens=tokens, nbytes=nbytes))
+                batch = BatchRecord(key=key, fields=specs, tokens=tokens, nbytes=nbytes, target_version=version)
+                tensors.update({tensor_name(batch.entry, name): t for name, t in fields.items()})
+                batches.append(batch)
                 gathered += nbytes
             if batches and (gathered >= self._shard_bytes or item is None):
                 if not self._write(tensors, batches):
@@ -158,5 +161,8 @@ class Recorder:
         self._on_shard(record)
         with self._cond:
             for batch in batches:
-                self._pending.pop(batch.key, None)
+                versions = self._pending.get(batch.key, {})
+                versions.pop(batch.target_version, None)
+                if not versions:
+                    self._pending.pop(batch.key, None)
         return True

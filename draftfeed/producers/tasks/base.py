@@ -26,7 +26,7 @@ from draftfeed.observe.rank_metrics import RankMetrics
 from draftfeed.producers.outgoing import batch_arguments, outgoing_batch, takes_arguments_of
 from draftfeed.producers.resumable import ResumableIteration
 from draftfeed.producers.settings import RankSettings
-from draftfeed.producers.sources import BrokerSource, Served, Source, open_source
+from draftfeed.producers.sources import Served, Source, open_source
 from draftfeed.producers.tasks.view import RankView
 from draftfeed.producers.tasks.weights import TargetWeights
 from draftfeed.producers.waits import wait_for
@@ -106,11 +106,6 @@ class RemoteTarget(RankView, Generic[Sup, Info]):
         settings = RankSettings.checked(type(self).__name__, **{name: given[name] for name in RankSettings.model_fields if name in given})
         if broker is None and settings.store_mode_in_force != "replay":
             raise ValueError(f"{type(self).__name__}: broker=None works only with store_mode='replay'; give the broker's address")
-        if settings.store is not None and settings.version_wanted is not None:
-            raise ValueError(
-                f"{type(self).__name__}: a store records no target versions yet, so it cannot answer min_target_version or "
-                "version_policy: leave out the store, or the versions"
-            )
         self.settings = settings
         self.service = service
         self.prefetch_depth = settings.prefetch_depth
@@ -214,7 +209,7 @@ class RemoteTarget(RankView, Generic[Sup, Info]):
                 own = {name: t.to(self.device, non_blocking=True) for name, t in own.items()}
             made = {**own, **self._from_wire(received, own)}
             supervision = self.SUPERVISION(**{name: made[name] for name in self._field_names() if name in made})
-            supervision.target_version = getattr(_reply, "target_version", None)  # the store's replies say none (yet)
+            supervision.target_version = _reply.target_version  # a worker's result, or the store's record (StoredReply)
             self.metrics.received(tensor_bytes(received))
             return supervision  # type: ignore[return-value]
 
@@ -266,10 +261,11 @@ class RemoteTarget(RankView, Generic[Sup, Info]):
         exact or latest; None: the one in force, at-least at first). Batches already sent keep what they asked for.
         Each supervision says the version that computed it (``target_version``; docs/versions.md)."""
         source = self._opened()
-        if not isinstance(source, BrokerSource):
-            raise ValueError(f"{type(self).__name__}.want_target_version: a store records no target versions yet")
         current = source.version_wanted
-        source.version_wanted = VersionWanted(minimum=minimum, policy=policy or (current.policy if current else "at-least"))
+        wanted = VersionWanted(minimum=minimum, policy=policy or (current.policy if current else "at-least"))
+        if (problem := self.settings.store_version_problem(wanted)) is not None:
+            raise ValueError(f"{type(self).__name__}.want_target_version: {problem}")
+        source.version_wanted = wanted
 
     def iterate(self, dataloader: Iterable[Mapping[str, Any]], min_target_version: int | None = None) -> ResumableIteration[Sup]:
         """Yield ``(batch, supervision)`` in the dataloader's order, keeping ``prefetch_depth`` batches in flight.
@@ -299,8 +295,7 @@ class RemoteTarget(RankView, Generic[Sup, Info]):
 
     def _resumed_at_version(self, version: int) -> None:
         """A resumed iterate() trained on target ``version`` last: a rank that takes versions asks for it or newer."""
-        source = self._opened()
-        wanted = source.version_wanted if isinstance(source, BrokerSource) else None
+        wanted = self._opened().version_wanted
         if wanted is not None and wanted.minimum < version and wanted.policy != "exact":
             self.want_target_version(version)
 
