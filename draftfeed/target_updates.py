@@ -14,12 +14,14 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import zmq
+from pydantic import ValidationError
 
 from draftfeed.net import local_address_towards
-from draftfeed.schemas.errors import RemoteTargetError, RemoteTargetTimeout
+from draftfeed.schemas.errors import RemoteTargetError, RemoteTargetTimeout, UsageError
 from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import FRONTEND_OUTBOUND, ErrorReply, UpdateReport, UpdateTarget
 from draftfeed.schemas.protocol import DEFAULT_TRANSFER_CHUNK_BYTES
+from draftfeed.schemas.settings import problems
 from draftfeed.security.curve import PeerKeys, make_client
 
 if TYPE_CHECKING:
@@ -27,12 +29,27 @@ if TYPE_CHECKING:
 
 
 def update_target(
-    broker: str, service: str, weights: str, target_version: int, timeout_s: float = 600.0, keys: PeerKeys | None = None
+    broker: str,
+    service: str,
+    weights: str,
+    target_version: int,
+    timeout_s: float = 600.0,
+    keys: PeerKeys | None = None,
+    at_once: int | None = None,
 ) -> UpdateReport:
     """Every worker of ``service`` at the broker's rank endpoint ``broker`` loads ``weights`` and serves them as
-    ``target_version``; the report says how each went. Raises RemoteTargetError when the broker refuses (no such
-    service), RemoteTargetTimeout when no report comes within ``timeout_s``."""
-    return _update(broker, UpdateTarget(request_id=0, service=service, weights=weights, target_version=target_version), timeout_s, keys)
+    ``target_version``, ``at_once`` at a time (None: all together); the report says how each went. Raises
+    RemoteTargetError when the broker refuses (no such service), RemoteTargetTimeout when no report comes within
+    ``timeout_s``."""
+    return _update(broker, _request(service=service, weights=weights, target_version=target_version, at_once=at_once), timeout_s, keys)
+
+
+def _request(**fields: object) -> UpdateTarget:
+    """The update asked for; a UsageError in one line naming each wrong argument (a version below 0, at_once 0)."""
+    try:
+        return UpdateTarget(request_id=0, **fields)
+    except ValidationError as exc:
+        raise UsageError(f"the update cannot be asked for: {problems(exc)}") from None
 
 
 def _update(broker: str, request: UpdateTarget, timeout_s: float, keys: PeerKeys | None) -> UpdateReport:
@@ -71,12 +88,14 @@ def publish_weights(
     chunk_bytes: int = DEFAULT_TRANSFER_CHUNK_BYTES,
     endpoint: str | None = None,
     keys: PeerKeys | None = None,
+    at_once: int | None = None,
 ) -> UpdateReport:
     """Every worker of ``service`` takes ``tensors`` (any subset of the target's, by their state-dict names, straight
     from this process's memory) and serves them as ``target_version``, as RL frameworks push weights to their rollout
     engines. The workers pull them from a socket this call opens (``endpoint``: default, this host's address towards
     the broker, on a free port), in pieces of ``chunk_bytes``, each at its own pace; nothing is copied whole, and a
-    device tensor is copied to the host a piece at a time. Returns when every worker told has answered or left."""
+    device tensor is copied to the host a piece at a time. ``at_once`` of the workers load at a time, the others serving
+    meanwhile (None: all together). Returns when every worker told has answered or left."""
     if keys is not None:
         raise ValueError("publish_weights does not encrypt its socket yet: on a secure deployment, write the weights to a file and use update_target")
     from draftfeed.dataplane.weights.publisher import WeightsPublisher
@@ -84,7 +103,8 @@ def publish_weights(
     publisher = WeightsPublisher(tensors, endpoint=endpoint or f"tcp://{local_address_towards(broker)}:*", chunk_bytes=chunk_bytes)
     publisher.start()
     try:
-        return _update(broker, UpdateTarget(request_id=0, service=service, source=publisher.endpoint, target_version=target_version), timeout_s, keys)
+        request = _request(service=service, source=publisher.endpoint, target_version=target_version, at_once=at_once)
+        return _update(broker, request, timeout_s, keys)
     finally:
         publisher.stop()
 

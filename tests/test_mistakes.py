@@ -67,6 +67,9 @@ def test_endpoints_ports_levels_and_devices_are_checked(cluster_with_worker, tin
     for flag, value, words in (("--max-seq-len", "0", "at least 1"), ("--chunk-tokens", "-1", "or 0 to compute every batch whole")):
         result = draftfeed_cli("launch", "worker", "--broker", "tcp://127.0.0.1:9", "--target", str(tiny_target), flag, value)
         one_line(result, 2, f"{flag} {value}:", words)
+    update = ("target", "update", "--broker", "tcp://127.0.0.1:9", "--service", "s", "--weights", "/w")
+    one_line(draftfeed_cli(*update, "--version", "1", "--at-once", "0"), 2, "at_once 0: input should be greater than or equal to 1")
+    one_line(draftfeed_cli(*update, "--version", "-1"), 2, "target_version -1: input should be greater than or equal to 0")
     if not torch.cuda.is_available():
         cuda = draftfeed_cli("launch", "worker", "--broker", "tcp://127.0.0.1:9", "--target", str(tiny_target), "--device", "cuda:0")
         one_line(cuda, 2, "--device cuda:0:", "use --device cpu on this machine")

@@ -87,3 +87,25 @@ def test_a_request_whose_worker_changed_version_since_goes_back_uncharged(state)
     out = state.on_done(peer, Done(ticket=dispatch.ticket, outcome="version_changed", message="serves 2 now"))
     assert dispatches(out) and dispatches(out)[0][1].request.request_id == 0  # w1 still says version 1 here: it goes again
     assert state.ranks[b"r"].requests[0].failures == 0 and state.status()["requeues"] == {"version_changed": 1}
+
+
+def test_an_update_one_at_a_time_lets_the_others_serve_the_latest_meanwhile(state):
+    """``at_once=1``: one worker loads while the others serve; a worker told takes no work until it answers, and a
+    rank that takes the latest version gets the old one from the others meanwhile and the new one from the first
+    worker done. The next worker is told as the previous answers, and one that leaves before its turn is reported."""
+    hello(state, "r", window=8)
+    workers_at(state, {"w1": 0, "w2": 0, "w3": 0})
+    out = state.on_update_target(b"trainer", UpdateTarget(request_id=3, service="svc", weights="/w", target_version=1, at_once=1))
+    assert [item.peer for item in out if item.side == "backend"] == [b"w1"]
+    latest = VersionWanted(minimum=0, policy="latest")
+    assert [peer for peer, _ in dispatches(submit(state, "r", 0, target_version=latest))] in ([b"w2"], [b"w3"])  # not w1: it loads
+    update = only(backend(out), UpdateWeights)[0].update
+    out = state.on_weights_updated(b"w1", WeightsUpdated(update=update, ok=True, target_version=1, checkpoint="/w"))
+    assert [name for name in ("w1", "w2", "w3") if only(backend(out, name), UpdateWeights)] == ["w2"]
+    assert [peer for peer, _ in dispatches(submit(state, "r", 1, target_version=latest))] == [b"w1"]  # the newest now
+    out = state.on_worker_bye(b"w3")  # before its turn
+    assert not frontend(out)
+    out = state.on_weights_updated(b"w2", WeightsUpdated(update=update, ok=True, target_version=1, checkpoint="/w"))
+    (report,) = only(frontend(out), UpdateReport)
+    assert [(r.worker, r.ok) for r in report.workers] == [("w1", True), ("w2", True), ("w3", False)]
+    assert "left before its turn" in report.workers[2].message

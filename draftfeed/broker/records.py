@@ -194,10 +194,11 @@ class WorkerRecord:
     removed: bool = False  # it left its service
     target_version: int = 0  # the version of the target's weights it serves (its registration's, then updates': versions.py)
     checkpoint: str | None = None  # where those weights came from
+    updating: bool = False  # told to load an update and not answered yet: it is given no work meanwhile (versions.py)
 
     @property
     def free_credits(self) -> int:
-        return 0 if self.draining else self.registration.capacity - len(self.in_flight)
+        return 0 if self.draining or self.updating else self.registration.capacity - len(self.in_flight)
 
     @property
     def name(self) -> str:

@@ -7,14 +7,18 @@ live workers when it is dispatched. The scheduler gives it only to a worker whos
 worker fits waits in its queue, and the rank that asks where it is hears why (``waiting_note``).
 
 An ``update_target`` goes to every worker of the service below the new version (one at or above it keeps what it
-serves, and the report says so); the broker answers its sender once each of them has said how it went, or has left.
-A worker that took the update serves the new version from then on: requests that wait for it are dispatched at once.
+serves, and the report says so): to all at once, or ``at_once`` at a time, the next told as soon as one answers or
+leaves, so that the others serve meanwhile. A worker told is given no work until it answers (``WorkerRecord.updating``):
+what it holds is computed before the update, and nothing waits in its queue while it loads. The broker answers the
+update's sender once each worker has said how it went, or has left. A worker that took the update serves the new
+version from then on: requests that wait for it are dispatched at once.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 
 from draftfeed.broker.records import Outgoing, ServiceRecord, WorkerRecord, to_rank, to_worker
@@ -48,11 +52,14 @@ def waiting_note(wanted: VersionWanted | None, service: ServiceRecord) -> str | 
 
 @dataclass
 class Update:
-    """One ``update_target`` in progress: who asked, and the workers yet to answer."""
+    """One ``update_target`` in progress: who asked, the workers told and not answered, those not told yet."""
 
     requester: bytes
     request: UpdateTarget
+    told: UpdateWeights  # what each worker is told
+    service: ServiceRecord
     waiting: dict[bytes, str] = field(default_factory=dict)  # worker peer -> name
+    queued: deque[WorkerRecord] = field(default_factory=deque)  # their turn comes as others answer (at_once)
     results: list[WorkerUpdate] = field(default_factory=list)
 
 
@@ -62,52 +69,82 @@ class UpdateBook:
         self._ids = itertools.count()
 
     def start(self, requester: bytes, message: UpdateTarget, service: ServiceRecord | None) -> list[Outgoing]:
-        """Tell every worker of the service below the new version to load it; answer at once if none is."""
+        """Tell the service's workers below the new version to load it, ``at_once`` at a time; answer at once if none
+        is below it."""
         if service is None or not service.workers:
             why = f"service {message.service!r} has no workers to update"
             return [to_rank(requester, ErrorReply(request_id=message.request_id, message=why, code="refused"))]
-        update = Update(requester, message)
-        out: list[Outgoing] = []
         number = next(self._ids)
+        told = UpdateWeights(update=number, weights=message.weights, source=message.source, target_version=message.target_version)
+        update = Update(requester, message, told, service)
         for worker in service.workers.values():
             if worker.target_version >= message.target_version:
                 why = f"serves version {worker.target_version} already, not older than {message.target_version}: left as it is"
                 update.results.append(WorkerUpdate(worker=worker.name, ok=False, target_version=worker.target_version, message=why))
-                continue
-            update.waiting[worker.peer] = worker.name
-            told = UpdateWeights(update=number, weights=message.weights, source=message.source, target_version=message.target_version)
-            out.append(to_worker(worker.peer, told))
+            else:
+                update.queued.append(worker)
         log.info(
-            "broker: update of service %r to version %d from %s: %d workers told", message.service, message.target_version, message.origin, len(out)
+            "broker: update of service %r to version %d from %s: %d workers to tell, %s at a time",
+            message.service,
+            message.target_version,
+            message.origin,
+            len(update.queued),
+            message.at_once or "all",
         )
+        out = self._tell_next(update)
         if not update.waiting:
             return out + self._report(update)
         self._updates[number] = update
         return out
 
     def answered(self, worker: WorkerRecord, message: WeightsUpdated) -> list[Outgoing]:
-        """A worker said how its update went: its version is what it says it serves now."""
+        """A worker said how its update went: its version is what it says it serves now, and it takes work again."""
         worker.target_version = message.target_version
         if message.ok:
             worker.checkpoint = message.checkpoint
         update = self._updates.get(message.update)
         if update is None or update.waiting.pop(worker.peer, None) is None:
             return []
+        self._untold(update, worker)
         update.results.append(WorkerUpdate(worker=worker.name, ok=message.ok, target_version=message.target_version, message=message.message))
-        return self._finish_if_done(message.update, update)
+        return self._tell_next(update) + self._finish_if_done(message.update, update)
 
     def worker_left(self, worker: WorkerRecord) -> list[Outgoing]:
-        """A worker left with updates unanswered: each counts it as not updated."""
+        """A worker left with updates unanswered or not yet told: each counts it as not updated."""
         out: list[Outgoing] = []
         for number, update in list(self._updates.items()):
             if update.waiting.pop(worker.peer, None) is not None:
                 why = "left before it answered (its update, if it took one, left with it)"
-                update.results.append(WorkerUpdate(worker=worker.name, ok=False, target_version=worker.target_version, message=why))
-                out.extend(self._finish_if_done(number, update))
+            elif any(queued.peer == worker.peer for queued in update.queued):
+                update.queued = deque(queued for queued in update.queued if queued.peer != worker.peer)
+                why = "left before its turn to update"
+            else:
+                continue
+            update.results.append(WorkerUpdate(worker=worker.name, ok=False, target_version=worker.target_version, message=why))
+            out.extend(self._tell_next(update))
+            out.extend(self._finish_if_done(number, update))
         return out
 
+    @staticmethod
+    def _tell_next(update: Update) -> list[Outgoing]:
+        """Tell queued workers to load the update until ``at_once`` of them are loading; each takes no work meanwhile."""
+        limit = update.request.at_once or len(update.queued) + len(update.waiting)
+        out: list[Outgoing] = []
+        while update.queued and len(update.waiting) < limit:
+            worker = update.queued.popleft()
+            update.waiting[worker.peer] = worker.name
+            worker.updating = True
+            update.service.credits_changed(worker)
+            out.append(to_worker(worker.peer, update.told))
+        return out
+
+    @staticmethod
+    def _untold(update: Update, worker: WorkerRecord) -> None:
+        worker.updating = False
+        update.service.credits_changed(worker)
+
     def _finish_if_done(self, number: int, update: Update) -> list[Outgoing]:
-        if update.waiting:
+        if update.waiting or update.queued:
             return []
         del self._updates[number]
         return self._report(update)

@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--weights", required=True, help="a safetensors file, or a folder of them, on the workers' filesystem: any subset of the target's tensors"
     )
     update.add_argument("--version", type=int, required=True, help="the target version they serve from then on (newer than what they serve)")
+    update.add_argument(
+        "--at-once", type=int, default=None, help="how many workers load at a time, the others serving meanwhile (default: all together)"
+    )
     update.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for every worker's answer")
     flags.add_flags(update, PeerKeyFiles)
 

@@ -114,6 +114,9 @@ class UpdateTarget(Strict):
     weights: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
     source: Name | None = None
     target_version: TargetVersion
+    # How many of the service's workers load at a time, the others serving meanwhile (a rank that takes the latest
+    # version then never waits for the update); None: all at once (the soonest every worker serves the new version).
+    at_once: Annotated[int, Field(ge=1, le=1 << 16)] | None = None
 
     @model_validator(mode="after")
     def _one_origin(self) -> Self:
