@@ -6,7 +6,8 @@ folder of them on the worker's filesystem, or pulled from a publisher's memory (
 file, every tensor is checked before any is copied: its name must be one of the target's, its shape and dtype the
 same, and, unless the worker skips the finite check, every value finite; the first that is not is named in one line
 (``UpdateRefused``) and nothing changes. Then each is copied into its place; a tensor sharded over a tensor-parallel
-group (a DTensor) takes its own shard of the file's whole tensor, on every process of the group.
+group (a DTensor) takes its own shard of the whole tensor (dataplane/weights/place.py), on every process of the group,
+each of which reads the file, or pulls the update, itself.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from draftfeed.dataplane.weights.place import place
 from draftfeed.dataplane.weights.worker import UpdateBroken, UpdateRefused, pull_update, tensor_problem
 from draftfeed.schemas.messages import UpdateWeights
 
@@ -51,29 +53,17 @@ def update_problem(current: Mapping[str, torch.Tensor], new: Mapping[str, torch.
     return None
 
 
-@torch.no_grad()
 def apply_update(current: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> None:
     """Copy each of ``new`` into its tensor of ``current`` (checked first: ``update_problem``); a DTensor takes its own
-    shard of the whole tensor, cut here (every process of its group holds the whole tensor read from the file)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
+    shard of the whole tensor (every process of its group holds the whole tensor read from the file)."""
     for name, tensor in new.items():
-        held = current[name]
-        if isinstance(held, DTensor):
-            shard = distribute_tensor(tensor.to(held.device), held.device_mesh, held.placements, src_data_rank=None)
-            held.to_local().copy_(shard.to_local())
-        else:
-            held.copy_(tensor)
+        place(current[name], tensor)
 
 
 def load_update(current: Mapping[str, torch.Tensor], message: UpdateWeights, check_finite: bool, timeout_s: float) -> None:
     """The update ``message`` names, into ``current`` in place: UpdateRefused when nothing was written, UpdateBroken when
     a pull broke off after some was (``timeout_s``: the longest wait for one part of a pulled update)."""
     if message.source is not None:
-        from torch.distributed.tensor import DTensor
-
-        if any(isinstance(tensor, DTensor) for tensor in current.values()):
-            raise UpdateRefused("a tensor-parallel worker does not pull weights from a publisher yet: write them to a file and use update_target")
         pull_update(message.source, message.update, current, check_finite, timeout_s)
         return
     new = read_update(message.weights or "")

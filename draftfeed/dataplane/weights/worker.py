@@ -3,9 +3,11 @@
 The manifest comes first, page by page, and every tensor it names is checked against the target's (name, shape,
 dtype, contiguous) before any byte is written: a mismatch leaves the target as it was (``UpdateRefused``). Then the
 pieces come one at a time, each checked finite (a piece holds whole elements: its size is a multiple of 8 bytes) and
-written into its place, the next few asked for meanwhile: memory beyond the target's own is those few pieces. A fault after the
-first write (the publisher gone, a NaN in a later piece) leaves a mixture of versions (``UpdateBroken``): the worker
-must not serve it, and leaves."""
+written into its place, the next few asked for meanwhile: memory beyond the target's own is those few pieces. A tensor
+sharded over a tensor-parallel group (a DTensor) is staged whole on the host while its pieces come, and keeps its own
+shard once its last piece is in (place.py): every process of the group pulls the whole update itself, and holds at
+most one whole tensor more. A fault after the first write (the publisher gone, a NaN in a later piece) leaves a
+mixture of versions (``UpdateBroken``): the worker must not serve it, and leaves."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ import torch
 import zmq
 
 from draftfeed.dataplane.frames.codec import DTYPES
-from draftfeed.dataplane.weights.plan import plan
+from draftfeed.dataplane.weights.place import is_sharded, local, place
+from draftfeed.dataplane.weights.plan import Piece, plan
 from draftfeed.schemas.frames import pack, unpack
 from draftfeed.schemas.messages import MANIFEST_PAGE, WEIGHTS_OUTBOUND, ErrorReply, TensorSpec, WeightsManifest, WeightsPiece, WeightsPull
 from draftfeed.schemas.tensor_specs import frame_buffer
@@ -52,7 +55,7 @@ def spec_problem(current: Mapping[str, torch.Tensor], specs: list[TensorSpec]) -
     for spec in specs:
         if (problem := tensor_problem(current, spec.name, spec.shape, DTYPES.get(spec.dtype))) is not None:
             return problem
-        if not current[spec.name].is_contiguous():
+        if not local(current[spec.name]).is_contiguous():
             return f"tensor {spec.name}: the target's is not contiguous and cannot be written in place"
     return None
 
@@ -97,7 +100,6 @@ def pull_update(source: str, update: int, current: Mapping[str, torch.Tensor], c
     """Pull update ``update`` from ``source`` into ``current`` (the target's tensors by name, in place); the bytes
     written. UpdateRefused before any write, UpdateBroken after."""
     puller = _Puller(source, update, timeout_s)
-    written = 0
     try:
         try:
             manifest, _ = puller.ask("manifest", 0)
@@ -112,32 +114,60 @@ def pull_update(source: str, update: int, current: Mapping[str, torch.Tensor], c
         problem = spec_problem(current, specs) if chunk_bytes % 8 == 0 else f"pieces of {chunk_bytes} bytes, not a multiple of 8"
         if problem is not None:
             raise UpdateRefused(problem)
-        targets = [current[spec.name].view(-1).view(torch.uint8) for spec in specs]
         pieces = plan(specs, chunk_bytes)
+        writer = _Writer([current[spec.name] for spec in specs], pieces)
         for index in range(min(AHEAD, len(pieces))):  # a few pieces asked for ahead: the wire never waits on the writes
             puller.send("piece", index)
         for index, piece in enumerate(pieces):
             try:
                 reply, frames = puller.receive()
             except (ConnectionError, TimeoutError) as exc:
-                raise _broken_or_refused(written, str(exc)) from None
+                raise _broken_or_refused(writer.written, str(exc)) from None
             if index + AHEAD < len(pieces):
                 puller.send("piece", index + AHEAD)
             if not isinstance(reply, WeightsPiece) or reply.index != index:
-                raise _broken_or_refused(written, f"piece {index} was due, the publisher sent {reply}")
+                raise _broken_or_refused(writer.written, f"piece {index} was due, the publisher sent {reply}")
             if len(frames) != 1:
-                raise _broken_or_refused(written, f"piece {index}: {len(frames)} frames where one was due")
+                raise _broken_or_refused(writer.written, f"piece {index}: {len(frames)} frames where one was due")
             data = torch.frombuffer(frame_buffer(frames[0]), dtype=torch.uint8)
             spec = specs[piece.tensor]
             if data.numel() != piece.nbytes:
-                raise _broken_or_refused(written, f"tensor {spec.name}: a piece of {data.numel()} bytes where {piece.nbytes} were due")
+                raise _broken_or_refused(writer.written, f"tensor {spec.name}: a piece of {data.numel()} bytes where {piece.nbytes} were due")
             if check_finite and (why := _not_finite(spec, data)) is not None:
-                raise _broken_or_refused(written, why)
-            targets[piece.tensor][piece.offset : piece.offset + piece.nbytes].copy_(data)
-            written += piece.nbytes
-        return written
+                raise _broken_or_refused(writer.written, why)
+            writer.write(index, data)
+        return writer.written
     finally:
         puller.close()
+
+
+class _Writer:
+    """Where each piece goes: straight into its tensor's bytes, or, for a DTensor, into a host copy of the whole tensor,
+    placed (the process's own shard kept) once the last piece of that tensor is in. ``written``: the update's bytes in
+    their place so far (a DTensor's count once it is placed)."""
+
+    def __init__(self, held: list[torch.Tensor], pieces: list[Piece]) -> None:
+        self.held, self.pieces = held, pieces
+        self.flat = [None if is_sharded(tensor) else tensor.view(-1).view(torch.uint8) for tensor in held]
+        self.staged: torch.Tensor | None = None
+        self.written = 0
+
+    def write(self, index: int, data: torch.Tensor) -> None:
+        piece = self.pieces[index]
+        flat = self.flat[piece.tensor]
+        if flat is not None:
+            flat[piece.offset : piece.offset + piece.nbytes].copy_(data)
+            self.written += piece.nbytes
+            return
+        held = self.held[piece.tensor]
+        if piece.offset == 0:
+            self.staged = torch.empty(held.numel() * held.element_size(), dtype=torch.uint8)
+        assert self.staged is not None
+        self.staged[piece.offset : piece.offset + piece.nbytes].copy_(data)
+        if piece.offset + piece.nbytes == self.staged.numel():
+            place(held, self.staged.view(held.dtype).view(held.shape))
+            self.written += self.staged.numel()
+            self.staged = None
 
 
 def _broken_or_refused(written: int, why: str) -> Exception:
