@@ -124,6 +124,34 @@ def test_an_update_in_place_reaches_every_rank_of_a_tensor_parallel_worker(servi
         assert services.worker_status(f"{service}-0")["target_version"] == version
 
 
+def test_a_published_update_reaches_every_rank_of_a_tensor_parallel_worker(services, reference, tp_targets):
+    """The same through ``publish_weights`` (issue 48): every process of the worker pulls the update from the test's
+    memory itself, in 4 KiB pieces, and keeps its own shard of each tensor once its last piece is in. A step that
+    changes layer 2 and lm_head makes the supervision differ from the plan's reference, and lm_head gathered from both
+    shards equals the published one; the original weights published back as the next version make both equal to the
+    reference again, bit for bit, every batch labelled with its version."""
+    from safetensors.torch import load_file
+
+    from draftfeed import publish_weights
+
+    saved = load_file(str(tp_targets["llama"] / "model.safetensors"))
+    original = {name: t for name, t in saved.items() if ".layers.2." in name or name == "lm_head.weight"}
+    service, batch = "tp-llama-eagle3", batches()["plain-0"]
+    version = services.worker_status(f"{service}-0")["target_version"]
+    for weights, tensors in (("step", {name: t + 0.05 for name, t in original.items()}), ("back", original)):
+        version += 1
+        (result,) = publish_weights(services.frontend, service, tensors, version, chunk_bytes=4096, timeout_s=120).workers
+        assert result.ok and result.target_version == version, result
+        with RemoteEagle3Target(services.frontend, service, min_target_version=version) as remote:
+            supervision = remote.generate_batch(**batch)
+            assert torch.equal(remote.get_output_embeddings().weight, tensors["lm_head.weight"]), f"version {version}: lm_head's shards"
+        assert supervision.target_version == version
+        same = torch.equal(supervision.aux_hidden_states, expected(reference, "llama", "eagle3", "plain-0")["aux_hidden_states"])
+        assert same == (weights == "back"), f"version {version} ({weights}): equal to the original plan's supervision: {same}"
+        status = services.worker_status(f"{service}-0")
+        assert status["target_version"] == version and status["checkpoint"].startswith("published by tcp://"), status
+
+
 def test_status_health_and_metrics_say_tensor_parallel_2(services, http_port):
     from draftfeed.observe.status_client import format_status
 
