@@ -142,6 +142,81 @@ def test_two_nodes_equal_the_same_plan_on_one_machine(hosts_available, tp_target
             show(started)
 
 
+# The policy trainer and a rank in one process on the head host (the test's own process is on none of the hosts): each
+# step updates the service from a file (update_target) or publishes the file's tensors from this process's memory on
+# the head's address (publish_weights), then asks for a batch at that version and gathers lm_head; saves both in OUT
+# (keys VERSION/FIELD, lm_head/VERSION) and prints each step's report and label, as JSON.
+UPDATES = """
+import json, sys
+from safetensors.torch import load_file, save_file
+from tp_reference import batches
+import draftfeed
+
+broker, service, head, out, steps = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], json.loads(sys.argv[5])
+received, said = {}, []
+for how, path, version in steps:
+    if how == "file":
+        report = draftfeed.update_target(broker, service, path, version, timeout_s=120)
+    else:
+        tensors = load_file(path)
+        report = draftfeed.publish_weights(broker, service, tensors, version, chunk_bytes=4096, timeout_s=120, endpoint=f"tcp://{head}:*")
+    with draftfeed.RemoteEagle3Target(broker, service, min_target_version=version, wait_for_workers=60) as remote:
+        supervision = remote.generate_batch(**batches()["plain-0"])
+        received[f"lm_head/{version}"] = remote.get_output_embeddings().weight.contiguous().clone()
+    received |= {f"{version}/{field}": tensor.contiguous().clone() for field, tensor in supervision.as_dict().items()}
+    said.append({"workers": [[r.ok, r.target_version] for r in report.workers], "label": supervision.target_version})
+save_file(received, out)
+print(json.dumps(said))
+"""
+
+
+def test_updates_from_a_file_and_from_a_publisher_reach_both_nodes(hosts_available, tp_targets, reference, tmp_path):
+    """A two-node worker takes weight updates in place (issue 48) from a file every process reads, and published from
+    a trainer's memory on a third host, which every process pulls itself over the bridge: a step that changes layer 2
+    and lm_head from a file, the original weights back published, a published step, the original back from a file.
+    Each version's batch says it; lm_head gathered from the two nodes' shards equals the version's bit for bit; the
+    supervision differs from the plan's reference at a step and equals it bit for bit with the original weights back."""
+    from safetensors.torch import load_file, save_file
+
+    saved = load_file(str(tp_targets["llama"] / "model.safetensors"))
+    original = {name: t for name, t in saved.items() if ".layers.2." in name or name == "lm_head.weight"}
+    save_file({name: t + 0.05 for name, t in original.items()}, str(tmp_path / "step.safetensors"))
+    save_file(original, str(tmp_path / "back.safetensors"))
+    steps = [("file", "step", 1), ("publish", "back", 2), ("publish", "step", 3), ("file", "back", 4)]
+    with Hosts(["head", "node-0", "node-1"]) as hosts:
+        started: list[commands.Process] = []
+        try:
+            broker = commands.start_broker(hosts.address("head"), prefix=hosts.command("head"))
+            started.append(broker)
+            args = ["--service", "nodes-updates", "--task", "eagle3"]
+            nodes = start_all(
+                lambda: start_node(hosts, broker, tp_targets["llama"], 0, *args),
+                lambda: start_node(hosts, broker, tp_targets["llama"], 1, *args),
+            )
+            started += nodes
+            out = tmp_path / "updates.safetensors"
+            wire = json.dumps([[how, str(tmp_path / f"{weights}.safetensors"), version] for how, weights, version in steps])
+            command = [*hosts.command("head"), sys.executable, "-c", UPDATES, broker.ready["frontend"], "nodes-updates", hosts.address("head")]
+            done = subprocess.run([*command, str(out), wire], capture_output=True, text=True, timeout=240, env={**_env(), **WORKER_ENV})
+            assert done.returncode == 0, done.stderr[-3000:]
+            said, got = json.loads(done.stdout.strip().splitlines()[-1]), load_file(out)
+            assert said == [{"workers": [[True, version]], "label": version} for _how, _weights, version in steps], said
+            want = expected(reference, "llama", "eagle3", "plain-0")
+            for how, weights, version in steps:
+                lm_head = original["lm_head.weight"] + 0.05 if weights == "step" else original["lm_head.weight"]
+                assert torch.equal(got[f"lm_head/{version}"], lm_head), f"version {version} ({how}): lm_head's shards"
+                if weights == "back":
+                    assert_supervision_equal(Supervision(received(got, str(version))), want)
+                else:
+                    assert not torch.equal(got[f"{version}/aux_hidden_states"], want["aux_hidden_states"]), f"version {version} ({how})"
+            for node in reversed(nodes):  # SIGTERM on node 0 stops node 1 too
+                assert node.stop(timeout_s=30) == 0, "\n".join(node.log_tail[-20:])
+        finally:
+            for process in started:
+                process.stop(timeout_s=5)
+            show(started)
+
+
 @pytest.mark.long  # the hf engine's two nodes run in the suite; this one is sglang's stand-in over the same path
 def test_sglang_over_two_nodes_meets_at_node_0(hosts_available, tiny_target, tiny_model, tmp_path):
     """The sglang engine across machines, against the FAKE sglang (tests/fake_sglang: sglang cannot be installed here):
