@@ -77,6 +77,7 @@ class Update(Strict):
     call: Annotated[int, Field(ge=0)]
     message: UpdateWeights
     check_finite: bool
+    timeout_s: Annotated[float, Field(gt=0)]  # the longest wait for one part of a pulled update (--update-timeout)
 
 
 class Stop(Strict):

@@ -309,7 +309,8 @@ class TensorParallelEngine:
         gathered before are gathered again."""
         if getattr(self.inner, "update_weights", None) is None:
             raise UpdateRefused(f"engine {self.inner.name} cannot load weights in place yet: restart the worker with --target-version")
-        self._call(Update(call=0, message=message, check_finite=check_finite), lambda: self.inner.update_weights(message, check_finite))
+        command = Update(call=0, message=message, check_finite=check_finite, timeout_s=timeout_s)
+        self._call(command, lambda: self.inner.update_weights(message, check_finite, timeout_s))
         self._weights.clear()
 
     def input_embeddings(self) -> torch.Tensor:

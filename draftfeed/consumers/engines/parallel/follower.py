@@ -69,7 +69,7 @@ def serve(engine: Engine, channel: FollowerChannel) -> None:
 
 def call(engine: Engine, command: Prepare | Forward | Weight | Update, tensors: dict[str, torch.Tensor]) -> None:
     if isinstance(command, Update):
-        engine.update_weights(command.message, command.check_finite)  # type: ignore[attr-defined]
+        engine.update_weights(command.message, command.check_finite, command.timeout_s)  # type: ignore[attr-defined]
     elif isinstance(command, Prepare):
         engine.prepare([capture_of(c) for c in command.captures])
     elif isinstance(command, Weight):
