@@ -89,18 +89,25 @@ def publish_weights(
     endpoint: str | None = None,
     keys: PeerKeys | None = None,
     at_once: int | None = None,
+    nixl: bool | None = None,
 ) -> UpdateReport:
     """Every worker of ``service`` takes ``tensors`` (any subset of the target's, by their state-dict names, straight
     from this process's memory) and serves them as ``target_version``, as RL frameworks push weights to their rollout
     engines. The workers pull them from a socket this call opens (``endpoint``: default, this host's address towards
     the broker, on a free port), in pieces of ``chunk_bytes``, each at its own pace; nothing is copied whole, and a
     device tensor is copied to the host a piece at a time. ``at_once`` of the workers load at a time, the others serving
-    meanwhile (None: all together). Returns when every worker told has answered or left."""
+    meanwhile (None: all together). ``nixl``: also offer the tensors to NIXL, so that a worker that has it reads them
+    one-sided (RDMA, GPU memory directly) instead of pulling frames; None: when NIXL is installed here. Returns when
+    every worker told has answered or left."""
     if keys is not None:
         raise ValueError("publish_weights does not encrypt its socket yet: on a secure deployment, write the weights to a file and use update_target")
+    from draftfeed.dataplane.nixl.transport import unavailable
     from draftfeed.dataplane.weights.publisher import WeightsPublisher
 
-    publisher = WeightsPublisher(tensors, endpoint=endpoint or f"tcp://{local_address_towards(broker)}:*", chunk_bytes=chunk_bytes)
+    if nixl and (why := unavailable()) is not None:
+        raise UsageError(f"publish_weights(nixl=True): {why}")
+    offer = unavailable() is None if nixl is None else nixl
+    publisher = WeightsPublisher(tensors, endpoint=endpoint or f"tcp://{local_address_towards(broker)}:*", chunk_bytes=chunk_bytes, nixl=offer)
     publisher.start()
     try:
         request = _request(service=service, source=publisher.endpoint, target_version=target_version, at_once=at_once)

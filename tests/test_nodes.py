@@ -29,6 +29,7 @@ from support.tensor_parallel import SERVED, expected, shared_tensor_parallel_ref
 
 from draftfeed.bench.hosts import Hosts
 from draftfeed.consumers.nodes import describe_difference, fingerprint, node_plan
+from draftfeed.dataplane.nixl.transport import unavailable
 from draftfeed.processes import commands
 from draftfeed.tiny import build_tiny_target
 
@@ -209,6 +210,9 @@ def test_updates_from_a_file_and_from_a_publisher_reach_both_nodes(hosts_availab
                     assert_supervision_equal(Supervision(received(got, str(version))), want)
                 else:
                     assert not torch.equal(got[f"{version}/aux_hidden_states"], want["aux_hidden_states"]), f"version {version} ({how})"
+            if unavailable() is None:  # the published pieces are read over NIXL, across the bridge, by every process
+                for node in nodes:
+                    assert sum("read over NIXL" in line for line in node.log_tail) == 2, "\n".join(node.log_tail[-20:])
             for node in reversed(nodes):  # SIGTERM on node 0 stops node 1 too
                 assert node.stop(timeout_s=30) == 0, "\n".join(node.log_tail[-20:])
         finally:

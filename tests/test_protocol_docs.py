@@ -18,6 +18,8 @@ from draftfeed.schemas.messages import (
     DATA_OUTBOUND,
     FRONTEND_INBOUND,
     FRONTEND_OUTBOUND,
+    WEIGHTS_INBOUND,
+    WEIGHTS_OUTBOUND,
     TargetInfo,
 )
 
@@ -31,6 +33,8 @@ TABLES = {
     "### Broker → worker (backend)": BACKEND_OUTBOUND,
     "### Worker → rank (data)": DATA_INBOUND,
     "### Rank → worker (data, back on the worker's connection)": DATA_OUTBOUND,
+    "### Worker → weights publisher (the socket `publish_weights` opens)": WEIGHTS_INBOUND,
+    "### Weights publisher → worker": WEIGHTS_OUTBOUND,
 }
 SOCKETS = list(TABLES.values())
 

@@ -109,7 +109,7 @@ def test_a_bad_update_is_refused_naming_the_tensor_and_the_worker_serves_on(vers
 
 def test_a_policy_trainer_publishes_each_step_from_its_memory_and_every_batch_is_exact_at_its_version(versioned, tiny_target):
     """The test is the policy trainer: each step it changes two layers (seeded) and publishes them as the next version
-    from its memory (``publish_weights``, pulled by the worker in pieces of 4 KiB); the rank asks for that version or
+    from its memory (``publish_weights``, in pieces of 4 KiB, read over NIXL where installed); the rank asks for that version or
     newer, and every batch it gets says it and equals an in-process target holding exactly those weights."""
     from draftfeed import publish_weights
 
@@ -138,7 +138,8 @@ def test_a_policy_trainer_publishes_each_step_from_its_memory_and_every_batch_is
 def test_a_published_update_is_checked_before_any_byte_and_one_broken_off_makes_the_worker_leave(versioned, cluster, tiny_target):
     """A wrong shape announced by the publisher: refused before any byte is written, the worker serves on at its
     version. A publisher that stops answering after some pieces were written: the worker holds a mixture of versions,
-    so it says why and leaves (its own service here), and the broker serves nothing from it again."""
+    so it says why and leaves (its own service here), and the broker serves nothing from it again. (Pieces as frames
+    here: the test stops the socket's answers; NIXL reads are tests/test_weights_plane.py's.)"""
     from draftfeed import publish_weights
     from draftfeed.dataplane.weights import publisher as publishing
 
@@ -160,7 +161,7 @@ def test_a_published_update_is_checked_before_any_byte_and_one_broken_off_makes_
     publishing.WeightsPublisher._answer = stop_after_three_pieces
     try:
         step = {name: tensor + 1 for name, tensor in local.named_weights().items() if ".layers.2." in name}
-        (result,) = publish_weights(cluster.frontend, "breaks", step, 1, chunk_bytes=4096, timeout_s=120).workers
+        (result,) = publish_weights(cluster.frontend, "breaks", step, 1, chunk_bytes=4096, timeout_s=120, nixl=False).workers
     finally:
         publishing.WeightsPublisher._answer = answer
     assert not result.ok and result.target_version == 0, result
@@ -204,7 +205,7 @@ def test_a_worker_killed_mid_update_costs_the_run_nothing_and_an_old_replacement
     reports: list = []
     try:
         publishing_thread = threading.Thread(
-            target=lambda: reports.append(publish_weights(fast_cluster.frontend, "mid", step, 1, chunk_bytes=4096, timeout_s=120))
+            target=lambda: reports.append(publish_weights(fast_cluster.frontend, "mid", step, 1, chunk_bytes=4096, timeout_s=120, nixl=False))
         )
         publishing_thread.start()
         assert both_writing.wait(60), "the two workers never both pulled"

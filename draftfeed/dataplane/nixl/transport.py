@@ -1,4 +1,5 @@
-"""One NIXL agent: registered memory, remote agents, one-sided writes with a notification. The transport alone.
+"""One NIXL agent: registered memory, remote agents, one-sided writes with a notification, one-sided reads. The
+transport alone.
 
 NIXL (https://github.com/ai-dynamo/nixl) moves bytes between registered memory of two agents over its UCX
 backend: RDMA on InfiniBand or RoCE, GPUDirect for CUDA memory, shared memory or TCP where that is all
@@ -75,7 +76,7 @@ def unavailable() -> str | None:
 
 
 class Transfer:
-    """One posted write: poll it until it is done; release it exactly once."""
+    """One posted write or read: poll it until it is done; release it exactly once."""
 
     def __init__(self, agent: NixlAgent, handle: Any, state: str) -> None:
         self._agent, self._handle, self.state = agent, handle, state
@@ -175,6 +176,25 @@ class NixlAgent:
         if state == "ERR":
             transfer.release()
             raise NixlError(f"a NIXL write of {nbytes} bytes to {remote_agent} failed to start")
+        return transfer
+
+    def read(self, local: Sequence[Region], remote: Sequence[Region], remote_agent: str) -> Transfer:
+        """Start one read of each ``remote`` region (inside memory ``remote_agent`` registered) into the ``local``
+        region beside it (inside memory registered here): a worker pulling a weight update (dataplane/weights/)."""
+        if len(local) != len(remote) or not local or any(a.nbytes != b.nbytes for a, b in zip(local, remote)):
+            raise ValueError(f"a read moves equal lengths, not {[r.nbytes for r in remote]} into {[r.nbytes for r in local]}")
+        nbytes = sum(region.nbytes for region in local)
+        try:
+            target = self._agent.get_xfer_descs([(r.address, r.nbytes, r.device) for r in local], local[0].kind)
+            source = self._agent.get_xfer_descs([(r.address, r.nbytes, r.device) for r in remote], remote[0].kind)
+            handle = self._agent.initialize_xfer("READ", target, source, remote_agent, b"")
+            state = self._agent.transfer(handle)
+        except Exception as exc:
+            raise NixlError(f"a NIXL read of {nbytes} bytes from {remote_agent} could not start: {exc}") from exc
+        transfer = Transfer(self, handle, state)
+        if state == "ERR":
+            transfer.release()
+            raise NixlError(f"a NIXL read of {nbytes} bytes from {remote_agent} failed to start")
         return transfer
 
     def notifications(self) -> dict[str, list[bytes]]:

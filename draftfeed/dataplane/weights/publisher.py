@@ -1,6 +1,11 @@
 """The publisher's half: a socket from which workers pull a weight update's manifest and pieces, straight from the
 trainer's tensors (a CPU tensor's bytes are sent without a copy; a device tensor's piece is copied to the host, one
-piece at a time). It serves every worker that connects, each at its own pace, until stopped."""
+piece at a time). It serves every worker that connects, each at its own pace, until stopped.
+
+With ``nixl``, the tensors are also registered with a NIXL agent of the publisher's, and the manifest says where each
+lies: a worker that has NIXL reads the pieces itself, one-sided (RDMA between hosts, GPU memory directly where UCX
+has GPUDirect), and asks the socket only for the manifest and the agent's metadata; one that has not pulls the
+pieces as frames."""
 
 from __future__ import annotations
 
@@ -12,11 +17,20 @@ import torch
 import zmq
 
 from draftfeed.dataplane.frames.codec import encode_specs, flat_bytes
+from draftfeed.dataplane.nixl.memory import Region
 from draftfeed.dataplane.weights.plan import plan
 from draftfeed.net import bind, close_quietly, recv_routed
 from draftfeed.schemas.errors import MalformedMessage
 from draftfeed.schemas.frames import pack, unpack
-from draftfeed.schemas.messages import MANIFEST_PAGE, WEIGHTS_INBOUND, ErrorReply, WeightsManifest, WeightsPiece
+from draftfeed.schemas.messages import (
+    MANIFEST_PAGE,
+    WEIGHTS_INBOUND,
+    ErrorReply,
+    WeightsManifest,
+    WeightsNixl,
+    WeightsPiece,
+    WeightsRegion,
+)
 
 log = logging.getLogger("draftfeed.weights")
 
@@ -26,12 +40,13 @@ class WeightsPublisher(threading.Thread):
     pieces of ``chunk_bytes``, to any worker that pulls; each reply echoes the broker's number of the update that the
     pull names (a socket serves one update)."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], endpoint: str, chunk_bytes: int) -> None:
+    def __init__(self, tensors: Mapping[str, torch.Tensor], endpoint: str, chunk_bytes: int, nixl: bool = False) -> None:
         super().__init__(name="draftfeed-weights-publisher", daemon=True)
         self.tensors = [tensor.detach() if tensor.is_contiguous() else tensor.detach().contiguous() for tensor in tensors.values()]
         self.specs = encode_specs(dict(zip(tensors, self.tensors)))
         self.chunk_bytes = max(8, chunk_bytes - chunk_bytes % 8)  # whole elements in every piece, of any dtype
         self.pieces = plan(self.specs, chunk_bytes)
+        self._nixl = _NixlOffer(self.tensors) if nixl else None
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -47,6 +62,8 @@ class WeightsPublisher(threading.Thread):
         finally:
             close_quietly(self._socket)
             self._context.term()
+            if self._nixl is not None:
+                self._nixl.close()
 
     def stop(self) -> None:
         self._stopping.set()
@@ -58,8 +75,15 @@ class WeightsPublisher(threading.Thread):
             if pull.what == "manifest":
                 first = pull.index * MANIFEST_PAGE
                 page = self.specs[first : first + MANIFEST_PAGE]
-                reply = WeightsManifest(update=pull.update, first=first, total=len(self.specs), chunk_bytes=self.chunk_bytes, tensors=page)
+                offer = (
+                    {} if self._nixl is None else {"nixl_agent": self._nixl.agent.name, "regions": self._nixl.regions[first : first + MANIFEST_PAGE]}
+                )
+                reply = WeightsManifest(update=pull.update, first=first, total=len(self.specs), chunk_bytes=self.chunk_bytes, tensors=page, **offer)
                 self._socket.send_multipart([peer, *pack(reply)])
+            elif pull.what == "nixl":
+                if self._nixl is None:
+                    raise IndexError("this publisher offers no NIXL: pull the pieces")
+                self._socket.send_multipart([peer, *pack(WeightsNixl(update=pull.update, agent=self._nixl.agent.name)), self._nixl.metadata])
             elif pull.what == "piece":
                 piece = self.pieces[pull.index]
                 data = flat_bytes(self.tensors[piece.tensor])[piece.offset : piece.offset + piece.nbytes]
@@ -68,3 +92,30 @@ class WeightsPublisher(threading.Thread):
         except (MalformedMessage, IndexError) as exc:  # a bad pull costs its sender, never the publisher
             log.warning("draftfeed: weights publisher: a bad pull: %s", exc)
             self._socket.send_multipart([peer, *pack(ErrorReply(message=f"weights publisher: {exc}", code="refused"))])
+
+
+class _NixlOffer:
+    """The publisher's NIXL agent with every tensor registered, and where each lies (the manifest's regions)."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        import uuid
+
+        from draftfeed.dataplane.nixl.transport import NixlAgent
+
+        self.agent = NixlAgent(f"draftfeed-weights-{uuid.uuid4().hex[:12]}")
+        self.regions: list[WeightsRegion] = []
+        try:
+            for tensor in tensors:
+                device = (tensor.device.index or 0) if tensor.is_cuda else 0
+                kind = "VRAM" if tensor.is_cuda else "DRAM"
+                region = Region(tensor.data_ptr(), tensor.numel() * tensor.element_size(), device, kind)
+                if region.nbytes:  # an empty tensor has no piece to read
+                    self.agent.register(region)
+                self.regions.append(WeightsRegion(address=region.address, device=device, kind=kind))
+            self.metadata = self.agent.metadata()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self.agent.close()  # deregisters every tensor

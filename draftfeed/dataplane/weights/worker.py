@@ -6,11 +6,13 @@ pieces come one at a time, each checked finite (a piece holds whole elements: it
 written into its place, the next few asked for meanwhile: memory beyond the target's own is those few pieces. A tensor
 sharded over a tensor-parallel group (a DTensor) is staged whole on the host while its pieces come, and keeps its own
 shard once its last piece is in (place.py): every process of the group pulls the whole update itself, and holds at
-most one whole tensor more. A fault after the first write (the publisher gone, a NaN in a later piece) leaves a
+most one whole tensor more. The pieces come as frames on the publisher's socket, or, where the publisher offers NIXL
+and this process has it, are read one-sided from the publisher's memory (nixl_reads.py). A fault after the first write (the publisher gone, a NaN in a later piece) leaves a
 mixture of versions (``UpdateBroken``): the worker must not serve it, and leaves."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 
@@ -18,12 +20,24 @@ import torch
 import zmq
 
 from draftfeed.dataplane.frames.codec import DTYPES
+from draftfeed.dataplane.weights.nixl_reads import NixlReads
 from draftfeed.dataplane.weights.place import is_sharded, local, place
 from draftfeed.dataplane.weights.plan import Piece, plan
-from draftfeed.schemas.frames import pack, unpack
-from draftfeed.schemas.messages import MANIFEST_PAGE, WEIGHTS_OUTBOUND, ErrorReply, TensorSpec, WeightsManifest, WeightsPiece, WeightsPull
+from draftfeed.schemas.frames import frame_bytes, pack, unpack
+from draftfeed.schemas.messages import (
+    MANIFEST_PAGE,
+    WEIGHTS_OUTBOUND,
+    ErrorReply,
+    TensorSpec,
+    WeightsManifest,
+    WeightsNixl,
+    WeightsPiece,
+    WeightsPull,
+    WeightsRegion,
+)
 from draftfeed.schemas.tensor_specs import frame_buffer
 
+log = logging.getLogger("draftfeed.weights")
 AHEAD = 4  # pieces asked for before the one being written: at most this many wait in the socket (64 MiB at 16 MiB)
 
 
@@ -104,11 +118,12 @@ def pull_update(source: str, update: int, current: Mapping[str, torch.Tensor], c
         try:
             manifest, _ = puller.ask("manifest", 0)
             assert isinstance(manifest, WeightsManifest)
-            specs, chunk_bytes = list(manifest.tensors), manifest.chunk_bytes
+            specs, regions, chunk_bytes = list(manifest.tensors), list(manifest.regions or []), manifest.chunk_bytes
             while len(specs) < manifest.total:
                 page, _ = puller.ask("manifest", len(specs) // MANIFEST_PAGE)
                 assert isinstance(page, WeightsManifest)
                 specs.extend(page.tensors)
+                regions.extend(page.regions or [])
         except (ConnectionError, TimeoutError) as exc:
             raise UpdateRefused(str(exc)) from None
         problem = spec_problem(current, specs) if chunk_bytes % 8 == 0 else f"pieces of {chunk_bytes} bytes, not a multiple of 8"
@@ -116,29 +131,89 @@ def pull_update(source: str, update: int, current: Mapping[str, torch.Tensor], c
             raise UpdateRefused(problem)
         pieces = plan(specs, chunk_bytes)
         writer = _Writer([current[spec.name] for spec in specs], pieces)
-        for index in range(min(AHEAD, len(pieces))):  # a few pieces asked for ahead: the wire never waits on the writes
-            puller.send("piece", index)
-        for index, piece in enumerate(pieces):
+        reads = _pieces_from(puller, manifest.nixl_agent if len(regions) == len(specs) else None, regions, pieces, chunk_bytes, timeout_s)
+        try:
             try:
-                reply, frames = puller.receive()
-            except (ConnectionError, TimeoutError) as exc:
-                raise _broken_or_refused(writer.written, str(exc)) from None
-            if index + AHEAD < len(pieces):
-                puller.send("piece", index + AHEAD)
-            if not isinstance(reply, WeightsPiece) or reply.index != index:
-                raise _broken_or_refused(writer.written, f"piece {index} was due, the publisher sent {reply}")
-            if len(frames) != 1:
-                raise _broken_or_refused(writer.written, f"piece {index}: {len(frames)} frames where one was due")
-            data = torch.frombuffer(frame_buffer(frames[0]), dtype=torch.uint8)
-            spec = specs[piece.tensor]
-            if data.numel() != piece.nbytes:
-                raise _broken_or_refused(writer.written, f"tensor {spec.name}: a piece of {data.numel()} bytes where {piece.nbytes} were due")
-            if check_finite and (why := _not_finite(spec, data)) is not None:
-                raise _broken_or_refused(writer.written, why)
-            writer.write(index, data)
+                _write_all(reads, specs, pieces, writer, check_finite)
+            except UpdateRefused as exc:
+                if not isinstance(reads, NixlReads) or not reads.failed:
+                    raise
+                log.warning("draftfeed: weights from %s: NIXL failed before any byte was written (%s): pulled as frames", puller.source, exc)
+                reads.close()
+                reads = _FramePieces(puller)
+                _write_all(reads, specs, pieces, writer, check_finite)
+        finally:
+            reads.close()
         return writer.written
     finally:
         puller.close()
+
+
+def _write_all(reads: _FramePieces | NixlReads, specs: list[TensorSpec], pieces: list[Piece], writer: _Writer, check_finite: bool) -> None:
+    """Every piece from ``reads``, checked and written in order, ``AHEAD`` asked for before the one being written."""
+    for index, piece in enumerate(pieces):
+        try:
+            if index == 0:
+                for ahead in range(min(AHEAD, len(pieces))):  # a few asked for ahead: the wire never waits on the writes
+                    reads.ask(ahead)
+            data = reads.take(index)
+        except (ConnectionError, TimeoutError) as exc:
+            raise _broken_or_refused(writer.written, str(exc)) from None
+        spec = specs[piece.tensor]
+        if data.numel() != piece.nbytes:
+            raise _broken_or_refused(writer.written, f"tensor {spec.name}: a piece of {data.numel()} bytes where {piece.nbytes} were due")
+        if check_finite and (why := _not_finite(spec, data)) is not None:
+            raise _broken_or_refused(writer.written, why)
+        writer.write(index, data)
+        if index + AHEAD < len(pieces):
+            try:
+                reads.ask(index + AHEAD)  # after the write: a NIXL slot is free again
+            except (ConnectionError, TimeoutError) as exc:
+                raise _broken_or_refused(writer.written, str(exc)) from None
+
+
+class _FramePieces:
+    """Pieces pulled as frames from the publisher's socket, answered in the order asked."""
+
+    plane = "frames"
+
+    def __init__(self, puller: _Puller) -> None:
+        self.puller = puller
+
+    def ask(self, index: int) -> None:
+        self.puller.send("piece", index)
+
+    def take(self, index: int) -> torch.Tensor:
+        reply, frames = self.puller.receive()
+        if not isinstance(reply, WeightsPiece) or reply.index != index:
+            raise ConnectionError(f"piece {index} was due, the publisher sent {reply}")
+        if len(frames) != 1:
+            raise ConnectionError(f"piece {index}: {len(frames)} frames where one was due")
+        return torch.frombuffer(frame_buffer(frames[0]), dtype=torch.uint8)
+
+    def close(self) -> None:
+        pass
+
+
+def _pieces_from(
+    puller: _Puller, nixl_agent: str | None, regions: list[WeightsRegion], pieces: list[Piece], chunk_bytes: int, timeout_s: float
+) -> _FramePieces | NixlReads:
+    """NIXL reads where the publisher offers them and this process has NIXL; frames otherwise, or when NIXL cannot
+    start (said, and nothing is written before it is chosen)."""
+    from draftfeed.dataplane.nixl.transport import NixlError, unavailable
+
+    if nixl_agent is None or not pieces or unavailable() is not None:
+        return _FramePieces(puller)
+    try:
+        offer, frames = puller.ask("nixl")
+        if not isinstance(offer, WeightsNixl) or len(frames) != 1:
+            raise NixlError(f"the publisher answered {offer} to a NIXL metadata pull")
+        reads = NixlReads(frame_bytes(frames[0]), regions, pieces, chunk_bytes, AHEAD, timeout_s)
+    except (NixlError, ConnectionError, TimeoutError) as exc:
+        log.warning("draftfeed: weights from %s: NIXL cannot read them (%s): pulled as frames", puller.source, exc)
+        return _FramePieces(puller)
+    log.info("draftfeed: weights from %s: read over NIXL from agent %s", puller.source, nixl_agent)
+    return reads
 
 
 class _Writer:

@@ -88,7 +88,7 @@ from draftfeed.schemas.messages.target_info import (
     TargetInfo,
     VispecTargetInfo,
 )
-from draftfeed.schemas.messages.weights import MANIFEST_PAGE, WeightsManifest, WeightsPiece, WeightsPull
+from draftfeed.schemas.messages.weights import MANIFEST_PAGE, WeightsManifest, WeightsNixl, WeightsPiece, WeightsPull, WeightsRegion
 from draftfeed.schemas.messages.workers import (
     Computing,
     Dispatch,
@@ -112,7 +112,9 @@ from draftfeed.schemas.messages.workers import (
 __all__ = [
     "MANIFEST_PAGE",
     "WeightsManifest",
+    "WeightsNixl",
     "WeightsPiece",
+    "WeightsRegion",
     "WeightsPull",
     "WEIGHTS_INBOUND",
     "WEIGHTS_OUTBOUND",

@@ -15,13 +15,21 @@ MANIFEST_PAGE = 2048  # tensor specs in one manifest page: a 1 TB target's ~100k
 
 class WeightsPull(Strict):
     """worker -> publisher: a page of the manifest (``what`` manifest, ``index`` the page) or a piece of the bytes
-    (``what`` piece, ``index`` the piece, in the plan both compute: dataplane/weights/plan.py); ``done``: it has what it
-    wanted, or gives up."""
+    (``what`` piece, ``index`` the piece, in the plan both compute: dataplane/weights/plan.py); ``nixl``: the
+    publisher's NIXL agent metadata, to read the pieces itself; ``done``: it has what it wanted, or gives up."""
 
     type: Literal["weights_pull"] = "weights_pull"
     update: Annotated[int, Field(ge=0)]
-    what: Literal["manifest", "piece", "done"]
+    what: Literal["manifest", "piece", "nixl", "done"]
     index: Annotated[int, Field(ge=0)] = 0
+
+
+class WeightsRegion(Strict):
+    """Where a tensor's bytes lie in the publisher's memory, registered with its NIXL agent (a worker reads them)."""
+
+    address: Annotated[int, Field(ge=0, lt=2**64)]
+    device: Annotated[int, Field(ge=0, lt=1024)] = 0
+    kind: Literal["DRAM", "VRAM"] = "DRAM"
 
 
 class WeightsManifest(Strict):
@@ -33,6 +41,17 @@ class WeightsManifest(Strict):
     total: Annotated[int, Field(ge=1)]
     chunk_bytes: Annotated[int, Field(ge=1 << 10, le=1 << 30)]
     tensors: list[TensorSpec] = Field(max_length=MANIFEST_PAGE)
+    # The publisher offers NIXL: where each of ``tensors`` lies (the same order), and its agent's name (docs/versions.md).
+    nixl_agent: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    regions: list[WeightsRegion] | None = Field(default=None, max_length=MANIFEST_PAGE)
+
+
+class WeightsNixl(Strict):
+    """publisher -> worker: its NIXL agent's metadata follows in one frame."""
+
+    type: Literal["weights_nixl"] = "weights_nixl"
+    update: Annotated[int, Field(ge=0)]
+    agent: Annotated[str, Field(min_length=1, max_length=256)]
 
 
 class WeightsPiece(Strict):
