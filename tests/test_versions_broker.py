@@ -109,3 +109,18 @@ def test_an_update_one_at_a_time_lets_the_others_serve_the_latest_meanwhile(stat
     (report,) = only(frontend(out), UpdateReport)
     assert [(r.worker, r.ok) for r in report.workers] == [("w1", True), ("w2", True), ("w3", False)]
     assert "left before its turn" in report.workers[2].message
+
+
+def test_a_worker_told_to_update_gives_back_its_queue_to_the_others_uncharged(state):
+    """What waits in a worker's queue when it is told to load an update comes back (``done`` outcome ``updating``) and
+    goes to a worker that serves meanwhile, not charged: a rank taking the latest version never waits out a load."""
+    hello(state, "r", window=4)
+    workers_at(state, {"w1": 0})
+    ((peer, dispatch),) = dispatches(submit(state, "r", 0, target_version=VersionWanted(minimum=0, policy="latest")))
+    assert peer == b"w1"
+    workers_at(state, {"w2": 0})
+    out = state.on_update_target(b"trainer", UpdateTarget(request_id=4, service="svc", weights="/w", target_version=1, at_once=1))
+    assert [item.peer for item in out if item.side == "backend"] == [b"w1"]
+    out = state.on_done(b"w1", Done(ticket=dispatch.ticket, outcome="updating", message="worker w1 loads target version 1"))
+    assert [(peer, d.request.request_id) for peer, d in dispatches(out)] == [(b"w2", 0)]
+    assert state.ranks[b"r"].requests[0].failures == 0 and state.status()["requeues"] == {"updating": 1}

@@ -50,6 +50,7 @@ from draftfeed.schemas.messages import (
     Computing,
     Dispatch,
     Done,
+    DoneOutcome,
     Draining,
     ForgetMapping,
     ForgetRanks,
@@ -285,6 +286,7 @@ class Worker:
         elif isinstance(message, ForgetRanks):
             self._forget(message, pipe)
         elif isinstance(message, UpdateWeights):
+            self._hand_back(pipe, f"worker {self.name} loads target version {message.target_version}", outcome="updating")
             self._to_link(pipe, pack(self._update(message)))
 
     def _update(self, message: UpdateWeights) -> WeightsUpdated:
@@ -340,10 +342,10 @@ class Worker:
         names = ", ".join(sorted(gone)[:4]) + (f" and {len(gone) - 4} more" if len(gone) > 4 else "")
         log.info("worker %s: rank %s gone; dropped %d of their queued requests", self.name, names, len(dropped))
 
-    def _hand_back(self, pipe: zmq.Socket, reason: str) -> None:
+    def _hand_back(self, pipe: zmq.Socket, reason: str, outcome: DoneOutcome = "draining") -> None:
         while self._queue:
             queued = self._queue.popleft()
-            self._to_link(pipe, pack(Done(ticket=queued.dispatch.ticket, outcome="draining", message=reason)))
+            self._to_link(pipe, pack(Done(ticket=queued.dispatch.ticket, outcome=outcome, message=reason)))
 
     # ------------------------------------------------------------ serving one request
     def _serve_one(self, queued: _Queued, pipe: zmq.Socket) -> Done:

@@ -68,8 +68,9 @@ class Register(Strict):
 # draining (the worker is stopping: no fault of the request), missing_mapping (the worker lacks the vocab mapping the
 # request names: the broker sends it the mapping first next time), stalled (the rank took nothing of its answer for
 # --send-timeout, before or partway through it: sent again once, then the rank is told it failed), version_changed (the
-# worker's target version no longer fits the request: it changed since the broker dispatched it; no fault of the request).
-DoneOutcome = Literal["served", "failed", "undelivered", "retry", "draining", "missing_mapping", "stalled", "version_changed"]
+# worker's target version no longer fits the request: it changed since the broker dispatched it; no fault of the request),
+# updating (the worker is about to load new weights: what waits in its queue goes to the service's other workers).
+DoneOutcome = Literal["served", "failed", "undelivered", "retry", "draining", "missing_mapping", "stalled", "version_changed", "updating"]
 
 
 class Done(Strict):
@@ -86,7 +87,7 @@ class Done(Strict):
 
     @property
     def hands_back(self) -> bool:
-        return self.outcome in ("retry", "draining", "missing_mapping", "stalled", "version_changed")
+        return self.outcome in ("retry", "draining", "missing_mapping", "stalled", "version_changed", "updating")
 
 
 class PairStatus(Strict):
