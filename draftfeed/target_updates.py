@@ -10,7 +10,7 @@ how it went: ``update_target`` names a path on the workers' filesystem (a safete
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import zmq
@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from draftfeed.net import local_address_towards
 from draftfeed.schemas.errors import RemoteTargetError, RemoteTargetTimeout, UsageError
 from draftfeed.schemas.frames import pack, unpack
-from draftfeed.schemas.messages import FRONTEND_OUTBOUND, ErrorReply, UpdateReport, UpdateTarget
+from draftfeed.schemas.messages import FRONTEND_OUTBOUND, ErrorReply, UpdateReport, UpdateTarget, WorkerKeys
 from draftfeed.schemas.protocol import DEFAULT_TRANSFER_CHUNK_BYTES
 from draftfeed.schemas.settings import problems
 from draftfeed.security.curve import PeerKeys, make_client
@@ -52,7 +52,9 @@ def _request(**fields: object) -> UpdateTarget:
         raise UsageError(f"the update cannot be asked for: {problems(exc)}") from None
 
 
-def _update(broker: str, request: UpdateTarget, timeout_s: float, keys: PeerKeys | None) -> UpdateReport:
+def _update(
+    broker: str, request: UpdateTarget, timeout_s: float, keys: PeerKeys | None, on_worker_keys: Callable[[list[str]], None] | None = None
+) -> UpdateReport:
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -70,6 +72,8 @@ def _update(broker: str, request: UpdateTarget, timeout_s: float, keys: PeerKeys
             message, _ = unpack(sock.recv_multipart(), FRONTEND_OUTBOUND)
             if isinstance(message, UpdateReport) and message.request_id == request.request_id:
                 return message
+            if isinstance(message, WorkerKeys) and on_worker_keys is not None:  # the workers told to pull, admitted
+                on_worker_keys(message.keys)
             if isinstance(message, ErrorReply):
                 raise RemoteTargetError(f"the broker at {broker} refused the update: {message.message}")
         raise RemoteTargetTimeout(f"no update report from the broker at {broker} within {timeout_s:g} s (--timeout)")
@@ -97,21 +101,23 @@ def publish_weights(
     the broker, on a free port), in pieces of ``chunk_bytes``, each at its own pace; nothing is copied whole, and a
     device tensor is copied to the host a piece at a time. ``at_once`` of the workers load at a time, the others serving
     meanwhile (None: all together). ``nixl``: also offer the tensors to NIXL, so that a worker that has it reads them
-    one-sided (RDMA, GPU memory directly) instead of pulling frames; None: when NIXL is installed here. Returns when
-    every worker told has answered or left."""
-    if keys is not None:
-        raise ValueError("publish_weights does not encrypt its socket yet: on a secure deployment, write the weights to a file and use update_target")
+    one-sided (RDMA, GPU memory directly) instead of pulling frames; None: when NIXL is installed here and ``keys`` is
+    not given. ``keys`` (a secure deployment: this process's pair, on the broker's rank allow-list, and the broker's
+    public key): the socket is encrypted, and admits only the workers the broker tells to pull; NIXL's reads are not
+    encrypted, so they are offered then only with ``nixl=True``. Returns when every worker told has answered or left."""
     from draftfeed.dataplane.nixl.transport import unavailable
     from draftfeed.dataplane.weights.publisher import WeightsPublisher
 
     if nixl and (why := unavailable()) is not None:
         raise UsageError(f"publish_weights(nixl=True): {why}")
-    offer = unavailable() is None if nixl is None else nixl
-    publisher = WeightsPublisher(tensors, endpoint=endpoint or f"tcp://{local_address_towards(broker)}:*", chunk_bytes=chunk_bytes, nixl=offer)
+    offer = unavailable() is None and keys is None if nixl is None else nixl  # NIXL's reads are not encrypted
+    where = endpoint or f"tcp://{local_address_towards(broker)}:*"
+    publisher = WeightsPublisher(tensors, endpoint=where, chunk_bytes=chunk_bytes, nixl=offer, keys=None if keys is None else keys.own)
     publisher.start()
     try:
-        request = _request(service=service, source=publisher.endpoint, target_version=target_version, at_once=at_once)
-        return _update(broker, request, timeout_s, keys)
+        source_key = None if keys is None else keys.own.public.decode()
+        request = _request(service=service, source=publisher.endpoint, source_key=source_key, target_version=target_version, at_once=at_once)
+        return _update(broker, request, timeout_s, keys, on_worker_keys=publisher.admit)
     finally:
         publisher.stop()
 

@@ -250,3 +250,47 @@ def test_role_confusion_is_refused_with_a_logged_reason(secure, keys, tiny_targe
         )
     wait_until(lambda: any("a rank key tried to connect as a worker" in line for line in broker.log_tail), what="the broker's log of the rank key")
     wait_until(lambda: any("a worker key tried to connect as a rank" in line for line in broker.log_tail), what="the broker's log of the worker key")
+
+
+def test_weights_published_on_a_secure_deployment_are_pulled_encrypted_and_served_exactly(secure, keys, tiny_target, tiny_model):
+    """``publish_weights(keys=...)``: the publisher's socket is CURVE and admits the workers the broker told (their
+    keys come from the broker); both workers pull and serve the new version, and every batch at it equals the
+    in-process target holding exactly those weights. A worker without keys could not have registered here at all."""
+    import copy
+
+    import torch
+
+    from draftfeed import publish_weights
+
+    broker, add_worker = secure
+    for name, key in (("w1", "worker.key_secret"), ("w2", "worker2.key_secret")):
+        add_worker(
+            str(tiny_target),
+            "--service",
+            "secure-updates",
+            "--secure",
+            "--key",
+            str(keys / key),
+            "--broker-key",
+            str(keys / "broker.key"),
+            "--name",
+            name,
+        )
+    stepped = copy.deepcopy(tiny_model)
+    step = {name: tensor + 0.05 for name, tensor in stepped.state_dict().items() if ".layers.1." in name}
+    stepped.load_state_dict(step, strict=False)
+    trainer = PeerKeys.from_folder(keys, "rank")
+    with RemoteEagle3Target(broker.ready["frontend"], "secure-updates", keys=keys) as remote:
+        wait_until(
+            lambda: len(fetch_status(broker.ready["frontend"], keys=trainer)["services"]["secure-updates"]["workers"]) == 2, 30, "both workers"
+        )
+        report = publish_weights(broker.ready["frontend"], "secure-updates", step, 1, keys=trainer, chunk_bytes=4096, timeout_s=120)
+        assert sorted((r.worker, r.ok, r.target_version) for r in report.workers) == [("w1", True, 1), ("w2", True, 1)], report
+        aux = remote.model_info().aux_layer_ids
+        batches = [make_batch(2, 24, VOCAB, seed=300 + seed) for seed in range(4)]
+        for batch, supervision in remote.iterate(batches, min_target_version=1):
+            assert supervision.target_version == 1
+            assert_supervision_equal(supervision, reference_eagle3(stepped, batch, aux))
+        assert not torch.equal(
+            reference_eagle3(stepped, batches[0], aux)["aux_hidden_states"], reference_eagle3(tiny_model, batches[0], aux)["aux_hidden_states"]
+        )

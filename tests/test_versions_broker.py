@@ -7,11 +7,22 @@ from __future__ import annotations
 
 import pytest
 from support.clock import Clock
-from support.messages import backend, dispatches, frontend, hello, only, register, submit
+from support.messages import INFO, SERVICE, backend, dispatches, frontend, hello, only, register, submit
 
 from draftfeed.broker.settings import BrokerSettings
 from draftfeed.broker.state import BrokerState
-from draftfeed.schemas.messages import Done, UpdateReport, UpdateTarget, UpdateWeights, VersionWanted, WeightsUpdated, Where, Whereabouts
+from draftfeed.schemas.messages import (
+    Done,
+    Register,
+    UpdateReport,
+    UpdateTarget,
+    UpdateWeights,
+    VersionWanted,
+    WeightsUpdated,
+    Where,
+    Whereabouts,
+    WorkerKeys,
+)
 
 
 @pytest.fixture
@@ -124,3 +135,22 @@ def test_a_worker_told_to_update_gives_back_its_queue_to_the_others_uncharged(st
     out = state.on_done(b"w1", Done(ticket=dispatch.ticket, outcome="updating", message="worker w1 loads target version 1"))
     assert [(peer, d.request.request_id) for peer, d in dispatches(out)] == [(b"w2", 0)]
     assert state.ranks[b"r"].requests[0].failures == 0 and state.status()["requeues"] == {"updating": 1}
+
+
+def test_an_encrypted_publish_names_each_told_workers_key_to_the_publisher_before_the_worker_is_told(state):
+    """``source_key`` set: before telling workers to pull, the broker sends the requester the keys of every worker told
+    so far (``worker_keys``: the publisher's allow-list), and each worker is told the publisher's key."""
+    keys = {name: name[-1] * 40 for name in ("w1", "w2")}
+    for name, key in keys.items():
+        register_message = Register(worker=name, service=SERVICE, task=INFO.task, engine="hf", info=INFO, capacity=4, host="h", pid=1)
+        state.on_register(name.encode(), register_message, key=key)
+    trainer_key = "t" * 40
+    request = UpdateTarget(request_id=5, service="svc", source="tcp://10.0.0.9:7000", source_key=trainer_key, target_version=1, at_once=1)
+    out = state.on_update_target(b"trainer", request)
+    assert [item.side for item in out] == ["frontend", "backend"]  # the publisher admits the worker before it pulls
+    (told,) = only(backend(out), UpdateWeights)
+    assert told.source_key == trainer_key
+    (admitted,) = only(frontend(out), WorkerKeys)
+    assert admitted.keys == [keys["w1"]]
+    out = state.on_weights_updated(b"w1", WeightsUpdated(update=told.update, ok=True, target_version=1, checkpoint="published"))
+    assert only(frontend(out), WorkerKeys)[0].keys == sorted(keys.values()) and only(backend(out, "w2"), UpdateWeights)

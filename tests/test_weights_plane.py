@@ -110,3 +110,26 @@ def test_a_wrong_shape_is_refused_before_any_byte(nixl):
     with pytest.raises(UpdateRefused, match=r"tensor a.weight: shape \[64, 39\], the target's is \[64, 40\]"):
         pull(update, target, nixl=nixl)
     assert all(not tensor.any() for tensor in target.values())
+
+
+def test_an_encrypted_publisher_admits_only_the_workers_the_broker_names(tmp_path):
+    """With keys, the publisher's socket is a CURVE server: a worker whose key it was given (the broker's
+    ``worker_keys``) pulls bit for bit; a worker with another key, and a plaintext one, get nothing, and the update is
+    refused before any byte."""
+    from draftfeed.security.keys import generate_pair
+
+    admitted, stranger, trainer = (generate_pair(tmp_path, name) for name in ("admitted", "stranger", "trainer"))
+    target, update = target_and_update()
+    publisher = publishing.WeightsPublisher(update, "tcp://127.0.0.1:*", CHUNK, keys=trainer)
+    publisher.admit([admitted.public.decode()])
+    publisher.start()
+    try:
+        for keys in [(stranger, trainer.public.decode()), None]:
+            with pytest.raises(UpdateRefused, match="did not answer within 2 s"):
+                pull_update(publisher.endpoint, 7, target, check_finite=True, timeout_s=2, keys=keys)
+            assert all(not tensor.any() for tensor in target.values())
+        pull_update(publisher.endpoint, 7, target, check_finite=True, timeout_s=20, keys=(admitted, trainer.public.decode()))
+        assert_landed(target, update)
+    finally:
+        publisher.stop()
+        publisher.join(10)

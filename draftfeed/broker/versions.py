@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from draftfeed.broker.records import Outgoing, ServiceRecord, WorkerRecord, to_rank, to_worker
-from draftfeed.schemas.messages import ErrorReply, UpdateReport, UpdateTarget, UpdateWeights, VersionWanted, WeightsUpdated, WorkerUpdate
+from draftfeed.schemas.messages import ErrorReply, UpdateReport, UpdateTarget, UpdateWeights, VersionWanted, WeightsUpdated, WorkerKeys, WorkerUpdate
 
 log = logging.getLogger("draftfeed.broker")
 
@@ -61,6 +61,7 @@ class Update:
     waiting: dict[bytes, str] = field(default_factory=dict)  # worker peer -> name
     queued: deque[WorkerRecord] = field(default_factory=deque)  # their turn comes as others answer (at_once)
     results: list[WorkerUpdate] = field(default_factory=list)
+    admitted: set[str] = field(default_factory=set)  # the told workers' keys, an encrypted publisher's allow-list
 
 
 class UpdateBook:
@@ -75,7 +76,9 @@ class UpdateBook:
             why = f"service {message.service!r} has no workers to update"
             return [to_rank(requester, ErrorReply(request_id=message.request_id, message=why, code="refused"))]
         number = next(self._ids)
-        told = UpdateWeights(update=number, weights=message.weights, source=message.source, target_version=message.target_version)
+        told = UpdateWeights(
+            update=number, weights=message.weights, source=message.source, source_key=message.source_key, target_version=message.target_version
+        )
         update = Update(requester, message, told, service)
         for worker in service.workers.values():
             if worker.target_version >= message.target_version:
@@ -130,13 +133,18 @@ class UpdateBook:
         """Tell queued workers to load the update until ``at_once`` of them are loading; each takes no work meanwhile."""
         limit = update.request.at_once or len(update.queued) + len(update.waiting)
         out: list[Outgoing] = []
+        told: list[Outgoing] = []
         while update.queued and len(update.waiting) < limit:
             worker = update.queued.popleft()
             update.waiting[worker.peer] = worker.name
             worker.updating = True
             update.service.credits_changed(worker)
-            out.append(to_worker(worker.peer, update.told))
-        return out
+            told.append(to_worker(worker.peer, update.told))
+            if update.told.source_key is not None and worker.key is not None:
+                update.admitted.add(worker.key)
+        if told and update.told.source_key is not None:  # the publisher admits them before they pull
+            out.append(to_rank(update.requester, WorkerKeys(keys=sorted(update.admitted))))
+        return out + told
 
     @staticmethod
     def _untold(update: Update, worker: WorkerRecord) -> None:

@@ -20,6 +20,7 @@ import torch
 from draftfeed.dataplane.weights.place import place
 from draftfeed.dataplane.weights.worker import UpdateBroken, UpdateRefused, pull_update, tensor_problem
 from draftfeed.schemas.messages import UpdateWeights
+from draftfeed.security.keys import KeyPair
 
 __all__ = ["UpdateBroken", "UpdateRefused", "apply_update", "load_update", "read_update", "update_problem"]
 
@@ -60,11 +61,17 @@ def apply_update(current: Mapping[str, torch.Tensor], new: Mapping[str, torch.Te
         place(current[name], tensor)
 
 
-def load_update(current: Mapping[str, torch.Tensor], message: UpdateWeights, check_finite: bool, timeout_s: float) -> None:
+def load_update(
+    current: Mapping[str, torch.Tensor], message: UpdateWeights, check_finite: bool, timeout_s: float, keys: KeyPair | None = None
+) -> None:
     """The update ``message`` names, into ``current`` in place: UpdateRefused when nothing was written, UpdateBroken when
-    a pull broke off after some was (``timeout_s``: the longest wait for one part of a pulled update)."""
+    a pull broke off after some was (``timeout_s``: the longest wait for one part of a pulled update; ``keys``: this
+    worker's pair, for an encrypted publisher)."""
     if message.source is not None:
-        pull_update(message.source, message.update, current, check_finite, timeout_s)
+        if message.source_key is not None and keys is None:
+            raise UpdateRefused("the publisher's socket is encrypted and this worker has no keys: start it with --keys (the deployment's key folder)")
+        pulling_keys = None if message.source_key is None or keys is None else (keys, message.source_key)
+        pull_update(message.source, message.update, current, check_finite, timeout_s, pulling_keys)
         return
     new = read_update(message.weights or "")
     problem = update_problem(current, new, check_finite)

@@ -305,7 +305,8 @@ class Worker:
             problem = f"version {message.target_version} is not newer than the version it serves, {self.target_version}"
         else:
             try:
-                update(message, check_finite=not self.settings.skip_finite_check, timeout_s=self.settings.update_timeout_s)
+                keys = None if self.settings.keys is None else self.settings.keys.own
+                update(message, check_finite=not self.settings.skip_finite_check, timeout_s=self.settings.update_timeout_s, keys=keys)
             except UpdateRefused as exc:
                 problem = str(exc)
             except Exception as exc:  # broken off, or the engine lost, or a fault of its own: it may hold a mixture

@@ -8,7 +8,8 @@ talk to nobody else. The handshake, encryption and the ZAP exchange are libzmq's
 
 ZAP domains: ``draftfeed-ranks`` (broker frontend: rank keys), ``draftfeed-workers`` (broker backend:
 worker keys), ``draftfeed-data`` (a rank's data socket: the keys of the workers the broker has registered
-for the rank's service, which the broker sends the rank).
+for the rank's service, which the broker sends the rank), ``draftfeed-weights`` (a ``publish_weights`` socket: the
+keys of the workers the broker told to pull from it, which the broker sends the publisher).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from draftfeed.security.keys import KeyFileError, KeyPair, load_allow_list, load
 RANKS = "draftfeed-ranks"
 WORKERS = "draftfeed-workers"
 DATA = "draftfeed-data"
+WEIGHTS = "draftfeed-weights"
 KEYS_ENV = "DRAFTFEED_KEYS"  # a folder laid out by `draftfeed keys generate`: the config entry for ranks
 
 log = logging.getLogger("draftfeed.security")

@@ -23,6 +23,7 @@ from draftfeed.contract.images import PACKED_WITH_IMAGES
 from draftfeed.contract.packing import Documents
 from draftfeed.schemas.errors import BadRequest
 from draftfeed.schemas.messages import LogitTransform, UpdateWeights
+from draftfeed.security.keys import KeyPair
 
 _UNCHECKED = object()
 # How far a packed document may be from itself alone: the same math over rows of other lengths differs in the last
@@ -247,9 +248,9 @@ class HFEngine:
         process holds DTensors."""
         return dict(self.model.state_dict())
 
-    def update_weights(self, message: UpdateWeights, check_finite: bool, timeout_s: float = 60.0) -> None:
+    def update_weights(self, message: UpdateWeights, check_finite: bool, timeout_s: float = 60.0, keys: KeyPair | None = None) -> None:
         """Load the update in place, all or nothing (consumers/weight_updates.py): UpdateRefused, UpdateBroken."""
-        load_update(self.named_weights(), message, check_finite, timeout_s)
+        load_update(self.named_weights(), message, check_finite, timeout_s, keys)
 
     def input_embeddings(self) -> torch.Tensor:
         return _whole(self.model.get_input_embeddings().weight)

@@ -5,7 +5,10 @@ piece at a time). It serves every worker that connects, each at its own pace, un
 With ``nixl``, the tensors are also registered with a NIXL agent of the publisher's, and the manifest says where each
 lies: a worker that has NIXL reads the pieces itself, one-sided (RDMA between hosts, GPU memory directly where UCX
 has GPUDirect), and asks the socket only for the manifest and the agent's metadata; one that has not pulls the
-pieces as frames."""
+pieces as frames.
+
+With ``keys`` (a secure deployment), the socket is a CURVE server with the trainer's pair, and admits only the workers
+the broker told to pull (``admit``, from the broker's ``worker_keys``)."""
 
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ from draftfeed.schemas.messages import (
     WeightsPiece,
     WeightsRegion,
 )
+from draftfeed.security.curve import WEIGHTS, RoleGate, make_server, start_authenticator
+from draftfeed.security.keys import KeyPair
 
 log = logging.getLogger("draftfeed.weights")
 
@@ -40,7 +45,7 @@ class WeightsPublisher(threading.Thread):
     pieces of ``chunk_bytes``, to any worker that pulls; each reply echoes the broker's number of the update that the
     pull names (a socket serves one update)."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], endpoint: str, chunk_bytes: int, nixl: bool = False) -> None:
+    def __init__(self, tensors: Mapping[str, torch.Tensor], endpoint: str, chunk_bytes: int, nixl: bool = False, keys: KeyPair | None = None) -> None:
         super().__init__(name="draftfeed-weights-publisher", daemon=True)
         self.tensors = [tensor.detach() if tensor.is_contiguous() else tensor.detach().contiguous() for tensor in tensors.values()]
         self.specs = encode_specs(dict(zip(tensors, self.tensors)))
@@ -48,10 +53,19 @@ class WeightsPublisher(threading.Thread):
         self.pieces = plan(self.specs, chunk_bytes)
         self._nixl = _NixlOffer(self.tensors) if nixl else None
         self._context = zmq.Context()
+        self._admitted: frozenset[bytes] = frozenset()
+        self._authenticator = None
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        if keys is not None:  # encrypted: only the workers the broker told to pull are admitted (admit)
+            self._authenticator = start_authenticator(self._context, {WEIGHTS: RoleGate("worker", lambda: self._admitted)})
+            make_server(self._socket, keys, WEIGHTS)
         self.endpoint = bind(self._socket, endpoint)
         self._stopping = threading.Event()
+
+    def admit(self, keys: list[str]) -> None:
+        """On an encrypted socket, the workers' public keys (Z85) to admit from now on: the broker's ``worker_keys``."""
+        self._admitted = frozenset(key.encode() for key in keys)
 
     def run(self) -> None:
         try:
@@ -61,6 +75,8 @@ class WeightsPublisher(threading.Thread):
                     self._answer(peer, frames)
         finally:
             close_quietly(self._socket)
+            if self._authenticator is not None:
+                self._authenticator.stop()
             self._context.term()
             if self._nixl is not None:
                 self._nixl.close()

@@ -36,6 +36,8 @@ from draftfeed.schemas.messages import (
     WeightsRegion,
 )
 from draftfeed.schemas.tensor_specs import frame_buffer
+from draftfeed.security.curve import make_client
+from draftfeed.security.keys import KeyPair
 
 log = logging.getLogger("draftfeed.weights")
 AHEAD = 4  # pieces asked for before the one being written: at most this many wait in the socket (64 MiB at 16 MiB)
@@ -75,11 +77,13 @@ def spec_problem(current: Mapping[str, torch.Tensor], specs: list[TensorSpec]) -
 
 
 class _Puller:
-    def __init__(self, source: str, update: int, timeout_s: float) -> None:
+    def __init__(self, source: str, update: int, timeout_s: float, keys: tuple[KeyPair, str] | None) -> None:
         self.source, self.update, self.timeout_s = source, update, timeout_s
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        if keys is not None:  # encrypted: this worker's pair, and only the publisher holding that key's secret
+            make_client(self.socket, keys[0], keys[1].encode())
         self.socket.connect(source)
 
     def ask(self, what: str, index: int = 0) -> tuple[object, list]:
@@ -110,10 +114,18 @@ class _Puller:
         self.context.term()
 
 
-def pull_update(source: str, update: int, current: Mapping[str, torch.Tensor], check_finite: bool, timeout_s: float = 60.0) -> int:
+def pull_update(
+    source: str,
+    update: int,
+    current: Mapping[str, torch.Tensor],
+    check_finite: bool,
+    timeout_s: float = 60.0,
+    keys: tuple[KeyPair, str] | None = None,
+) -> int:
     """Pull update ``update`` from ``source`` into ``current`` (the target's tensors by name, in place); the bytes
-    written. UpdateRefused before any write, UpdateBroken after."""
-    puller = _Puller(source, update, timeout_s)
+    written. UpdateRefused before any write, UpdateBroken after. ``keys``: this worker's pair and the publisher's public
+    key, for an encrypted publisher."""
+    puller = _Puller(source, update, timeout_s, keys)
     try:
         try:
             manifest, _ = puller.ask("manifest", 0)

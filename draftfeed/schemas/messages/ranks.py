@@ -113,6 +113,9 @@ class UpdateTarget(Strict):
     service: Name
     weights: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
     source: Name | None = None
+    # On a secure deployment, the publisher's CURVE public key: each worker told pulls encrypted, proving its own key,
+    # and the broker sends the requester the told workers' keys (``worker_keys``), the publisher's allow-list.
+    source_key: PublicKey | None = None
     target_version: TargetVersion
     # How many of the service's workers load at a time, the others serving meanwhile (a rank that takes the latest
     # version then never waits for the update); None: all at once (the soonest every worker serves the new version).
@@ -211,7 +214,8 @@ class ServiceWorkers(Strict):
 
 
 class WorkerKeys(Strict):
-    """On a secure broker: the public keys of the workers of this rank's service, after each change."""
+    """On a secure broker: the public keys of the workers of this rank's service, after each change; to the requester
+    of an encrypted ``update_target`` from a publisher, the keys of the workers told to pull from it so far."""
 
     type: Literal["worker_keys"] = "worker_keys"
     keys: list[PublicKey] = Field(max_length=4096)

@@ -137,6 +137,7 @@ class UpdateWeights(Strict):
     update: Annotated[int, Field(ge=0)]
     weights: Annotated[str, Field(min_length=1, max_length=4096)] | None = None  # a path on the worker's filesystem
     source: Name | None = None  # or a publisher's endpoint to pull them from (dataplane/weights/)
+    source_key: PublicKey | None = None  # the publisher's CURVE public key: pull encrypted, proving the worker's own
     target_version: TargetVersion
 
 

@@ -52,6 +52,7 @@ from draftfeed.contract.packing import Documents
 from draftfeed.net import free_port
 from draftfeed.schemas.errors import CannotServe
 from draftfeed.schemas.messages import UpdateWeights
+from draftfeed.security.keys import KeyPair
 
 # Keys of rank 0's store that the other nodes read (node.py) and write.
 PLAN_KEY, MEETING_KEY = "draftfeed/plan", "draftfeed/meeting"
@@ -303,12 +304,17 @@ class TensorParallelEngine:
                 "serve it with --device-map auto, or with --engine vllm"
             ) from None
 
-    def update_weights(self, message: UpdateWeights, check_finite: bool, timeout_s: float = 60.0) -> None:
+    def update_weights(self, message: UpdateWeights, check_finite: bool, timeout_s: float = 60.0, keys: KeyPair | None = None) -> None:
         """Every rank loads the update and keeps its own shard, between two calls; refused alike on every rank (the
         same file, the same checks), or the ranks are out of step and the worker stops (EngineLost). The embeddings
         gathered before are gathered again."""
         if getattr(self.inner, "update_weights", None) is None:
             raise UpdateRefused(f"engine {self.inner.name} cannot load weights in place yet: restart the worker with --target-version")
+        if message.source_key is not None:  # its other processes hold no keys to pull with
+            raise UpdateRefused(
+                "a tensor-parallel worker cannot pull an encrypted update yet: write the weights to a file the workers read "
+                "and use draftfeed target update --weights"
+            )
         command = Update(call=0, message=message, check_finite=check_finite, timeout_s=timeout_s)
         self._call(command, lambda: self.inner.update_weights(message, check_finite, timeout_s))
         self._weights.clear()
