@@ -62,6 +62,11 @@ class WeightsPublisher(threading.Thread):
             make_server(self._socket, keys, WEIGHTS)
         self.endpoint = bind(self._socket, endpoint)
         self._stopping = threading.Event()
+        # stop() wakes the loop at once through an in-process pair (the caller's end is used only by stop)
+        self._wake, self._waker = self._context.socket(zmq.PAIR), self._context.socket(zmq.PAIR)
+        wake_at = f"inproc://draftfeed-weights-wake-{id(self)}"
+        self._wake.bind(wake_at)
+        self._waker.connect(wake_at)
 
     def admit(self, keys: list[str]) -> None:
         """On an encrypted socket, the workers' public keys (Z85) to admit from now on: the broker's ``worker_keys``."""
@@ -69,21 +74,34 @@ class WeightsPublisher(threading.Thread):
 
     def run(self) -> None:
         try:
+            poller = zmq.Poller()
+            poller.register(self._socket, zmq.POLLIN)
+            poller.register(self._wake, zmq.POLLIN)
             while not self._stopping.is_set():
-                if self._socket.poll(100):
+                if self._socket in dict(poller.poll(1000)):
                     peer, frames = recv_routed(self._socket)
                     self._answer(peer, frames)
         finally:
-            close_quietly(self._socket)
-            if self._authenticator is not None:
-                self._authenticator.stop()
-            self._context.term()
-            if self._nixl is not None:
-                self._nixl.close()
+            self._release()
 
     def stop(self) -> None:
+        """End the loop and free the sockets (and the NIXL agent); the thread ends before this returns."""
         self._stopping.set()
-        self.join(10)
+        self._waker.send(b"", flags=zmq.NOBLOCK)
+        if self.ident is not None:
+            self.join(10)
+        else:  # never started
+            self._release()
+        close_quietly(self._waker)
+        self._context.term()
+
+    def _release(self) -> None:
+        """The loop's sockets, the authenticator and the NIXL agent (the loop's thread, or stop() when it never ran)."""
+        close_quietly(self._socket, self._wake)
+        if self._authenticator is not None:
+            self._authenticator.stop()
+        if self._nixl is not None:
+            self._nixl.close()
 
     def _answer(self, peer: bytes, frames: list) -> None:
         try:
