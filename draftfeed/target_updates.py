@@ -94,6 +94,7 @@ def publish_weights(
     keys: PeerKeys | None = None,
     at_once: int | None = None,
     nixl: bool | None = None,
+    pair: bool | None = None,
 ) -> UpdateReport:
     """Every worker of ``service`` takes ``tensors`` (any subset of the target's, by their state-dict names, straight
     from this process's memory) and serves them as ``target_version``, as RL frameworks push weights to their rollout
@@ -104,15 +105,20 @@ def publish_weights(
     one-sided (RDMA, GPU memory directly) instead of pulling frames; None: when NIXL is installed here and ``keys`` is
     not given. ``keys`` (a secure deployment: this process's pair, on the broker's rank allow-list, and the broker's
     public key): the socket is encrypted, and admits only the workers the broker tells to pull; NIXL's reads are not
-    encrypted, so they are offered then only with ``nixl=True``. Returns when every worker told has answered or left."""
+    encrypted, so they are offered then only with ``nixl=True``. ``pair``: also offer a worker process on this machine a
+    pair group of its own (NCCL between the trainer's GPU and the worker's, or gloo); None: NCCL where the tensors are
+    on a GPU, no gloo (on one machine NIXL or frames move host memory as fast); True: gloo for host tensors too.
+    Returns when every worker told has answered or left."""
     from draftfeed.dataplane.nixl.transport import unavailable
+    from draftfeed.dataplane.weights.pair_pieces import pair_backend
     from draftfeed.dataplane.weights.publisher import WeightsPublisher
 
     if nixl and (why := unavailable()) is not None:
         raise UsageError(f"publish_weights(nixl=True): {why}")
     offer = unavailable() is None and keys is None if nixl is None else nixl  # NIXL's reads are not encrypted
     where = endpoint or f"tcp://{local_address_towards(broker)}:*"
-    publisher = WeightsPublisher(tensors, endpoint=where, chunk_bytes=chunk_bytes, nixl=offer, keys=None if keys is None else keys.own)
+    backend = pair_backend(list(tensors.values()), pair)
+    publisher = WeightsPublisher(tensors, endpoint=where, chunk_bytes=chunk_bytes, nixl=offer, keys=None if keys is None else keys.own, pair=backend)
     publisher.start()
     try:
         source_key = None if keys is None else keys.own.public.decode()

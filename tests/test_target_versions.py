@@ -135,6 +135,37 @@ def test_a_policy_trainer_publishes_each_step_from_its_memory_and_every_batch_is
                 assert_equal(supervision, supervise_locally(task, batch), batch)
 
 
+def test_a_publish_over_a_gloo_pair_group_serves_the_new_version_exactly(versioned, tiny_target, monkeypatch):
+    """``publish_weights(pair=True)`` with host tensors: the worker (on this machine) takes the pieces over a gloo pair
+    group of its own, asking the socket for no piece, and every batch at the new version is exact."""
+    from draftfeed import publish_weights
+    from draftfeed.dataplane.weights import publisher as publishing
+    from draftfeed.schemas.frames import unpack
+    from draftfeed.schemas.messages import WEIGHTS_INBOUND
+
+    local = HFEngine(str(tiny_target), device="cpu", dtype="float32")
+    task = DSparkTask(local, target_layer_ids=LAYER_IDS)
+    version = versioned.status()["services"][SERVICE]["workers"][0]["target_version"] + 1
+    seen: list[str] = []
+    answer = publishing.WeightsPublisher._answer
+
+    def counted(publisher, peer, frames):
+        seen.append(unpack(frames, WEIGHTS_INBOUND)[0].what)
+        answer(publisher, peer, frames)
+
+    monkeypatch.setattr(publishing.WeightsPublisher, "_answer", counted)
+    step = policy_step(local, seed=9)
+    report = publish_weights(versioned.frontend, SERVICE, step, version, chunk_bytes=4096, timeout_s=120, nixl=False, pair=True)
+    assert [(r.ok, r.target_version) for r in report.workers] == [(True, version)], report
+    assert seen.count("pair") == 1 and "piece" not in seen, seen
+    apply_update(local.named_weights(), step)
+    batches = [make_batch(2, 16, 1000, seed=70 + i) for i in range(2)]
+    with RemoteDSparkTarget(versioned.frontend, SERVICE, prefetch_depth=2, min_target_version=version) as target:
+        for batch, supervision in target.iterate(batches):
+            assert supervision.target_version == version
+            assert_equal(supervision, supervise_locally(task, batch), batch)
+
+
 def test_a_published_update_is_checked_before_any_byte_and_one_broken_off_makes_the_worker_leave(versioned, cluster, tiny_target):
     """A wrong shape announced by the publisher: refused before any byte is written, the worker serves on at its
     version. A publisher that stops answering after some pieces were written: the worker holds a mixture of versions,

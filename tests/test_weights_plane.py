@@ -133,3 +133,68 @@ def test_an_encrypted_publisher_admits_only_the_workers_the_broker_names(tmp_pat
     finally:
         publisher.stop()
         publisher.join(10)
+
+
+def test_a_gloo_pair_group_carries_every_piece_and_the_socket_none(monkeypatch):
+    """``pair="gloo"`` (a worker process on the publisher's machine): the worker asks for a pair group of its own and
+    receives every piece over it, bit for bit; the socket carries the manifest and the pair's address only."""
+    target, update = target_and_update()
+    pulls = Pulls(monkeypatch)
+    publisher = publishing.WeightsPublisher(update, "tcp://127.0.0.1:*", CHUNK, pair="gloo", pair_timeout_s=20)
+    publisher.start()
+    try:
+        assert pull_update(publisher.endpoint, 7, target, check_finite=True, timeout_s=20) == sum(
+            t.numel() * t.element_size() for t in update.values()
+        )
+    finally:
+        publisher.stop()
+    assert_landed(target, update)
+    assert pulls.seen.get("piece", 0) == 0 and pulls.seen["pair"] == 1, pulls.seen
+
+
+def pull_with_a_gloo_pair(monkeypatch) -> tuple[dict[str, int], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The pulls a publisher offering a gloo pair answered, and the target and update (to compare)."""
+    target, update = target_and_update()
+    pulls = Pulls(monkeypatch)
+    publisher = publishing.WeightsPublisher(update, "tcp://127.0.0.1:*", CHUNK, pair="gloo", pair_timeout_s=5)
+    publisher.start()
+    try:
+        pull_update(publisher.endpoint, 7, target, check_finite=True, timeout_s=3)
+    finally:
+        publisher.stop()
+    return pulls.seen, target, update
+
+
+def test_a_pair_group_on_another_machine_is_not_asked_for(monkeypatch):
+    """A publisher on another machine (its host id is not this one's) offers a pair: the worker pulls frames."""
+    monkeypatch.setattr(publishing, "host_id", lambda: "another-machine")
+    seen, target, update = pull_with_a_gloo_pair(monkeypatch)
+    assert_landed(target, update)
+    assert "pair" not in seen and seen["piece"] == PIECES, seen
+
+
+def test_a_pair_group_that_cannot_be_built_leaves_the_update_to_frames(monkeypatch, caplog):
+    """A pair the worker cannot join (the publisher's group waits under another namespace than it told): pulled as
+    frames once the join has timed out, nothing written before, nothing lost."""
+    from draftfeed.dataplane.weights import pair_pieces
+
+    told = pair_pieces.PairSends.__init__
+
+    def elsewhere(self, *args, **kwargs):
+        told(self, *args, **kwargs)
+        self.offer = self.offer.model_copy(update={"namespace": "0" * 32})
+
+    monkeypatch.setattr(pair_pieces.PairSends, "__init__", elsewhere)
+    seen, target, update = pull_with_a_gloo_pair(monkeypatch)
+    assert_landed(target, update)
+    assert seen["pair"] == 1 and seen["piece"] == PIECES, seen
+    assert "no gloo pair group" in caplog.text
+
+
+def test_which_pair_group_a_publisher_offers():
+    """Host tensors: gloo only when asked (NIXL or frames move host memory as fast on one machine); never when refused.
+    (NCCL, for GPU tensors, needs a GPU: benchmarks/gpu.py's machine.)"""
+    from draftfeed.dataplane.weights.pair_pieces import pair_backend
+
+    host = [torch.zeros(4)]
+    assert [pair_backend(host, asked) for asked in (None, True, False)] == [None, "gloo", None]

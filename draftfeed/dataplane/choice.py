@@ -68,17 +68,23 @@ def nixl_installed() -> bool:
     return importlib.util.find_spec("nixl_cu12") is not None
 
 
+def gpu_uuid(device: torch.device) -> str | None:
+    """The GPU's UUID (one physical device, however it is numbered in a process), or None off a GPU."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
 def local_offer(mode: str, device: torch.device | str | None, encrypted: bool = False) -> DataPlaneOffer:
     """This process's offer for ``mode``, with supervision produced on (worker) or wanted on (rank) ``device``;
     ``encrypted``: this side's data socket is CURVE."""
     if mode not in MODES:
         raise ValueError(f"data plane {mode!r} is not one of {', '.join(MODES)}")
     device = torch.device(device if device is not None else "cpu")
-    uuid = None
-    if device.type == "cuda" and torch.cuda.is_available():
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        uuid = str(torch.cuda.get_device_properties(index).uuid)
-        device = torch.device("cuda", index)
+    uuid = gpu_uuid(device)
+    if uuid is not None:
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
     nccl = bool(torch.distributed.is_available() and torch.distributed.is_nccl_available() and torch.cuda.is_available())
     return DataPlaneOffer(
         mode=mode,

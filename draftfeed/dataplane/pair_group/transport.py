@@ -146,6 +146,26 @@ class PairGroup:
         self._transfer(self._group.recv, SENDER, chunk_plan(specs, chunk_bytes), piece, landed if bounced else None, what=what)
         return tensors
 
+    def post(self, buffer: torch.Tensor, tag: int) -> dist.Work:
+        """Start sending (rank 0) or receiving (rank 1) one flat uint8 ``buffer`` on ``tag``; ``wait`` for it. For a
+        caller that moves its own pieces (dataplane/weights/), each into a buffer it reuses."""
+        self._check_open()
+        try:
+            if self.rank == SENDER:
+                return self._group.send([buffer], RECEIVER, tag)
+            return self._group.recv([buffer], SENDER, tag)
+        except RuntimeError as exc:
+            self.close()
+            raise DataPlaneError(f"{self.backend} pair group failed posting piece {tag}: {exc}") from exc
+
+    def wait(self, work: dist.Work, buffer: torch.Tensor) -> None:
+        """Until ``post``'s ``work`` on ``buffer`` is done, within the timeout; a failure closes the group."""
+        try:
+            self._finish((work, None, buffer), None)  # type: ignore[arg-type]
+        except RuntimeError as exc:
+            self.close()
+            raise DataPlaneError(f"{self.backend} pair group failed: {exc}") from exc
+
     def close(self) -> None:
         """Abort the group (a group that failed may be mid-transfer); safe to call twice."""
         if self.closed:

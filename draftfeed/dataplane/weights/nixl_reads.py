@@ -23,6 +23,8 @@ from draftfeed.schemas.messages import WeightsRegion
 class NixlReads:
     """The pieces of one update, read from the publisher's agent ``remote`` (its metadata already given) into slots."""
 
+    plane = "NIXL"
+
     def __init__(self, metadata: bytes, regions: list[WeightsRegion], pieces: list[Piece], chunk_bytes: int, ahead: int, timeout_s: float) -> None:
         self.regions, self.pieces, self.timeout_s = regions, pieces, timeout_s
         self.agent = NixlAgent(f"draftfeed-weights-reader-{uuid.uuid4().hex[:12]}")

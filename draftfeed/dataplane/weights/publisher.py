@@ -7,6 +7,9 @@ lies: a worker that has NIXL reads the pieces itself, one-sided (RDMA between ho
 has GPUDirect), and asks the socket only for the manifest and the agent's metadata; one that has not pulls the
 pieces as frames.
 
+With ``pair`` (a backend: nccl for a trainer's GPU tensors), a worker process on the same machine may ask for a pair
+group of its own, over which the pieces are sent in order (pair_pieces.py).
+
 With ``keys`` (a secure deployment), the socket is a CURVE server with the trainer's pair, and admits only the workers
 the broker told to pull (``admit``, from the broker's ``worker_keys``)."""
 
@@ -19,8 +22,10 @@ from collections.abc import Mapping
 import torch
 import zmq
 
+from draftfeed.dataplane.choice import gpu_uuid, host_id
 from draftfeed.dataplane.frames.codec import encode_specs, flat_bytes
 from draftfeed.dataplane.nixl.memory import Region
+from draftfeed.dataplane.weights.pair_pieces import PairSends
 from draftfeed.dataplane.weights.plan import plan
 from draftfeed.net import bind, close_quietly, recv_routed
 from draftfeed.schemas.errors import MalformedMessage
@@ -45,13 +50,24 @@ class WeightsPublisher(threading.Thread):
     pieces of ``chunk_bytes``, to any worker that pulls; each reply echoes the broker's number of the update that the
     pull names (a socket serves one update)."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], endpoint: str, chunk_bytes: int, nixl: bool = False, keys: KeyPair | None = None) -> None:
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        endpoint: str,
+        chunk_bytes: int,
+        nixl: bool = False,
+        keys: KeyPair | None = None,
+        pair: str | None = None,
+        pair_timeout_s: float = 60.0,
+    ) -> None:
         super().__init__(name="draftfeed-weights-publisher", daemon=True)
         self.tensors = [tensor.detach() if tensor.is_contiguous() else tensor.detach().contiguous() for tensor in tensors.values()]
         self.specs = encode_specs(dict(zip(tensors, self.tensors)))
         self.chunk_bytes = max(8, chunk_bytes - chunk_bytes % 8)  # whole elements in every piece, of any dtype
         self.pieces = plan(self.specs, chunk_bytes)
         self._nixl = _NixlOffer(self.tensors) if nixl else None
+        self._pair, self._pair_timeout_s, self._pair_sends = pair, pair_timeout_s, []  # a backend offered, the senders
+        self._gpu = gpu_uuid(self.tensors[0].device) if pair == "nccl" and self.tensors else None
         self._context = zmq.Context()
         self._admitted: frozenset[bytes] = frozenset()
         self._authenticator = None
@@ -67,6 +83,7 @@ class WeightsPublisher(threading.Thread):
         wake_at = f"inproc://draftfeed-weights-wake-{id(self)}"
         self._wake.bind(wake_at)
         self._waker.connect(wake_at)
+        self._host = self.endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")  # where a pair's store listens
 
     def admit(self, keys: list[str]) -> None:
         """On an encrypted socket, the workers' public keys (Z85) to admit from now on: the broker's ``worker_keys``."""
@@ -98,6 +115,8 @@ class WeightsPublisher(threading.Thread):
     def _release(self) -> None:
         """The loop's sockets, the authenticator and the NIXL agent (the loop's thread, or stop() when it never ran)."""
         close_quietly(self._socket, self._wake)
+        for sends in self._pair_sends:
+            sends.close()
         if self._authenticator is not None:
             self._authenticator.stop()
         if self._nixl is not None:
@@ -109,21 +128,28 @@ class WeightsPublisher(threading.Thread):
             if pull.what == "manifest":
                 first = pull.index * MANIFEST_PAGE
                 page = self.specs[first : first + MANIFEST_PAGE]
-                offer = (
-                    {} if self._nixl is None else {"nixl_agent": self._nixl.agent.name, "regions": self._nixl.regions[first : first + MANIFEST_PAGE]}
-                )
+                offer: dict = {} if self._pair is None else {"pair_backend": self._pair, "host_id": host_id(), "pair_gpu": self._gpu}
+                if self._nixl is not None:
+                    offer |= {"nixl_agent": self._nixl.agent.name, "regions": self._nixl.regions[first : first + MANIFEST_PAGE]}
                 reply = WeightsManifest(update=pull.update, first=first, total=len(self.specs), chunk_bytes=self.chunk_bytes, tensors=page, **offer)
                 self._socket.send_multipart([peer, *pack(reply)])
             elif pull.what == "nixl":
                 if self._nixl is None:
                     raise IndexError("this publisher offers no NIXL: pull the pieces")
                 self._socket.send_multipart([peer, *pack(WeightsNixl(update=pull.update, agent=self._nixl.agent.name)), self._nixl.metadata])
+            elif pull.what == "pair":
+                if self._pair is None:
+                    raise IndexError("this publisher offers no pair group: pull the pieces")
+                sends = PairSends(self.tensors, self.pieces, self._pair, self._host, pull.update, self._pair_timeout_s)
+                self._pair_sends.append(sends)
+                sends.start()
+                self._socket.send_multipart([peer, *pack(sends.offer)])
             elif pull.what == "piece":
                 piece = self.pieces[pull.index]
                 data = flat_bytes(self.tensors[piece.tensor])[piece.offset : piece.offset + piece.nbytes]
                 frame = memoryview(data.numpy()) if data.device.type == "cpu" else memoryview(data.cpu().numpy())
                 self._socket.send_multipart([peer, *pack(WeightsPiece(update=pull.update, index=pull.index)), frame], copy=False)
-        except (MalformedMessage, IndexError) as exc:  # a bad pull costs its sender, never the publisher
+        except (MalformedMessage, IndexError, OSError) as exc:  # a bad pull (or no store to open) costs its sender only
             log.warning("draftfeed: weights publisher: a bad pull: %s", exc)
             self._socket.send_multipart([peer, *pack(ErrorReply(message=f"weights publisher: {exc}", code="refused"))])
 

@@ -19,8 +19,10 @@ from collections.abc import Mapping
 import torch
 import zmq
 
+from draftfeed.dataplane.choice import gpu_uuid, host_id
 from draftfeed.dataplane.frames.codec import DTYPES
 from draftfeed.dataplane.weights.nixl_reads import NixlReads
+from draftfeed.dataplane.weights.pair_pieces import PairReceives
 from draftfeed.dataplane.weights.place import is_sharded, local, place
 from draftfeed.dataplane.weights.plan import Piece, plan
 from draftfeed.schemas.frames import frame_bytes, pack, unpack
@@ -31,6 +33,7 @@ from draftfeed.schemas.messages import (
     TensorSpec,
     WeightsManifest,
     WeightsNixl,
+    WeightsPair,
     WeightsPiece,
     WeightsPull,
     WeightsRegion,
@@ -143,14 +146,17 @@ def pull_update(
             raise UpdateRefused(problem)
         pieces = plan(specs, chunk_bytes)
         writer = _Writer([current[spec.name] for spec in specs], pieces)
-        reads = _pieces_from(puller, manifest.nixl_agent if len(regions) == len(specs) else None, regions, pieces, chunk_bytes, timeout_s)
+        device = local(current[specs[0].name]).device if specs else torch.device("cpu")
+        reads = _pieces_from(puller, manifest, regions if len(regions) == len(specs) else [], pieces, chunk_bytes, timeout_s, device)
         try:
             try:
                 _write_all(reads, specs, pieces, writer, check_finite)
             except UpdateRefused as exc:
-                if not isinstance(reads, NixlReads) or not reads.failed:
+                if isinstance(reads, _FramePieces) or not reads.failed:
                     raise
-                log.warning("draftfeed: weights from %s: NIXL failed before any byte was written (%s): pulled as frames", puller.source, exc)
+                log.warning(
+                    "draftfeed: weights from %s: %s failed before any byte was written (%s): pulled as frames", puller.source, reads.plane, exc
+                )
                 reads.close()
                 reads = _FramePieces(puller)
                 _write_all(reads, specs, pieces, writer, check_finite)
@@ -161,7 +167,9 @@ def pull_update(
         puller.close()
 
 
-def _write_all(reads: _FramePieces | NixlReads, specs: list[TensorSpec], pieces: list[Piece], writer: _Writer, check_finite: bool) -> None:
+def _write_all(
+    reads: _FramePieces | NixlReads | PairReceives, specs: list[TensorSpec], pieces: list[Piece], writer: _Writer, check_finite: bool
+) -> None:
     """Every piece from ``reads``, checked and written in order, ``AHEAD`` asked for before the one being written."""
     for index, piece in enumerate(pieces):
         try:
@@ -208,13 +216,35 @@ class _FramePieces:
 
 
 def _pieces_from(
-    puller: _Puller, nixl_agent: str | None, regions: list[WeightsRegion], pieces: list[Piece], chunk_bytes: int, timeout_s: float
-) -> _FramePieces | NixlReads:
-    """NIXL reads where the publisher offers them and this process has NIXL; frames otherwise, or when NIXL cannot
-    start (said, and nothing is written before it is chosen)."""
+    puller: _Puller,
+    manifest: WeightsManifest,
+    regions: list[WeightsRegion],
+    pieces: list[Piece],
+    chunk_bytes: int,
+    timeout_s: float,
+    device: torch.device,
+) -> _FramePieces | NixlReads | PairReceives:
+    """A pair group where the publisher offers one on this machine (NCCL only onto a GPU); else NIXL reads where it
+    offers them and this process has NIXL; else frames, also when the chosen plane cannot start (said, and nothing is
+    written before it is chosen)."""
     from draftfeed.dataplane.nixl.transport import NixlError, unavailable
 
-    if nixl_agent is None or not pieces or unavailable() is not None:
+    if not pieces:
+        return _FramePieces(puller)
+    backend = manifest.pair_backend
+    one_gpu = backend == "nccl" and manifest.pair_gpu is not None and manifest.pair_gpu == gpu_uuid(device)  # NCCL refuses it
+    if backend is not None and manifest.host_id == host_id() and (backend == "gloo" or (device.type == "cuda" and not one_gpu)):
+        try:
+            offer, _ = puller.ask("pair")
+            if not isinstance(offer, WeightsPair):
+                raise ConnectionError(f"the publisher answered {offer} to a pair pull")
+            receives = PairReceives(offer, pieces, chunk_bytes, AHEAD, device, timeout_s)
+        except (ConnectionError, TimeoutError, RuntimeError) as exc:
+            log.warning("draftfeed: weights from %s: no %s pair group (%s): trying the next plane", puller.source, backend, exc)
+        else:
+            log.info("draftfeed: weights from %s: received over a %s pair group", puller.source, backend)
+            return receives
+    if manifest.nixl_agent is None or not regions or unavailable() is not None:
         return _FramePieces(puller)
     try:
         offer, frames = puller.ask("nixl")
@@ -224,7 +254,7 @@ def _pieces_from(
     except (NixlError, ConnectionError, TimeoutError) as exc:
         log.warning("draftfeed: weights from %s: NIXL cannot read them (%s): pulled as frames", puller.source, exc)
         return _FramePieces(puller)
-    log.info("draftfeed: weights from %s: read over NIXL from agent %s", puller.source, nixl_agent)
+    log.info("draftfeed: weights from %s: read over NIXL from agent %s", puller.source, manifest.nixl_agent)
     return reads
 
 

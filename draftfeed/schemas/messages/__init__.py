@@ -88,7 +88,7 @@ from draftfeed.schemas.messages.target_info import (
     TargetInfo,
     VispecTargetInfo,
 )
-from draftfeed.schemas.messages.weights import MANIFEST_PAGE, WeightsManifest, WeightsNixl, WeightsPiece, WeightsPull, WeightsRegion
+from draftfeed.schemas.messages.weights import MANIFEST_PAGE, WeightsManifest, WeightsNixl, WeightsPair, WeightsPiece, WeightsPull, WeightsRegion
 from draftfeed.schemas.messages.workers import (
     Computing,
     Dispatch,
@@ -113,6 +113,7 @@ __all__ = [
     "MANIFEST_PAGE",
     "WeightsManifest",
     "WeightsNixl",
+    "WeightsPair",
     "WeightsPiece",
     "WeightsRegion",
     "WeightsPull",

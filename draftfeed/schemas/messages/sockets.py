@@ -28,7 +28,7 @@ from draftfeed.schemas.messages.ranks import (
     WorkerKeys,
     WorkersGone,
 )
-from draftfeed.schemas.messages.weights import WeightsManifest, WeightsNixl, WeightsPiece, WeightsPull
+from draftfeed.schemas.messages.weights import WeightsManifest, WeightsNixl, WeightsPair, WeightsPiece, WeightsPull
 from draftfeed.schemas.messages.workers import (
     Computing,
     Dispatch,
@@ -80,7 +80,7 @@ DataInbound = Annotated[Result | Chunk | Failure | PairOpen | PairClose | NixlOp
 
 # worker -> a weights publisher, and back (dataplane/weights/)
 WeightsInbound = WeightsPull
-WeightsOutbound = Annotated[WeightsManifest | WeightsNixl | WeightsPiece | ErrorReply, Field(discriminator="type")]
+WeightsOutbound = Annotated[WeightsManifest | WeightsNixl | WeightsPair | WeightsPiece | ErrorReply, Field(discriminator="type")]
 
 
 # rank -> worker, back on the worker's connection to the rank's data socket

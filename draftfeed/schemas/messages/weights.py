@@ -16,11 +16,12 @@ MANIFEST_PAGE = 2048  # tensor specs in one manifest page: a 1 TB target's ~100k
 class WeightsPull(Strict):
     """worker -> publisher: a page of the manifest (``what`` manifest, ``index`` the page) or a piece of the bytes
     (``what`` piece, ``index`` the piece, in the plan both compute: dataplane/weights/plan.py); ``nixl``: the
-    publisher's NIXL agent metadata, to read the pieces itself; ``done``: it has what it wanted, or gives up."""
+    publisher's NIXL agent metadata, to read the pieces itself; ``pair``: a pair group of its own with the publisher,
+    over which the publisher sends every piece in order; ``done``: it has what it wanted, or gives up."""
 
     type: Literal["weights_pull"] = "weights_pull"
     update: Annotated[int, Field(ge=0)]
-    what: Literal["manifest", "piece", "nixl", "done"]
+    what: Literal["manifest", "piece", "nixl", "pair", "done"]
     index: Annotated[int, Field(ge=0)] = 0
 
 
@@ -44,6 +45,11 @@ class WeightsManifest(Strict):
     # The publisher offers NIXL: where each of ``tensors`` lies (the same order), and its agent's name (docs/versions.md).
     nixl_agent: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     regions: list[WeightsRegion] | None = Field(default=None, max_length=MANIFEST_PAGE)
+    # The publisher offers a pair group (gloo, or nccl for its CUDA tensors) to a worker on its machine (``host_id``:
+    # the boot id, as the data planes compare them).
+    pair_backend: Literal["gloo", "nccl"] | None = None
+    host_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    pair_gpu: Annotated[str, Field(min_length=1, max_length=64)] | None = None  # nccl: the tensors' GPU (NCCL needs two)
 
 
 class WeightsNixl(Strict):
@@ -52,6 +58,18 @@ class WeightsNixl(Strict):
     type: Literal["weights_nixl"] = "weights_nixl"
     update: Annotated[int, Field(ge=0)]
     agent: Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class WeightsPair(Strict):
+    """publisher -> worker: join the pair group at the store ``host``:``port`` as rank 1, under ``namespace`` (a secret
+    of this pull's), and receive every piece of the plan in order, piece ``i`` on tag ``i``."""
+
+    type: Literal["weights_pair"] = "weights_pair"
+    update: Annotated[int, Field(ge=0)]
+    host: Annotated[str, Field(min_length=1, max_length=256)]
+    port: Annotated[int, Field(ge=1, le=65535)]
+    backend: Literal["gloo", "nccl"]
+    namespace: Annotated[str, Field(min_length=16, max_length=64)]
 
 
 class WeightsPiece(Strict):
