@@ -449,3 +449,75 @@ def test_a_binding_the_user_set_is_kept(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 0, 1, 2})
     assert cpu_start_environment(2) == {THREADS_BIND: "0-1|2-3"}
     assert THREADS_BIND not in os.environ  # set only while vLLM starts (VLLMEngine.prepare)
+
+
+@NEEDS_VLLM
+def test_vllm_takes_updates_in_place_equal_to_a_fresh_start_from_the_same_weights(engines, vllm_target, tmp_path):
+    """The vllm engine updated in place (issue 48), through vLLM's own reload: a step from a file (every tensor of
+    decoder layer 1, the final norm and lm_head) gives every capture equal bit for bit to a vllm engine started fresh
+    from a checkpoint holding those weights; an update of part of a layer (vLLM fuses q, k and v) and one of a wrong
+    shape are refused in one line and change nothing; the original weights published back (pulled into one file in
+    memory) give the first outputs again, bit for bit."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from draftfeed.dataplane.weights.publisher import WeightsPublisher
+    from draftfeed.dataplane.weights.worker import UpdateRefused
+    from draftfeed.schemas.messages import UpdateWeights
+
+    engine = get_engine(engines, "vllm", vllm_target)
+    batch = padded_batch(seed=48)
+
+    def outputs(on) -> dict[str, torch.Tensor]:
+        out = on.forward(batch["input_ids"], batch["attention_mask"], EVERY_CAPTURE)
+        return {
+            **{f"layer {i}": t for i, t in out.layer_outputs.items()},
+            "embeddings": out.embeddings,
+            "final": out.final_hidden,
+            "logits": out.logits,
+        }
+
+    def differences(got: dict, want: dict) -> list[str]:
+        return [
+            f"{name}: max |difference| {float((got[name] - want[name]).abs().max()):.3g}" for name in want if not torch.equal(got[name], want[name])
+        ]
+
+    saved = load_file(str(vllm_target / "model.safetensors"))
+    original = {name: t for name, t in saved.items() if ".layers.1." in name or name in ("model.norm.weight", "lm_head.weight")}
+    step = {name: t + 0.01 for name, t in original.items()}
+    save_file(step, str(tmp_path / "step.safetensors"))
+    stepped = tmp_path / "stepped"
+    shutil.copytree(vllm_target, stepped)
+    save_file({**saved, **step}, str(stepped / "model.safetensors"))
+
+    before = outputs(engine)
+    engine.update_weights(UpdateWeights(update=1, weights=str(tmp_path / "step.safetensors"), target_version=1), check_finite=True)
+    after_step = outputs(engine)
+    assert differences(after_step, before), "the step changed nothing"
+    fresh = load_engine(TargetSettings(engine="vllm", path=str(stepped), device="cpu", dtype="float32"))
+    try:
+        fresh.prepare([EVERY_CAPTURE])
+        assert differences(after_step, outputs(fresh)) == []
+    finally:
+        fresh.close()
+
+    part = {name: t for name, t in step.items() if "q_proj" in name}
+    save_file(part, str(tmp_path / "part.safetensors"))
+    with pytest.raises(
+        UpdateRefused,
+        match=r"tensor model\.layers\.1\.self_attn\.q_proj\.weight: engine vllm loads an update a decoder layer at a time.* 7 more of model\.layers\.1 ",
+    ):
+        engine.update_weights(UpdateWeights(update=2, weights=str(tmp_path / "part.safetensors"), target_version=2), check_finite=True)
+    save_file({"lm_head.weight": torch.zeros(3, 3)}, str(tmp_path / "wrong.safetensors"))
+    with pytest.raises(UpdateRefused, match=r"tensor lm_head.weight: shape \[3, 3\], the target's is"):
+        engine.update_weights(UpdateWeights(update=3, weights=str(tmp_path / "wrong.safetensors"), target_version=3), check_finite=True)
+    assert differences(outputs(engine), after_step) == []
+
+    publisher = WeightsPublisher(original, "tcp://127.0.0.1:*", 4096)
+    publisher.start()
+    try:
+        engine.update_weights(UpdateWeights(update=4, source=publisher.endpoint, target_version=4), check_finite=True, timeout_s=60)
+    finally:
+        publisher.stop()
+    assert differences(outputs(engine), before) == []

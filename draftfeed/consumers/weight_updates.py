@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from draftfeed.dataplane.weights.place import place
-from draftfeed.dataplane.weights.worker import UpdateBroken, UpdateRefused, pull_update, tensor_problem
+from draftfeed.dataplane.weights.worker import UpdateBroken, UpdateRefused, pull_keys, pull_update, tensor_problem
 from draftfeed.schemas.messages import UpdateWeights
 from draftfeed.security.keys import KeyPair
 
@@ -68,10 +68,7 @@ def load_update(
     a pull broke off after some was (``timeout_s``: the longest wait for one part of a pulled update; ``keys``: this
     worker's pair, for an encrypted publisher)."""
     if message.source is not None:
-        if message.source_key is not None and keys is None:
-            raise UpdateRefused("the publisher's socket is encrypted and this worker has no keys: start it with --keys (the deployment's key folder)")
-        pulling_keys = None if message.source_key is None or keys is None else (keys, message.source_key)
-        pull_update(message.source, message.update, current, check_finite, timeout_s, pulling_keys)
+        pull_update(message.source, message.update, current, check_finite, timeout_s, pull_keys(message.source_key, keys))
         return
     new = read_update(message.weights or "")
     problem = update_problem(current, new, check_finite)

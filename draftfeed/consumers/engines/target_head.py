@@ -44,6 +44,11 @@ class TargetHead:
         self.norm: nn.Module = norm
         self.embed_tokens: nn.Module = model.get_input_embeddings()
         self.lm_head: nn.Module = model.get_output_embeddings()
+        self._model = model
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """Its tensors by their state-dict names, the checkpoint's (a weight update copies into them)."""
+        return dict(self._model.state_dict())
 
     @torch.inference_mode()
     def final_hidden(self, pre_norm: torch.Tensor) -> torch.Tensor:

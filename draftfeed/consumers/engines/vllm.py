@@ -40,7 +40,11 @@ from draftfeed.consumers.engines.hf import resolve_dtype
 from draftfeed.consumers.engines.joining import JoinedWriter
 from draftfeed.consumers.engines.packages import EnginePackage, import_engine_package, refuse_own_options
 from draftfeed.consumers.engines.target_head import TargetHead
+from draftfeed.consumers.engines.vllm_updates import VLLMUpdates
 from draftfeed.contract.packing import Documents
+from draftfeed.dataplane.weights.worker import UpdateRefused
+from draftfeed.schemas.messages import UpdateWeights
+from draftfeed.security.keys import KeyPair
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +236,7 @@ class VLLMEngine:
         self._ids: tuple[int, ...] = ()
         self._llm: Any = None
         self._storage: str | None = None
+        self._updates: VLLMUpdates | None = None
 
     # ---------------------------------------------------------------- start
     def prepare(self, captures: Sequence[Capture]) -> None:
@@ -342,6 +347,15 @@ class VLLMEngine:
         return hidden
 
     # ---------------------------------------------------------------- weights, close
+    def update_weights(self, message: UpdateWeights, check_finite: bool, timeout_s: float = 60.0, keys: KeyPair | None = None) -> None:
+        """Load the update in place through vLLM's own reload, all or nothing (vllm_updates.py): UpdateRefused,
+        UpdateBroken."""
+        if self._llm is None:
+            raise UpdateRefused("the vllm engine has not started yet (its task prepares it): nothing to update")
+        if self._updates is None:
+            self._updates = VLLMUpdates(self._llm, self.head.named_weights, self.target, storage_root())
+        self._updates.load(message, check_finite, timeout_s, keys)
+
     def input_embeddings(self) -> torch.Tensor:
         return self.head.embed_tokens.weight.detach()
 

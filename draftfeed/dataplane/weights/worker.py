@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import zmq
@@ -117,6 +117,16 @@ class _Puller:
         self.context.term()
 
 
+def pull_keys(source_key: str | None, keys: KeyPair | None) -> tuple[KeyPair, str] | None:
+    """The keys a pull from a publisher with ``source_key`` uses (this worker's ``keys``), None for a plaintext one;
+    UpdateRefused when the publisher is encrypted and this worker has no keys."""
+    if source_key is None:
+        return None
+    if keys is None:
+        raise UpdateRefused("the publisher's socket is encrypted and this worker has no keys: start it with --keys (the deployment's key folder)")
+    return keys, source_key
+
+
 def pull_update(
     source: str,
     update: int,
@@ -124,10 +134,12 @@ def pull_update(
     check_finite: bool,
     timeout_s: float = 60.0,
     keys: tuple[KeyPair, str] | None = None,
+    into: Callable[[list[TensorSpec]], list[torch.Tensor]] | None = None,
 ) -> int:
     """Pull update ``update`` from ``source`` into ``current`` (the target's tensors by name, in place); the bytes
     written. UpdateRefused before any write, UpdateBroken after. ``keys``: this worker's pair and the publisher's public
-    key, for an encrypted publisher."""
+    key, for an encrypted publisher. ``into``: where the announced tensors go instead, once checked against
+    ``current`` (an engine that loads them itself afterwards: it may refuse them, UpdateRefused, before any byte)."""
     puller = _Puller(source, update, timeout_s, keys)
     try:
         try:
@@ -145,8 +157,9 @@ def pull_update(
         if problem is not None:
             raise UpdateRefused(problem)
         pieces = plan(specs, chunk_bytes)
-        writer = _Writer([current[spec.name] for spec in specs], pieces)
-        device = local(current[specs[0].name]).device if specs else torch.device("cpu")
+        held = into(specs) if into is not None else [current[spec.name] for spec in specs]
+        writer = _Writer(held, pieces)
+        device = local(held[0]).device if held else torch.device("cpu")
         reads = _pieces_from(puller, manifest, regions if len(regions) == len(specs) else [], pieces, chunk_bytes, timeout_s, device)
         try:
             try:
