@@ -68,3 +68,58 @@ def test_what_the_automodel_engine_cannot_run_is_refused_in_one_line(targets, tm
         ValueError, match=r"^NeMo AutoModel has no model implementation of its own for Gemma3ForCausalLM; serve this target with --engine hf"
     ):
         AutoModelEngine(str(gemma), device="cpu")
+
+
+@pytest.mark.parametrize("family", ["deepseek-v41", "deepseek-v3"])
+def test_an_update_in_place_equals_a_fresh_start_from_the_same_weights(family, targets, tmp_path):
+    """Weight updates (issue 48) on the automodel engine, under the checkpoint's names and mapped by NeMo's own
+    adapter (DeepSeek-V3's experts stacked): a step of decoder layer 1 from a file gives DSpark supervision equal bit
+    for bit to an engine started fresh from a checkpoint holding those weights; part of a layer is refused naming
+    what is missing; the original layer published back (pulled whole into memory) gives the first supervision again."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from draftfeed.consumers.engines.automodel import AutoModelEngine
+    from draftfeed.dataplane.weights.publisher import WeightsPublisher
+    from draftfeed.dataplane.weights.worker import UpdateRefused
+    from draftfeed.schemas.messages import UpdateWeights
+
+    target = targets[family]
+    batch = make_batch(2, 24, 256, seed=21)
+
+    def supervise(engine) -> dict:
+        return DSparkTask(engine, target_layer_ids=DSPARK_IDS).compute(batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
+
+    def differences(got: dict, want: dict) -> list[str]:
+        return [p for name in want if (p := difference_at_real(name, got[name], want[name], batch["attention_mask"]))]
+
+    files = {file.name: load_file(str(file)) for file in sorted(target.glob("*.safetensors"))}
+    layer = {name: t for saved in files.values() for name, t in saved.items() if name.startswith(("model.layers.1.", "layers.1."))}
+    step = {name: t + 0.01 if t.is_floating_point() else t for name, t in layer.items()}
+    save_file(step, str(tmp_path / "step.safetensors"))
+    stepped = tmp_path / "stepped"
+    shutil.copytree(target, stepped)
+    for file_name, saved in files.items():
+        save_file({name: step.get(name, t) for name, t in saved.items()}, str(stepped / file_name))
+
+    engine = AutoModelEngine(str(target), device="cpu", dtype="float32")
+    before = supervise(engine)
+    engine.update_weights(UpdateWeights(update=1, weights=str(tmp_path / "step.safetensors"), target_version=1), check_finite=True)
+    after = supervise(engine)
+    assert differences(after, before), "the step changed nothing"
+    assert differences(after, supervise(AutoModelEngine(str(stepped), device="cpu", dtype="float32"))) == []
+
+    part = dict(list(step.items())[:1])
+    save_file(part, str(tmp_path / "part.safetensors"))
+    with pytest.raises(UpdateRefused, match=r"engine automodel loads an update a decoder layer at a time .* are not in it"):
+        engine.update_weights(UpdateWeights(update=2, weights=str(tmp_path / "part.safetensors"), target_version=2), check_finite=True)
+    assert differences(supervise(engine), after) == []
+
+    publisher = WeightsPublisher(layer, "tcp://127.0.0.1:*", 4096)
+    publisher.start()
+    try:
+        engine.update_weights(UpdateWeights(update=3, source=publisher.endpoint, target_version=3), check_finite=True, timeout_s=60)
+    finally:
+        publisher.stop()
+    assert differences(supervise(engine), before) == []

@@ -32,7 +32,11 @@ from draftfeed.consumers.engines.hf import resolve_dtype
 from draftfeed.consumers.engines.hooks import first_input_hook, store_hook
 from draftfeed.consumers.engines.joining import JoinedWriter
 from draftfeed.consumers.engines.packages import EnginePackage, import_engine_package
-from draftfeed.schemas.messages import LogitTransform
+from draftfeed.consumers.engines.whole_layer_updates import checked_files, checkpoint_tensors, pulled
+from draftfeed.dataplane.frames.codec import DTYPES
+from draftfeed.dataplane.weights.worker import UpdateRefused
+from draftfeed.schemas.messages import LogitTransform, UpdateWeights
+from draftfeed.security.keys import KeyPair
 
 AUTOMODEL = EnginePackage(module="nemo_automodel", distributions="nemo-automodel (pip install 'draftfeed[automodel]')", minimum=(0, 7), below=(0, 8))
 
@@ -149,6 +153,8 @@ class AutoModelEngine:
                 f"{len(missing)} missing (first {missing[:3]}), {len(unexpected)} unexpected (first {unexpected[:3]})"
             )
         self.model = model.to(self.dtype).eval().requires_grad_(False)
+        self.target, self._adapter = target, adapter
+        self._checkpoint: dict[str, torch.Tensor] | None = None  # its names, shapes and dtypes, for updates
         text_config = _text_config(config)
         self.shape = TargetShape.from_text_config(text_config)
         self.logit_transform = LogitTransform.from_text_config(text_config)
@@ -198,6 +204,27 @@ class AutoModelEngine:
         if joined is not None:
             out.joined = joined.tensor
         return out
+
+    def update_weights(self, message: UpdateWeights, check_finite: bool, timeout_s: float = 60.0, keys: KeyPair | None = None) -> None:
+        """Load the update in place, all or nothing: under the checkpoint's names, whole decoder layers
+        (whole_layer_updates.py), mapped to NeMo's by the model's own ``state_dict_adapter`` as at start, every mapped
+        tensor checked before any is copied. UpdateRefused; nothing here breaks off after a write."""
+        if self._checkpoint is None:
+            self._checkpoint = checkpoint_tensors(self.target)
+        if message.source is None:
+            _, loaders = checked_files("automodel", message.weights or "", self._checkpoint, check_finite)
+        else:
+            lay_out = lambda specs: [torch.empty(spec.shape, dtype=DTYPES[spec.dtype]) for spec in specs]  # noqa: E731
+            loaders = pulled("automodel", message, self._checkpoint, lay_out, check_finite, timeout_s, keys)
+        new = {name: load() for name, load in loaders.items()}
+        mapped = self._adapter.from_hf(dict(new)) if self._adapter is not None else new  # from_hf empties what it is given
+        held = self.model.state_dict()
+        for name, tensor in mapped.items():
+            if name not in held or held[name].shape != tensor.shape:
+                found = "no such tensor" if name not in held else f"shape {list(held[name].shape)}"
+                raise UpdateRefused(f"tensor {name} (NeMo's name for it): the update gives shape {list(tensor.shape)}, NeMo's model has {found}")
+        for name, tensor in mapped.items():
+            held[name].copy_(tensor)
 
     def input_embeddings(self) -> torch.Tensor:
         return self.model.get_input_embeddings().weight.detach()
