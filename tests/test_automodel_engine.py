@@ -2,7 +2,8 @@
 of draftfeed's tasks over it equal NeMo's own wrappers (HFDSparkTargetModel, HFEagle3TargetModel) around NeMo's own
 model of the same checkpoint in process, bit for bit at real positions, on a padded batch: DeepSeek-V4.1, which only
 NeMo implements (its DSpark features are the model's own: the streams entering each chosen layer), and DeepSeek-V3,
-which transformers implements too. What it cannot run is refused in one line at start. Through a real worker: the
+which transformers implements too, and GLM-5 (glm_moe_dsa). What it cannot run is refused in one line at start (NeMo code
+that asks for a GPU on a CPU: Qwen3-MoE). Through a real worker: the
 DeepSeek-V4.1 recipe test (tests/test_nemo_frontier.py)."""
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ def targets(tmp_path_factory):
     return {
         "deepseek-v41": build_tiny_nemo_target(folder / "deepseek-v41", vocab_size=256),
         "deepseek-v3": build_tiny_target(folder / "deepseek-v3", arch="deepseek-v3", num_hidden_layers=6, vocab_size=256),
+        "glm-moe-dsa": build_tiny_target(folder / "glm-moe-dsa", arch="glm-moe-dsa", num_hidden_layers=6, vocab_size=256),
     }
 
 
-@pytest.mark.parametrize("family", ["deepseek-v41", "deepseek-v3"])
+@pytest.mark.parametrize("family", ["deepseek-v41", "deepseek-v3", "glm-moe-dsa"])
 def test_dspark_and_eagle3_equal_nemos_wrappers_over_nemos_model(family, targets):
     from nemo_automodel.components.speculative.dspark.target import HFDSparkTargetModel
     from nemo_automodel.components.speculative.eagle.target import HFEagle3TargetModel
@@ -68,6 +70,9 @@ def test_what_the_automodel_engine_cannot_run_is_refused_in_one_line(targets, tm
         ValueError, match=r"^NeMo AutoModel has no model implementation of its own for Gemma3ForCausalLM; serve this target with --engine hf"
     ):
         AutoModelEngine(str(gemma), device="cpu")
+    qwen3_moe = build_tiny_target(tmp_path / "qwen3-moe", arch="qwen3-moe", num_hidden_layers=2, vocab_size=256)
+    with pytest.raises(ValueError, match=r"^NeMo AutoModel's Qwen3MoeForCausalLM cannot be built here: its code asks for a GPU while it is built"):
+        AutoModelEngine(str(qwen3_moe), device="cpu")  # NeMo 0.7.0 puts its rotary cache on cuda:N, whatever the device
 
 
 @pytest.mark.parametrize("family", ["deepseek-v41", "deepseek-v3"])

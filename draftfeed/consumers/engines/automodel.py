@@ -93,7 +93,12 @@ def nemo_config(target: str) -> Any:
         raise ValueError(f"--target {target}: no config.json there; give a checkpoint folder")
     model_type = json.loads(config_file.read_text()).get("model_type")
     config_class = resolve_custom_config_cls(model_type) if model_type else None
-    return config_class.from_pretrained(target) if config_class is not None else AutoConfig.from_pretrained(target)
+    try:
+        return config_class.from_pretrained(target) if config_class is not None else AutoConfig.from_pretrained(target)
+    except Exception as exc:  # NeMo's config class rejects what transformers wrote (Qwen3-Next's layer types, say)
+        raise ValueError(
+            f"--target {target}: NeMo AutoModel cannot read its config ({_first_line(exc)}); serve this target with --engine hf"
+        ) from None
 
 
 def nemo_model_class(config: Any) -> type[nn.Module]:
@@ -109,6 +114,24 @@ def nemo_model_class(config: Any) -> type[nn.Module]:
         f"NeMo AutoModel has no model implementation of its own for {', '.join(architectures) or config.model_type}; "
         "serve this target with --engine hf (transformers' implementation), vllm or sglang"
     )
+
+
+def build_model(model_class: type[nn.Module], config: Any, options: dict[str, Any], device: torch.device) -> nn.Module:
+    """NeMo's model built on ``device``, or a one-line refusal naming why (model code that asks for a GPU on a CPU,
+    an attention it does not take)."""
+    try:
+        with torch.device(device):
+            return model_class(config, backend=backend_config(options))
+    except Exception as exc:  # NeMo's own code refusing this machine or these options
+        why = _first_line(exc)
+        if device.type == "cpu" and "CUDA" in why:
+            why = f"its code asks for a GPU while it is built ({why}), on a CPU"
+        raise ValueError(f"NeMo AutoModel's {model_class.__name__} cannot be built here: {why}; serve this target with --engine hf") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
 def read_weights(target: str) -> dict[str, torch.Tensor]:
@@ -142,8 +165,7 @@ class AutoModelEngine:
             raise ValueError(problem)
         config = nemo_config(target)
         model_class = nemo_model_class(config)
-        with torch.device(self.device):
-            model = model_class(config, backend=backend_config(options))
+        model = build_model(model_class, config, options, self.device)
         weights = read_weights(target)
         adapter = getattr(model, "state_dict_adapter", None)  # a model whose names are the checkpoint's has none
         missing, unexpected = model.load_state_dict(adapter.from_hf(weights) if adapter is not None else weights, strict=False)
