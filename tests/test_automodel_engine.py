@@ -84,9 +84,9 @@ def test_an_update_in_place_equals_a_fresh_start_from_the_same_weights(family, t
     import shutil
 
     from safetensors.torch import load_file, save_file
+    from support.weights import publish_into
 
     from draftfeed.consumers.engines.automodel import AutoModelEngine
-    from draftfeed.dataplane.weights.publisher import WeightsPublisher
     from draftfeed.dataplane.weights.worker import UpdateRefused
     from draftfeed.schemas.messages import UpdateWeights
 
@@ -121,10 +121,5 @@ def test_an_update_in_place_equals_a_fresh_start_from_the_same_weights(family, t
         engine.update_weights(UpdateWeights(update=2, weights=str(tmp_path / "part.safetensors"), target_version=2), check_finite=True)
     assert differences(supervise(engine), after) == []
 
-    publisher = WeightsPublisher(layer, "tcp://127.0.0.1:*", 4096)
-    publisher.start()
-    try:
-        engine.update_weights(UpdateWeights(update=3, source=publisher.endpoint, target_version=3), check_finite=True, timeout_s=60)
-    finally:
-        publisher.stop()
+    publish_into(engine, layer, update=3)
     assert differences(supervise(engine), before) == []

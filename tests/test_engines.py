@@ -461,8 +461,8 @@ def test_vllm_takes_updates_in_place_equal_to_a_fresh_start_from_the_same_weight
     import shutil
 
     from safetensors.torch import load_file, save_file
+    from support.weights import publish_into
 
-    from draftfeed.dataplane.weights.publisher import WeightsPublisher
     from draftfeed.dataplane.weights.worker import UpdateRefused
     from draftfeed.schemas.messages import UpdateWeights
 
@@ -514,10 +514,5 @@ def test_vllm_takes_updates_in_place_equal_to_a_fresh_start_from_the_same_weight
         engine.update_weights(UpdateWeights(update=3, weights=str(tmp_path / "wrong.safetensors"), target_version=3), check_finite=True)
     assert differences(outputs(engine), after_step) == []
 
-    publisher = WeightsPublisher(original, "tcp://127.0.0.1:*", 4096)
-    publisher.start()
-    try:
-        engine.update_weights(UpdateWeights(update=4, source=publisher.endpoint, target_version=4), check_finite=True, timeout_s=60)
-    finally:
-        publisher.stop()
+    publish_into(engine, original, update=4)
     assert differences(outputs(engine), before) == []

@@ -70,23 +70,14 @@ def assert_landed(target: dict[str, torch.Tensor], update: dict[str, torch.Tenso
     assert unequal == [], f"tensors that differ from the published ones: {unequal}"
 
 
-def test_frames_carry_every_piece_and_land_bit_for_bit(monkeypatch):
+@pytest.mark.parametrize("nixl", [False, pytest.param(True, marks=needs_nixl)])
+def test_every_piece_lands_bit_for_bit_as_frames_or_read_over_nixl_with_none_on_the_socket(nixl, monkeypatch):
     target, update = target_and_update()
     pulls = Pulls(monkeypatch)
-    written = pull(update, target, nixl=False)
+    written = pull(update, target, nixl=nixl)
     assert written == sum(t.numel() * t.element_size() for t in update.values())
     assert_landed(target, update)
-    assert pulls.seen["piece"] == PIECES
-
-
-@needs_nixl
-def test_nixl_reads_every_piece_one_sided_and_the_socket_carries_none(monkeypatch):
-    target, update = target_and_update()
-    pulls = Pulls(monkeypatch)
-    written = pull(update, target, nixl=True)
-    assert written == sum(t.numel() * t.element_size() for t in update.values())
-    assert_landed(target, update)
-    assert pulls.seen.get("piece", 0) == 0 and pulls.seen["nixl"] == 1, pulls.seen
+    assert (pulls.seen.get("piece", 0), pulls.seen.get("nixl", 0)) == ((0, 1) if nixl else (PIECES, 0)), pulls.seen
 
 
 @needs_nixl

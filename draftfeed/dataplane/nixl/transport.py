@@ -162,39 +162,30 @@ class NixlAgent:
         """Start one write of each ``local`` region (each inside memory registered here) to the ``remote`` region
         beside it (inside memory ``remote_agent`` registered), all of one memory kind on each side; the peer gets
         ``notification`` once every byte has landed."""
-        if len(local) != len(remote) or not local or any(a.nbytes != b.nbytes for a, b in zip(local, remote)):
-            raise ValueError(f"a write moves equal lengths, not {[r.nbytes for r in local]} into {[r.nbytes for r in remote]}")
-        nbytes = sum(region.nbytes for region in local)
-        try:
-            source = self._agent.get_xfer_descs([(r.address, r.nbytes, r.device) for r in local], local[0].kind)
-            target = self._agent.get_xfer_descs([(r.address, r.nbytes, r.device) for r in remote], remote[0].kind)
-            handle = self._agent.initialize_xfer("WRITE", source, target, remote_agent, notification)
-            state = self._agent.transfer(handle)
-        except Exception as exc:
-            raise NixlError(f"a NIXL write of {nbytes} bytes to {remote_agent} could not start: {exc}") from exc
-        transfer = Transfer(self, handle, state)
-        if state == "ERR":
-            transfer.release()
-            raise NixlError(f"a NIXL write of {nbytes} bytes to {remote_agent} failed to start")
-        return transfer
+        return self._transfer("WRITE", local, remote, remote_agent, notification)
 
     def read(self, local: Sequence[Region], remote: Sequence[Region], remote_agent: str) -> Transfer:
         """Start one read of each ``remote`` region (inside memory ``remote_agent`` registered) into the ``local``
         region beside it (inside memory registered here): a worker pulling a weight update (dataplane/weights/)."""
+        return self._transfer("READ", local, remote, remote_agent, b"")
+
+    def _transfer(self, operation: str, local: Sequence[Region], remote: Sequence[Region], remote_agent: str, notification: bytes) -> Transfer:
+        what = operation.lower()
         if len(local) != len(remote) or not local or any(a.nbytes != b.nbytes for a, b in zip(local, remote)):
-            raise ValueError(f"a read moves equal lengths, not {[r.nbytes for r in remote]} into {[r.nbytes for r in local]}")
+            raise ValueError(f"a {what} moves equal lengths, not {[r.nbytes for r in local]} and {[r.nbytes for r in remote]}")
         nbytes = sum(region.nbytes for region in local)
+        where = f"to {remote_agent}" if operation == "WRITE" else f"from {remote_agent}"
         try:
-            target = self._agent.get_xfer_descs([(r.address, r.nbytes, r.device) for r in local], local[0].kind)
-            source = self._agent.get_xfer_descs([(r.address, r.nbytes, r.device) for r in remote], remote[0].kind)
-            handle = self._agent.initialize_xfer("READ", target, source, remote_agent, b"")
+            here = self._agent.get_xfer_descs([(r.address, r.nbytes, r.device) for r in local], local[0].kind)
+            there = self._agent.get_xfer_descs([(r.address, r.nbytes, r.device) for r in remote], remote[0].kind)
+            handle = self._agent.initialize_xfer(operation, here, there, remote_agent, notification)
             state = self._agent.transfer(handle)
         except Exception as exc:
-            raise NixlError(f"a NIXL read of {nbytes} bytes from {remote_agent} could not start: {exc}") from exc
+            raise NixlError(f"a NIXL {what} of {nbytes} bytes {where} could not start: {exc}") from exc
         transfer = Transfer(self, handle, state)
         if state == "ERR":
             transfer.release()
-            raise NixlError(f"a NIXL read of {nbytes} bytes from {remote_agent} failed to start")
+            raise NixlError(f"a NIXL {what} of {nbytes} bytes {where} failed to start")
         return transfer
 
     def notifications(self) -> dict[str, list[bytes]]:
