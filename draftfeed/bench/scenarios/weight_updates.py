@@ -1,11 +1,12 @@
 """Weight updates (docs/versions.md): the time from ``publish_weights`` to the first batch served at the new version,
 against restarting the worker from the same weights (stop it, start one with ``--target-version``, its first batch),
-for a target of about 1 GB on CPU; and against raw pyzmq (raw NIXL) moving the same bytes between two processes, the
-least the plane's bytes take. The first update of a worker's life is shown apart: until then its weights are the checkpoint file's pages, which the
-loader maps copy-on-write, and the first write into each page copies it (a page fault each 4 KiB), so it is slower
-than every later one, which is what an RL loop pays each step. Then a rank's waits under ``version_policy="latest"`` with two workers: its longest wait for a batch while
-a publisher updates them every 8 batches, one at a time (each worker on one core, as on a device of its own) (``at_once=1``: the other serves meanwhile), against the
-same loop with no updates.
+for a target of about 1 GB on CPU; and the time until the worker has the update against raw pyzmq (raw NIXL) moving
+the same bytes between two processes, the least the plane's bytes take. The first update of a worker's life is shown
+apart: until then its weights are the checkpoint file's pages, which the loader maps copy-on-write, and the first
+write into each page copies it (a page fault each 4 KiB), so it is slower than every later one, which is what an RL
+loop pays each step. Then a rank's waits under ``version_policy="latest"`` with two workers (each on one core, as on a
+device of its own): its longest wait for a batch while a publisher updates them every 8 batches, one at a time
+(``at_once=1``: the other serves meanwhile), against the same loop with no updates.
 
 The target is a random-weight Llama (draftfeed.tiny) of 16 layers of width 1024 in float32; the update is every tensor
 of it (its state dict, held by the bench's process), published in the default 16 MiB pieces, as frames and, where

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from draftfeed.dataplane.frames.codec import DTYPES
 from draftfeed.dataplane.weights.worker import UpdateBroken, UpdateRefused, pull_keys, pull_update, tensor_problem
 from draftfeed.schemas.messages import TensorSpec, UpdateWeights
 from draftfeed.security.keys import KeyPair
@@ -133,8 +134,6 @@ def pulled(
 
 
 def _typed(held: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
-    from draftfeed.dataplane.frames.codec import DTYPES
-
     dtype = DTYPES[spec.dtype]
     if held.dtype == dtype:
         return held.view(spec.shape)
