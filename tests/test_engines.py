@@ -561,7 +561,7 @@ def deepseek_v3_for_vllm_cpu(path: Path) -> Path:
 def test_vllm_serves_deepseek_v3_close_to_hf(tmp_path):
     """vLLM on CPU serves DeepSeek-V3 (multi-head latent attention, grouped routing with a correction bias, a shared
     expert) close to hf on a padded batch: layer outputs within 5e-4 relative (its absorbed latent attention computes in
-    another order; measured 1.9e-4), logits within 1e-4 and the same argmax."""
+    another order; measured 1.6e-4 to 2.0e-4), logits within 1e-4 (2.1e-5) and the same argmax."""
     target = deepseek_v3_for_vllm_cpu(tmp_path / "deepseek-v3")
     capture = Capture(layer_ids=(0, 1, 2, 5), final_hidden=True, logits=True)
     batch = padded_batch(seed=52)
