@@ -583,3 +583,14 @@ def test_vllm_serves_deepseek_v3_close_to_hf(tmp_path):
     worst = float((got.logits - want.logits)[real].abs().max())
     assert worst <= 1e-4, f"logits: {worst:.2e}"
     assert torch.equal(got.logits[real].argmax(-1), want.logits[real].argmax(-1))
+
+
+@NEEDS_VLLM
+def test_vllm_refuses_an_architecture_it_cannot_capture_in_one_line(tmp_path):
+    """vLLM 0.32's GLM-4-MoE does not implement the EAGLE-3 interface through which the engine captures: refused at
+    start, before vLLM starts, naming the class and the engine that serves it."""
+    from draftfeed.tiny import build_tiny_target
+
+    target = build_tiny_target(tmp_path / "glm4-moe", arch="glm4-moe", num_hidden_layers=2, hidden_size=128, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match=r"^engine vllm captures hidden states through vLLM's EAGLE-3 interface, which vLLM's Glm4MoeForCausalLM"):
+        load_engine(TargetSettings(engine="vllm", path=str(target), device="cpu", dtype="float32"))

@@ -38,6 +38,7 @@ from draftfeed.consumers.devices import NO_PIPELINE, VLLM_NODES
 from draftfeed.consumers.engines.base import EMBEDDINGS, FINAL_HIDDEN, Capture, ForwardOutput, Part, request_segments
 from draftfeed.consumers.engines.hf import resolve_dtype
 from draftfeed.consumers.engines.joining import JoinedWriter
+from draftfeed.consumers.engines.loading import transformers_config
 from draftfeed.consumers.engines.packages import EnginePackage, import_engine_package, refuse_own_options
 from draftfeed.consumers.engines.target_head import TargetHead
 from draftfeed.consumers.engines.vllm_updates import VLLMUpdates
@@ -180,6 +181,26 @@ def environment(variables: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
+def capture_problem(target: str) -> str | None:
+    """Why vLLM cannot capture the hidden states of ``target``'s architecture, or None: the capture is vLLM's EAGLE-3
+    interface (the aux hidden states a speculator reads), which some of its model classes do not implement (GLM-4-MoE
+    in vLLM 0.32); known before the engine starts, so said in one line instead of a failed engine core."""
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    for architecture in getattr(transformers_config(target), "architectures", None) or []:
+        try:
+            model_class = ModelRegistry._try_load_model_cls(architecture)  # vLLM's own lookup, without a model config
+        except Exception:  # a registry that changed shape: let vLLM's start say what it says
+            return None
+        if model_class is not None and not supports_eagle3(model_class):
+            return (
+                f"engine vllm captures hidden states through vLLM's EAGLE-3 interface, which vLLM's {model_class.__name__} "
+                "does not implement: serve this target with --engine hf"
+            )
+    return None
+
+
 def storage_root() -> str | None:
     """Where the connector writes: /dev/shm (memory) where it exists, else the system temp folder."""
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
@@ -215,6 +236,8 @@ class VLLMEngine:
             raise ValueError(f"--engine vllm --nnodes: {VLLM_NODES}")
         self._vllm = import_engine_package(VLLM)
         self.target = target
+        if (problem := capture_problem(target)) is not None:
+            raise ValueError(problem)
         self.device = torch.device(device)
         refuse_own_options("vllm", llm_options, OWN_OPTIONS)
         refuse_parallel_options(llm_options)
