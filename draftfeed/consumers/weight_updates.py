@@ -22,17 +22,23 @@ from draftfeed.dataplane.weights.worker import UpdateBroken, UpdateRefused, pull
 from draftfeed.schemas.messages import UpdateWeights
 from draftfeed.security.keys import KeyPair
 
-__all__ = ["UpdateBroken", "UpdateRefused", "apply_update", "load_update", "read_update", "update_problem"]
+__all__ = ["UpdateBroken", "UpdateRefused", "apply_update", "load_update", "read_update", "update_files", "update_problem"]
+
+
+def update_files(path: str) -> list[Path]:
+    """A safetensors file, or every one in a folder; UpdateRefused in one line if there are none."""
+    where = Path(path)
+    files = sorted(where.glob("*.safetensors")) if where.is_dir() else [where] if where.is_file() else []
+    if not files:
+        raise UpdateRefused(f"weights {path}: no safetensors file there (give a .safetensors file or a folder of them, on the worker's filesystem)")
+    return files
 
 
 def read_update(path: str) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file, or of every one in a folder; UpdateRefused in one line if there are none."""
     from safetensors.torch import load_file
 
-    where = Path(path)
-    files = sorted(where.glob("*.safetensors")) if where.is_dir() else [where] if where.is_file() else []
-    if not files:
-        raise UpdateRefused(f"weights {path}: no safetensors file there (give a .safetensors file or a folder of them, on the worker's filesystem)")
+    files = update_files(path)
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         try:

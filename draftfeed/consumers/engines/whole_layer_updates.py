@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
+from draftfeed.consumers.weight_updates import update_files, update_problem
 from draftfeed.dataplane.frames.codec import DTYPES
-from draftfeed.dataplane.weights.worker import UpdateBroken, UpdateRefused, pull_keys, pull_update, tensor_problem
+from draftfeed.dataplane.weights.worker import UpdateBroken, UpdateRefused, pull_keys, pull_update
 from draftfeed.schemas.messages import TensorSpec, UpdateWeights
 from draftfeed.security.keys import KeyPair
 
@@ -77,22 +78,14 @@ def checked_files(engine: str, weights: str, checkpoint: Mapping[str, torch.Tens
     time, so the check holds one tensor at most); UpdateRefused in one line naming the first that did not."""
     from safetensors import safe_open
 
-    where = Path(weights)
-    files = sorted(where.glob("*.safetensors")) if where.is_dir() else [where] if where.is_file() else []
-    if not files:
-        raise UpdateRefused(
-            f"weights {weights}: no safetensors file there (give a .safetensors file or a folder of them, on the worker's filesystem)"
-        )
+    files = update_files(weights)
     tensors: dict[str, Loader] = {}
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
-                    tensor = handle.get_tensor(name)
-                    if (problem := tensor_problem(checkpoint, name, list(tensor.shape), tensor.dtype)) is not None:
+                    if (problem := update_problem(checkpoint, {name: handle.get_tensor(name)}, check_finite)) is not None:
                         raise UpdateRefused(problem)
-                    if check_finite and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                        raise UpdateRefused(f"tensor {name}: holds NaN or Inf (the worker's finite check is on)")
                     tensors[name] = lambda file=file, name=name: _read(file, name)
         except UpdateRefused:
             raise

@@ -6,9 +6,10 @@ pieces come one at a time, each checked finite (a piece holds whole elements: it
 written into its place, the next few asked for meanwhile: memory beyond the target's own is those few pieces. A tensor
 sharded over a tensor-parallel group (a DTensor) is staged whole on the host while its pieces come, and keeps its own
 shard once its last piece is in (place.py): every process of the group pulls the whole update itself, and holds at
-most one whole tensor more. The pieces come as frames on the publisher's socket, or, where the publisher offers NIXL
-and this process has it, are read one-sided from the publisher's memory (nixl_reads.py). A fault after the first write (the publisher gone, a NaN in a later piece) leaves a
-mixture of versions (``UpdateBroken``): the worker must not serve it, and leaves."""
+most one whole tensor more. The pieces come as frames on the publisher's socket; over a pair group of their own where
+the publisher offers one on this machine (pair_pieces.py); or read one-sided from the publisher's memory where it
+offers NIXL and this process has it (nixl_reads.py). A fault after the first write (the publisher gone, a NaN in a
+later piece) leaves a mixture of versions (``UpdateBroken``): the worker must not serve it, and leaves."""
 
 from __future__ import annotations
 
@@ -165,7 +166,7 @@ def pull_update(
             try:
                 _write_all(reads, specs, pieces, writer, check_finite)
             except UpdateRefused as exc:
-                if isinstance(reads, _FramePieces) or not reads.failed:
+                if not reads.failed:
                     raise
                 log.warning(
                     "draftfeed: weights from %s: %s failed before any byte was written (%s): pulled as frames", puller.source, reads.plane, exc
@@ -209,6 +210,7 @@ class _FramePieces:
     """Pieces pulled as frames from the publisher's socket, answered in the order asked."""
 
     plane = "frames"
+    failed = False  # a fault here is the publisher's: nothing to fall back to
 
     def __init__(self, puller: _Puller) -> None:
         self.puller = puller
