@@ -123,3 +123,83 @@ def test_an_update_in_place_equals_a_fresh_start_from_the_same_weights(family, t
 
     publish_into(engine, layer, update=3)
     assert differences(supervise(engine), before) == []
+
+
+@pytest.fixture(scope="module")
+def sharded_reference(targets, tmp_path_factory):
+    """NeMo's own model of each target over 2 processes, experts over both (tests/automodel_reference.py), with NeMo's
+    wrappers around it."""
+    import os
+
+    from conftest import WORKER_ENV
+    from safetensors.torch import load_file
+    from support import preload
+
+    from draftfeed.net import free_port
+
+    out, port = tmp_path_factory.mktemp("automodel-reference") / "reference.safetensors", free_port()
+    served = [f"{family}={targets[family]}" for family in SHARDED]
+    ranks = [
+        preload.popen_module("automodel_reference", [str(rank), str(port), str(out), "1", *served], {**os.environ, **WORKER_ENV}) for rank in (0, 1)
+    ]
+    try:
+        for rank in ranks:
+            done = preload.communicate(rank, timeout_s=200)
+            assert done.returncode == 0, f"NeMo's sharded reference failed:\n{done.stderr[-3000:]}"
+    finally:
+        for rank in ranks:
+            rank.kill()
+    return load_file(str(out))
+
+
+SHARDED = ("deepseek-v41", "deepseek-v3")  # only NeMo implements the first; transformers implements the second too
+
+
+@pytest.mark.parametrize("family", SHARDED)
+def test_over_two_processes_with_experts_spread_equals_nemos_own_sharded_model(family, targets, sharded_reference, tmp_path, monkeypatch):
+    """``--engine automodel --tensor-parallel 2 --expert-parallel``: the worker's two processes (this one and a follower
+    it starts) shard NeMo's model as NeMo's recipes do (FSDP, experts over both ranks); DSpark and EAGLE-3 supervision
+    equal NeMo's own wrappers around NeMo's own model sharded the same way in two processes of the test's own, bit for
+    bit at real positions. A file update lands in every rank's shards: it changes the supervision, and the old layer
+    put back gives the first supervision again, bit for bit."""
+    import os
+
+    from automodel_reference import AUX_IDS, batch
+    from safetensors.torch import load_file, save_file
+    from support.nemo import NEMO_PACKAGES
+
+    from draftfeed.consumers.engines.parallel.engine import TensorParallelEngine
+    from draftfeed.schemas.messages import UpdateWeights
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(NEMO_PACKAGES)])))  # the follower's
+    lost: list[str] = []
+    engine = TensorParallelEngine("automodel", str(targets[family]), ["cpu", "cpu"], "float32", expert_parallel=True, on_lost=lost.append)
+    ids, mask, loss = (batch()[key] for key in ("input_ids", "attention_mask", "loss_mask"))
+
+    def supervise() -> dict:
+        dspark = DSparkTask(engine, target_layer_ids=DSPARK_IDS).compute(ids, mask, loss)
+        eagle3 = Eagle3Task(engine, aux_layer_ids=AUX_IDS).compute(ids, mask, loss)
+        return {f"dspark/{name}": dspark[name] for name in ("target_hidden_states", "target_last_hidden_states")} | {
+            "eagle3/aux_hidden_states": eagle3["aux_hidden_states"]
+        }
+
+    def differences(got: dict, want: dict) -> list[str]:
+        return [p for name in want if (p := difference_at_real(name, got[name], want[name], mask))]
+
+    try:
+        assert engine.model_features == (family == "deepseek-v41")
+        first = supervise()
+        assert differences(first, {name: sharded_reference[f"{family}/{name}"] for name in first}) == []
+        held = [(p.to_local().numel(), p.numel()) for p in engine.inner.model.parameters()]  # rank 0's shards, after forwards
+        assert sum(mine for mine, _ in held) <= 0.55 * sum(whole for _, whole in held), "rank 0 holds more than its half of the target"
+        saved = {name: t for file in sorted(targets[family].glob("*.safetensors")) for name, t in load_file(str(file)).items()}
+        layer = {name: t for name, t in saved.items() if name.startswith(("model.layers.1.", "layers.1."))}
+        save_file({name: t + 0.01 if t.is_floating_point() else t for name, t in layer.items()}, str(tmp_path / "step.safetensors"))
+        save_file(layer, str(tmp_path / "back.safetensors"))
+        engine.update_weights(UpdateWeights(update=1, weights=str(tmp_path / "step.safetensors"), target_version=1), check_finite=True)
+        assert differences(supervise(), first), "the step changed nothing"
+        engine.update_weights(UpdateWeights(update=2, weights=str(tmp_path / "back.safetensors"), target_version=2), check_finite=True)
+        assert differences(supervise(), first) == []
+        assert lost == []
+    finally:
+        engine.close()

@@ -53,7 +53,7 @@ class TargetSettings(Settings):
     tensor_parallel: int = setting(
         1,
         "spread the target over N devices, one process each, as one worker (hf and sglang: transformers' or sglang's tensor-parallel plan "
-        "over processes this worker starts; vllm: its tensor_parallel_size); docs/engines.md",
+        "over processes this worker starts; automodel: NeMo's FSDP over them; vllm: its tensor_parallel_size); docs/engines.md",
         metavar="N",
     )
     devices: tuple[str, ...] = setting(
@@ -74,7 +74,7 @@ class TargetSettings(Settings):
     expert_parallel: bool = setting(
         False,
         "shard a mixture of experts' experts over the --tensor-parallel processes (hf: the model's expert-parallel plan; vllm: "
-        "enable_expert_parallel; sglang: ep_size)",
+        "enable_expert_parallel; sglang: ep_size; automodel: NeMo's expert mesh)",
     )
     # A worker over several machines: the same line on each, with its own --node-rank (consumers/nodes.py).
     nnodes: int = setting(

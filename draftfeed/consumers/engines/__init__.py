@@ -15,8 +15,8 @@ def load_engine(settings: TargetSettings, plan: dict[str, Any] | None = None) ->
 
     Each is built as ``Class(target, device=, dtype=, **engine_options)``; the options are the engine's own settings
     (``--engine-option``), e.g. vLLM's ``gpu_memory_utilization``. ``tensor_parallel`` above 1 spreads the target over
-    that many ``devices`` (default: the first ones of ``device``'s kind): vllm by its own ranks, hf and sglang by
-    processes this worker starts (parallel/engine.py). ``device_map="auto"`` (hf only) spreads the layers over
+    that many ``devices`` (default: the first ones of ``device``'s kind): vllm by its own ranks, hf, sglang and
+    automodel by processes this worker starts (parallel/engine.py). ``device_map="auto"`` (hf only) spreads the layers over
     ``devices`` in this one process instead. With ``nnodes`` above 1 the worker spans machines and this is node 0
     (``plan``: what the other nodes check theirs against; ``devices`` its share). ``pipeline_parallel`` splits the
     layers into stages (refused by each engine, in its words); ``expert_parallel`` shards a mixture of experts' experts
@@ -73,12 +73,10 @@ def load_engine(settings: TargetSettings, plan: dict[str, Any] | None = None) ->
     if name == "automodel":
         from draftfeed.consumers.engines.automodel import AutoModelEngine
 
-        if tensor_parallel > 1 or nodes is not None or settings.device_map is not None:
-            raise ValueError(
-                "--engine automodel runs on one device in one process for now (NeMo's expert-parallel and FSDP sharding "
-                "over processes and nodes is not wired yet): leave out --tensor-parallel, --nnodes and --device-map, or "
-                "serve with --engine hf, vllm or sglang"
-            )
+        if tensor_parallel > 1:  # NeMo's own sharding over the processes (automodel_sharding.py)
+            from draftfeed.consumers.engines.parallel.engine import TensorParallelEngine
+
+            return TensorParallelEngine("automodel", target, placed, dtype, options, **spread)
         return AutoModelEngine(target, device=device, dtype=dtype, **options)
     if ":" in name:
         module_name, _, class_name = name.partition(":")

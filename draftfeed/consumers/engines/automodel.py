@@ -11,8 +11,9 @@ A model that defines its DSpark features itself (NeMo's ``get_dspark_target_feat
 streams entering layer i's attention, after its Engram update) gives DSpark those (``model_features``), as NeMo's
 ``HFDSparkTargetModel`` does; otherwise the layer semantics are the hf engine's (base.py).
 
-One process and one device: NeMo's expert-parallel and FSDP sharding over several processes and nodes is not wired
-here yet (``--tensor-parallel``, ``--nnodes`` are refused in one line); packed rows and images are refused.
+At ``--tensor-parallel N`` (``parallel``: this process's place among the worker's N, on one machine or over
+``--nnodes``) the model is sharded as NeMo's own recipes shard their targets: FSDP over the N processes, and with
+``--expert-parallel`` its experts over them too (automodel_sharding.py). Images are refused.
 """
 
 from __future__ import annotations
@@ -27,11 +28,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from draftfeed.consumers.engines.automodel_sharding import copy_into, load_sharded, map_group, mesh_context, settle, sharded_model
 from draftfeed.consumers.engines.base import EMBEDDINGS, FINAL_HIDDEN, Capture, ForwardOutput, ModelFeature, TargetShape
-from draftfeed.consumers.engines.hf import resolve_dtype
+from draftfeed.consumers.engines.hf import resolve_dtype, whole_weight
 from draftfeed.consumers.engines.hooks import first_input_hook, store_hook
 from draftfeed.consumers.engines.joining import JoinedWriter
 from draftfeed.consumers.engines.packages import EnginePackage, import_engine_package
+from draftfeed.consumers.engines.parallel.group import LOAD_TIMEOUT_S, join_process_group
+from draftfeed.consumers.engines.parallel.spec import ProcessPlace
 from draftfeed.consumers.engines.whole_layer_updates import checked_files, checkpoint_tensors, pulled
 from draftfeed.dataplane.frames.codec import DTYPES
 from draftfeed.dataplane.weights.worker import UpdateRefused
@@ -150,31 +154,52 @@ def _text_config(config: Any) -> Any:
 
 
 class AutoModelEngine:
-    """Loads the target once with NeMo's model class for it, frozen and in eval mode, on one device."""
+    """Loads the target once with NeMo's model class for it, frozen and in eval mode, on one device, or as rank
+    ``parallel.rank`` of the worker's processes, sharded by NeMo (``expert_parallel``: its experts too)."""
 
     name = "automodel"
     image_inputs: frozenset[str] = frozenset()
     images_refusal = IMAGES_REFUSAL
 
-    def __init__(self, target: str, device: str = "cpu", dtype: str = "auto", **backend: Any) -> None:
+    def __init__(
+        self,
+        target: str,
+        device: str = "cpu",
+        dtype: str = "auto",
+        parallel: ProcessPlace | None = None,
+        expert_parallel: bool = False,
+        **backend: Any,
+    ) -> None:
         import_engine_package(AUTOMODEL)
         self.device = torch.device(device)
+        if parallel is not None:
+            self.device = join_process_group(parallel, timeout_s=LOAD_TIMEOUT_S)
         self.dtype = resolve_dtype(dtype, self.device)
         options = (CPU_BACKEND if self.device.type == "cpu" else {"enable_hf_state_dict_adapter": True}) | backend
         if self.device.type == "cpu" and (problem := cpu_backend_problem(options)) is not None:
             raise ValueError(problem)
         config = nemo_config(target)
         model_class = nemo_model_class(config)
-        model = build_model(model_class, config, options, self.device)
-        weights = read_weights(target)
-        adapter = getattr(model, "state_dict_adapter", None)  # a model whose names are the checkpoint's has none
-        missing, unexpected = model.load_state_dict(adapter.from_hf(weights) if adapter is not None else weights, strict=False)
-        if missing or unexpected:
-            raise ValueError(
-                f"--target {target}: its weights do not fit NeMo's {model_class.__name__}: "
-                f"{len(missing)} missing (first {missing[:3]}), {len(unexpected)} unexpected (first {unexpected[:3]})"
-            )
-        self.model = model.to(self.dtype).eval().requires_grad_(False)
+        self._moe_mesh = None  # the expert mesh the adapter maps for (sharded only)
+        if parallel is None:
+            model = build_model(model_class, config, options, self.device)
+            weights = read_weights(target)
+            adapter = getattr(model, "state_dict_adapter", None)  # a model whose names are the checkpoint's has none
+            missing, unexpected = model.load_state_dict(adapter.from_hf(weights) if adapter is not None else weights, strict=False)
+            if missing or unexpected:
+                raise ValueError(
+                    f"--target {target}: its weights do not fit NeMo's {model_class.__name__}: "
+                    f"{len(missing)} missing (first {missing[:3]}), {len(unexpected)} unexpected (first {unexpected[:3]})"
+                )
+            model = model.to(self.dtype)
+        else:
+            mesh = mesh_context(parallel.world_size, expert_parallel, self.dtype)
+            model = sharded_model(lambda: build_model(model_class, config, options, self.device), mesh, self.device, self.dtype)
+            self._moe_mesh = mesh.moe_mesh if expert_parallel else None
+            load_sharded(model, target, self._moe_mesh)
+            settle(model, self.device)
+            adapter = getattr(model, "state_dict_adapter", None)
+        self.model = model.eval().requires_grad_(False)
         self.target, self._adapter = target, adapter
         self._checkpoint: dict[str, torch.Tensor] | None = None  # its names, shapes and dtypes, for updates
         text_config = _text_config(config)
@@ -239,17 +264,16 @@ class AutoModelEngine:
             lay_out = lambda specs: [torch.empty(spec.shape, dtype=DTYPES[spec.dtype]) for spec in specs]  # noqa: E731
             loaders = pulled("automodel", message, self._checkpoint, lay_out, check_finite, timeout_s, keys)
         new = {name: load() for name, load in loaders.items()}
-        mapped = self._adapter.from_hf(dict(new)) if self._adapter is not None else new  # from_hf empties what it is given
+        mapped = map_group(self._adapter, dict(new), self._moe_mesh)  # from_hf empties what it is given
         held = self.model.state_dict()
         for name, tensor in mapped.items():
             if name not in held or held[name].shape != tensor.shape:
                 found = "no such tensor" if name not in held else f"shape {list(held[name].shape)}"
                 raise UpdateRefused(f"tensor {name} (NeMo's name for it): the update gives shape {list(tensor.shape)}, NeMo's model has {found}")
-        for name, tensor in mapped.items():
-            held[name].copy_(tensor)
+        copy_into(held, mapped)
 
     def input_embeddings(self) -> torch.Tensor:
-        return self.model.get_input_embeddings().weight.detach()
+        return whole_weight(self.model.get_input_embeddings().weight).detach()
 
     def output_embeddings(self) -> torch.Tensor:
-        return self.model.get_output_embeddings().weight.detach()
+        return whole_weight(self.model.get_output_embeddings().weight).detach()

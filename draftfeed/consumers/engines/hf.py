@@ -253,13 +253,13 @@ class HFEngine:
         load_update(self.named_weights(), message, check_finite, timeout_s, keys)
 
     def input_embeddings(self) -> torch.Tensor:
-        return _whole(self.model.get_input_embeddings().weight)
+        return whole_weight(self.model.get_input_embeddings().weight)
 
     def output_embeddings(self) -> torch.Tensor:
-        return _whole(self.model.get_output_embeddings().weight)
+        return whole_weight(self.model.get_output_embeddings().weight)
 
 
-def _whole(weight: torch.Tensor) -> torch.Tensor:
+def whole_weight(weight: torch.Tensor) -> torch.Tensor:
     """A weight as one tensor on this process: a tensor-parallel shard (DTensor) is gathered from every rank, which
     must all call this together."""
     from torch.distributed.tensor import DTensor

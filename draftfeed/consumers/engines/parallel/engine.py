@@ -155,6 +155,7 @@ class TensorParallelEngine:
         self.device = self.inner.device
         self.dtype = self.inner.dtype
         self.logit_transform = self.inner.logit_transform
+        self.model_features: bool = getattr(self.inner, "model_features", False)  # DSpark features the model defines (base.py)
         self.image_inputs: frozenset[str] = frozenset()
         self.images_refusal = PARALLEL_IMAGES_REFUSAL
         log.info("worker: the target runs over %d processes on %s", self.tensor_parallel, ", ".join(self.devices))
