@@ -4,7 +4,7 @@ ranks, experts over them with ``ep``), with NeMo's own target wrappers around it
 
 Run as ``python automodel_reference.py RANK PORT OUT EP NAME=TARGET [NAME=TARGET ...]`` in two processes (gloo over a
 store rank 0 hosts on 127.0.0.1:PORT; ``EP`` 1 for experts over both ranks, 0 for FSDP alone). Rank 0 writes OUT
-(safetensors, keys ``NAME/dspark/FIELD`` and ``NAME/eagle3/FIELD``). Written from NeMo's and torch's documented APIs:
+(safetensors, keys ``NAME/BATCH/dspark/FIELD``, and ``NAME/one/eagle3/FIELD`` for the first batch). Written from NeMo's and torch's documented APIs:
 NeMo's mesh, ``init_empty_weights`` and parallelizer build the model; the checkpoint is mapped whole by the model's
 adapter and spread over the shards by torch's ``set_model_state_dict``, not by the worker's loading.
 """
@@ -24,8 +24,12 @@ DSPARK_IDS, AUX_IDS = [1, 3, 5], [1, 2, 3]
 VOCAB = 256
 
 
-def batch() -> dict[str, torch.Tensor]:
-    return make_batch(2, 24, VOCAB, seed=13)
+def batches() -> dict[str, dict[str, torch.Tensor]]:
+    """The batches, by name: ``one`` for both tasks, the ``run-`` ones for a run through workers (DSpark)."""
+    return {"one": make_batch(2, 24, VOCAB, seed=13)} | {f"run-{i}": make_batch(2, 16, VOCAB, seed=40 + i) for i in range(RUN_BATCHES)}
+
+
+RUN_BATCHES = 6
 
 
 def sharded_nemo_model(target: str, expert_parallel: bool) -> torch.nn.Module:
@@ -63,15 +67,17 @@ def main(rank: int, port: int, out: str, expert_parallel: bool, served: list[str
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=rank == 0, timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    ids, mask, loss = (batch()[key] for key in ("input_ids", "attention_mask", "loss_mask"))
     results: dict[str, torch.Tensor] = {}
     for name, target in (item.split("=", 1) for item in served):
         model = sharded_nemo_model(target, expert_parallel)
-        dspark = HFDSparkTargetModel(model, DSPARK_IDS).generate_batch(ids, mask, loss)
-        results[f"{name}/dspark/target_hidden_states"] = dspark.target_hidden_states.contiguous()
-        results[f"{name}/dspark/target_last_hidden_states"] = dspark.target_last_hidden_states.contiguous()
-        eagle3 = HFEagle3TargetModel(model, AUX_IDS).generate_batch(ids, mask, loss)
-        results[f"{name}/eagle3/aux_hidden_states"] = eagle3.aux_hidden_states.contiguous()
+        for batch_name, batch in batches().items():
+            ids, mask, loss = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+            dspark = HFDSparkTargetModel(model, DSPARK_IDS).generate_batch(ids, mask, loss)
+            results[f"{name}/{batch_name}/dspark/target_hidden_states"] = dspark.target_hidden_states.contiguous()
+            results[f"{name}/{batch_name}/dspark/target_last_hidden_states"] = dspark.target_last_hidden_states.contiguous()
+            if batch_name == "one":
+                eagle3 = HFEagle3TargetModel(model, AUX_IDS).generate_batch(ids, mask, loss)
+                results[f"{name}/one/eagle3/aux_hidden_states"] = eagle3.aux_hidden_states.contiguous()
     if rank == 0:
         save_file(results, out)
     dist.destroy_process_group()

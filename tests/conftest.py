@@ -41,6 +41,7 @@ LONGEST_FIRST = (
     "test_nodes.py",  # 108
     "test_frontier_rows.py",  # 94
     "test_tensor_parallel.py",  # 63
+    "test_automodel_engine.py",  # 50
     "test_mistakes.py",  # 50
     "test_reliability.py",  # 49
     "test_stopping_moments.py",  # 47
