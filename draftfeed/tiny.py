@@ -533,7 +533,7 @@ def _minimax_m3_vl_config(common: dict[str, Any]) -> Any:
 NEMO_ONLY_ARCHS = ("deepseek-v41",)  # implemented by NeMo AutoModel only (transformers has no such model type)
 
 
-def build_tiny_nemo_target(path: str | Path, *, arch: str = "deepseek-v41", vocab_size: int = 256, seed: int = 0) -> Path:
+def build_tiny_nemo_target(path: str | Path, *, arch: str = "deepseek-v41", vocab_size: int = 256, seed: int = 0, draft_layers: int = 0) -> Path:
     """Save a random-weight target that only NeMo AutoModel implements, by NeMo's own config and model classes, its
     weights under the released checkpoint's names (the model's ``state_dict_adapter.to_hf``), as such a checkpoint is
     laid out; ``--engine automodel`` loads it back.
@@ -541,6 +541,8 @@ def build_tiny_nemo_target(path: str | Path, *, arch: str = "deepseek-v41", voca
     ``deepseek-v41`` (DeepSeek-V4.1's text model): 6 layers, hidden 64, 4 hyper-connection streams, its compressed
     sparse attention (compress ratios 0, 2, 2, 1, 1, 1, key-value and indexer source layers, a candidate source), 4
     experts, 2 per token, and one shared; no Engram layers (they need the released tokenizer) and no vision tower.
+    ``draft_layers``: its DSpark draft's depth, which the checkpoint states (``num_nextn_predict_layers``) and NeMo's
+    DSpark recipe builds its draft from (0: a target no draft can be built for).
     """
     import torch
     from safetensors.torch import save_file
@@ -568,7 +570,7 @@ def build_tiny_nemo_target(path: str | Path, *, arch: str = "deepseek-v41", voca
         "n_shared_experts": 1,
         "num_experts_per_tok": 2,
         "sliding_window": 4,
-        "compress_ratios": [0, 2, 2, 1, 1, 1],
+        "compress_ratios": [0, 2, 2, 1, 1, 1] + [0] * draft_layers,  # the draft's layers' too
         "kv_source_layer_ids": [1, 3],
         "index_source_layer_ids": [1, 3, 5],
         "index_n_heads": 2,
@@ -579,7 +581,7 @@ def build_tiny_nemo_target(path: str | Path, *, arch: str = "deepseek-v41", voca
         "candidate_block_size": 2,
         "hc_mult": 4,
         "engram_layer_ids": [],
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": draft_layers,
         "dspark_target_layer_ids": [3, 4, 5],
         "dspark_noise_token_id": vocab_size - 2,
         "max_position_embeddings": 4096,

@@ -135,7 +135,7 @@ def test_deepseek_v41_target_options_give_draftfeeds_target_served_by_the_automo
 
     from draftfeed.tiny import build_tiny_nemo_target
 
-    v41 = build_tiny_nemo_target(tmp_path / "deepseek-v41")
+    v41 = build_tiny_nemo_target(tmp_path / "deepseek-v41", draft_layers=1)
     env = {"PYTHONPATH": os.pathsep.join([WORKER_ENV["PYTHONPATH"], str(NEMO_PACKAGES)])}
     ids = ",".join(map(str, V41_LAYERS))
     cluster.add_worker(
@@ -152,6 +152,14 @@ def test_deepseek_v41_target_options_give_draftfeeds_target_served_by_the_automo
         assert model.config.model_type == "deepseek_v41"
         in_process = nemo.train_dspark.HFDSparkTargetModel(nemo_reference(v41), V41_LAYERS)
         assert_same_dspark(wrapper, in_process, make_batch(2, 24, 256, seed=5))
+        # A few steps of the recipe's DeepSeek-V4.1 draft (its config builds it): the losses and the trained draft of
+        # the draftfeed target equal those of NeMo's wrapper around NeMo's own model in process, bit for bit.
+        v41_config = nemo.train_dspark.DeepseekV41Config.from_pretrained(str(v41))
+        batches = [make_batch(2, 24, 256, seed=seed) for seed in (41, 42, 43)]
+        expected, reference_draft = dspark_training(nemo, in_process, v41_config, batches, V41_LAYERS)
+        got, trained = dspark_training(nemo, wrapper, v41_config, batches, V41_LAYERS)
+        assert [loss.item() for loss in got] == [loss.item() for loss in expected]
+        assert all(torch.equal(a, b) for a, b in zip(trained.state_dict().values(), reference_draft.state_dict().values()))
     finally:
         wrapper.close()
     with pytest.raises(RuntimeError, match="requires CUDA"):  # outside the recipe's draftfeed target: NeMo's own
@@ -169,27 +177,40 @@ def test_a_target_only_nemos_own_code_implements_is_refused_at_setup(nemo, url, 
     assert "\n" not in str(refused.value)
 
 
-def dspark_training(nemo, wrapper, target_config, batches) -> tuple[list[torch.Tensor], torch.nn.Module]:
-    """NeMo's DSpark draft for DeepSeek-V4 as the recipe's setup() builds it (its own draft-config builder, registry
-    and trainer module), stepped with the recipe's own ``_forward_batch`` on ``wrapper``'s batches: the losses and the
-    trained draft."""
-    from nemo_automodel.components.speculative.dspark.config import build_deepseek_v4_draft_config
+def dspark_training(nemo, wrapper, target_config, batches, layers=LAYERS) -> tuple[list[torch.Tensor], torch.nn.Module]:
+    """NeMo's DSpark draft for the target's architecture (DeepSeek-V4, GLM-5.2; DeepSeek-V4.1's config builds its own)
+    as the recipe's setup() builds it (its own draft-config builder, registry and trainer module), stepped with the
+    recipe's own ``_forward_batch`` on ``wrapper``'s batches: the losses and the trained draft."""
+    from nemo_automodel.components.speculative.dspark import config as draft_configs
     from nemo_automodel.components.speculative.dspark.core import DSparkTrainerModule
-    from nemo_automodel.components.speculative.dspark.registry import resolve_dspark_draft_spec
+    from nemo_automodel.components.speculative.dspark.registry import ModelOwnedDSparkProvider, resolve_dspark_draft_spec
 
+    architecture = target_config.architectures[0]
+    build_config = {"DeepseekV4ForCausalLM": draft_configs.build_deepseek_v4_draft_config, "GlmMoeDsaForCausalLM": draft_configs.build_glm_5_2_draft_config}
+    owned = isinstance(target_config, ModelOwnedDSparkProvider)
+    settings = {"num_draft_layers": 1, "block_size": 4, "mask_token_id": target_config.get_text_config().vocab_size - 1, "markov_rank": 8}
+    if owned:  # DeepSeek-V4.1's draft takes these from its checkpoint, as the recipe must
+        text = target_config.text_config
+        settings = {
+            "num_draft_layers": text.num_nextn_predict_layers,
+            "block_size": text.dspark_block_size,
+            "mask_token_id": text.dspark_noise_token_id,
+            "markov_rank": text.dspark_markov_rank,
+        }
     margs = nemo.train_dspark._DraftArgs(
-        num_draft_layers=1,
-        target_layer_ids=LAYERS,
-        block_size=4,
+        target_layer_ids=layers,
         num_anchors=4,
-        mask_token_id=target_config.vocab_size - 1,
-        markov_rank=8,
         markov_head_type="vanilla",
         confidence_head_alpha=1.0,
         confidence_head_with_markov=True,
+        confidence_head_stop_gradient=False,
+        **settings,
     )
     torch.manual_seed(0)
-    draft = resolve_dspark_draft_spec(["DeepseekV4ForCausalLM"]).draft_cls(build_deepseek_v4_draft_config(target_config, margs)).float()
+    if owned:
+        draft = target_config.build_dspark_draft(margs).float()
+    else:
+        draft = resolve_dspark_draft_spec([architecture]).draft_cls(build_config[architecture](target_config, margs)).float()
     draft.initialize_embeddings_and_head(embed_tokens=wrapper.get_input_embeddings(), lm_head=wrapper.get_output_embeddings(), freeze=True)
     trainer = DSparkTrainerModule(draft, loss_decay_gamma=None, ce_loss_alpha=0.1, l1_loss_alpha=0.9, confidence_head_alpha=1.0)
     recipe = nemo.recipe(nemo.ConfigNode({"recipe_args": {}}))
@@ -212,6 +233,45 @@ def test_nemos_dspark_trainer_on_a_deepseek_v4_draftfeed_target_gives_the_losses
     try:
         expected, reference_draft = dspark_training(nemo, colocated, target_config, batches)
         got, trained = dspark_training(nemo, remote, target_config, batches)
+    finally:
+        remote.close()
+    assert [loss.item() for loss in got] == [loss.item() for loss in expected]
+    assert all(torch.equal(a, b) for a, b in zip(trained.state_dict().values(), reference_draft.state_dict().values()))
+
+
+GLM_LAYERS = [1, 3, 5]  # of the tiny GLM-5.2's 6 layers
+
+
+def test_nemos_dspark_trainer_on_a_glm_5_2_target_served_by_nemos_own_model_gives_the_losses_of_its_colocated_target(nemo, cluster, tmp_path):
+    """The recipe's GLM-5.2 builder (``build_glm_5_2_target``, which on its own asks for CUDA and loads NeMo's own
+    model of it), called as setup() calls it with ``target_model_backend: remote``, gives draftfeed's target; served by a
+    worker of ``--engine automodel`` (NeMo's own model, as the builder would load it), a few steps of the recipe's
+    GLM-5.2 draft give losses and a trained draft equal bit for bit to the same steps on NeMo's wrapper around NeMo's
+    own model in process: the colocated target the builder would give, built here without CUDA."""
+    import os
+
+    from conftest import WORKER_ENV
+    from support.nemo import NEMO_PACKAGES, nemo_reference
+
+    from draftfeed.tiny import build_tiny_target
+
+    glm = build_tiny_target(tmp_path / "glm-5.2", arch="glm-moe-dsa", num_hidden_layers=6)
+    env = {"PYTHONPATH": os.pathsep.join([WORKER_ENV["PYTHONPATH"], str(NEMO_PACKAGES)])}
+    ids = ",".join(map(str, GLM_LAYERS))
+    cluster.add_worker(glm, "--engine", "automodel", "--service", "glm-dspark", "--task", "dspark", "--target-layer-ids", ids, "--name", "glm-r", env=env)
+    glm_url = f"draftfeed://{cluster.frontend.removeprefix('tcp://')}/glm-dspark?data_plane=frames"
+    recipe = nemo.recipe(config(nemo, glm, glm_url))
+    with draftfeed_target(recipe, "dspark"):
+        target_config, model, setup = nemo.train_dspark.build_glm_5_2_target(
+            cfg=recipe.cfg, world_size=1, device=CPU, compute_dtype=torch.float32, target_path=str(glm), recipe_cfg=recipe.cfg.recipe_args, trust_remote_code=False
+        )
+        remote = nemo.train_dspark.HFDSparkTargetModel(model, target_layer_ids=GLM_LAYERS, cp_mesh=None)
+    colocated = nemo.train_dspark.HFDSparkTargetModel(nemo_reference(glm), GLM_LAYERS)
+    batches = [make_batch(2, 24, target_config.vocab_size, seed=seed) for seed in (31, 32, 33)]
+    try:
+        assert isinstance(model, DraftfeedTargetModel) and setup is None and type(remote) is DraftfeedDSparkTarget
+        expected, reference_draft = dspark_training(nemo, colocated, target_config, batches, GLM_LAYERS)
+        got, trained = dspark_training(nemo, remote, target_config, batches, GLM_LAYERS)
     finally:
         remote.close()
     assert [loss.item() for loss in got] == [loss.item() for loss in expected]
