@@ -5,7 +5,8 @@ it, draftfeed's stand-in (no weights) and no process group; NeMo's DSpark wrappe
 supervision equals NeMo's wrapper around the model in process, bit for bit at real positions. A target the service
 does not serve (a reduced depth) is refused in one line; the targets only NeMo's own model code implements
 DeepSeek-V4.1's target options give the stand-in too, served by a worker of ``--engine automodel``; Kimi-K3 is refused
-at setup in one line, before anything loads.
+at setup in one line, before anything loads. A few training steps of the recipe's own drafts (DeepSeek-V4 on hf, GLM-5.2
+and DeepSeek-V4.1 on ``--engine automodel``) give the losses and trained drafts of NeMo's wrapper in process, bit for bit.
 """
 
 from __future__ import annotations
@@ -186,7 +187,10 @@ def dspark_training(nemo, wrapper, target_config, batches, layers=LAYERS) -> tup
     from nemo_automodel.components.speculative.dspark.registry import ModelOwnedDSparkProvider, resolve_dspark_draft_spec
 
     architecture = target_config.architectures[0]
-    build_config = {"DeepseekV4ForCausalLM": draft_configs.build_deepseek_v4_draft_config, "GlmMoeDsaForCausalLM": draft_configs.build_glm_5_2_draft_config}
+    build_config = {
+        "DeepseekV4ForCausalLM": draft_configs.build_deepseek_v4_draft_config,
+        "GlmMoeDsaForCausalLM": draft_configs.build_glm_5_2_draft_config,
+    }
     owned = isinstance(target_config, ModelOwnedDSparkProvider)
     settings = {"num_draft_layers": 1, "block_size": 4, "mask_token_id": target_config.get_text_config().vocab_size - 1, "markov_rank": 8}
     if owned:  # DeepSeek-V4.1's draft takes these from its checkpoint, as the recipe must
@@ -258,12 +262,20 @@ def test_nemos_dspark_trainer_on_a_glm_5_2_target_served_by_nemos_own_model_give
     glm = build_tiny_target(tmp_path / "glm-5.2", arch="glm-moe-dsa", num_hidden_layers=6)
     env = {"PYTHONPATH": os.pathsep.join([WORKER_ENV["PYTHONPATH"], str(NEMO_PACKAGES)])}
     ids = ",".join(map(str, GLM_LAYERS))
-    cluster.add_worker(glm, "--engine", "automodel", "--service", "glm-dspark", "--task", "dspark", "--target-layer-ids", ids, "--name", "glm-r", env=env)
+    cluster.add_worker(
+        glm, "--engine", "automodel", "--service", "glm-dspark", "--task", "dspark", "--target-layer-ids", ids, "--name", "glm-r", env=env
+    )
     glm_url = f"draftfeed://{cluster.frontend.removeprefix('tcp://')}/glm-dspark?data_plane=frames"
     recipe = nemo.recipe(config(nemo, glm, glm_url))
     with draftfeed_target(recipe, "dspark"):
         target_config, model, setup = nemo.train_dspark.build_glm_5_2_target(
-            cfg=recipe.cfg, world_size=1, device=CPU, compute_dtype=torch.float32, target_path=str(glm), recipe_cfg=recipe.cfg.recipe_args, trust_remote_code=False
+            cfg=recipe.cfg,
+            world_size=1,
+            device=CPU,
+            compute_dtype=torch.float32,
+            target_path=str(glm),
+            recipe_cfg=recipe.cfg.recipe_args,
+            trust_remote_code=False,
         )
         remote = nemo.train_dspark.HFDSparkTargetModel(model, target_layer_ids=GLM_LAYERS, cp_mesh=None)
     colocated = nemo.train_dspark.HFDSparkTargetModel(nemo_reference(glm), GLM_LAYERS)
