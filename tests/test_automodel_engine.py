@@ -129,27 +129,11 @@ def test_an_update_in_place_equals_a_fresh_start_from_the_same_weights(family, t
 def sharded_reference(targets, tmp_path_factory):
     """NeMo's own model of each target over 2 processes, experts over both (tests/automodel_reference.py), with NeMo's
     wrappers around it."""
-    import os
+    from support.automodel import sharded_reference
 
-    from conftest import WORKER_ENV
-    from safetensors.torch import load_file
-    from support import preload
-
-    from draftfeed.net import free_port
-
-    out, port = tmp_path_factory.mktemp("automodel-reference") / "reference.safetensors", free_port()
-    served = [f"{family}={targets[family]}" for family in SHARDED]
-    ranks = [
-        preload.popen_module("automodel_reference", [str(rank), str(port), str(out), "1", *served], {**os.environ, **WORKER_ENV}) for rank in (0, 1)
-    ]
-    try:
-        for rank in ranks:
-            done = preload.communicate(rank, timeout_s=200)
-            assert done.returncode == 0, f"NeMo's sharded reference failed:\n{done.stderr[-3000:]}"
-    finally:
-        for rank in ranks:
-            rank.kill()
-    return load_file(str(out))
+    return sharded_reference(
+        {family: targets[family] for family in SHARDED}, tmp_path_factory.mktemp("automodel-reference") / "reference.safetensors"
+    )
 
 
 SHARDED = ("deepseek-v41", "deepseek-v3")  # only NeMo implements the first; transformers implements the second too
@@ -214,16 +198,14 @@ def test_a_worker_killed_mid_run_leaves_the_run_to_another_every_batch_once_in_o
     """Two workers of ``--engine automodel --tensor-parallel 2 --expert-parallel`` (DeepSeek-V4.1, DSpark); one is
     SIGKILLed after the third batch. The run completes on the other: every batch once, in order, each equal bit for
     bit to NeMo's own model sharded alike (the reference); the killed worker's follower does not outlive it."""
-    import os
-
     from automodel_reference import RUN_BATCHES, batches
     from conftest import run_concurrently, wait_until
-    from support.nemo import NEMO_PACKAGES
+    from support.automodel import nemo_path_env
     from test_tensor_parallel import follower_pid, gone
 
     from draftfeed import RemoteDSparkTarget
 
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(NEMO_PACKAGES)]))}
+    env = nemo_path_env()
     flags = ["--engine", "automodel", "--tensor-parallel", "2", "--expert-parallel", "--task", "dspark", "--target-layer-ids", "1,3,5"]
     target = targets["deepseek-v41"]
     starts = [

@@ -67,9 +67,24 @@ def start_node(hosts: Hosts, broker: commands.Process, target: Path, node: int, 
     )
 
 
-def start_rank(hosts: Hosts, broker: commands.Process, service: str, task: str, names: list[str], out: Path) -> commands.Process:
+def start_rank(
+    hosts: Hosts, broker: commands.Process, service: str, task: str, names: list[str], out: Path, batches: str = "tp_reference"
+) -> commands.Process:
     return commands.start(
-        ["--broker", broker.ready["frontend"], "--service", service, "--task", task, "--names", ",".join(names), "--out", str(out)],
+        [
+            "--broker",
+            broker.ready["frontend"],
+            "--service",
+            service,
+            "--task",
+            task,
+            "--names",
+            ",".join(names),
+            "--out",
+            str(out),
+            "--batches",
+            batches,
+        ],
         module="tp_rank",
         env=WORKER_ENV,
         prefix=hosts.command("head"),
@@ -137,6 +152,56 @@ def test_two_nodes_equal_the_same_plan_on_one_machine(hosts_available, tp_target
                     assert_supervision_equal(Supervision(received(tensors, batch)), expected(reference, name, task, batch))
                 for node in reversed(nodes):  # SIGTERM on node 0 stops node 1 too
                     assert node.stop(timeout_s=30) == 0, "\n".join(node.log_tail[-20:])
+        finally:
+            for process in started:
+                process.stop(timeout_s=5)
+            show(started)
+
+
+@pytest.mark.long
+def test_the_automodel_engine_over_two_nodes_equals_nemos_own_model_sharded_alike(hosts_available, tmp_path):
+    """``--engine automodel --tensor-parallel 2 --nnodes 2 --expert-parallel``: NeMo's model of DeepSeek-V4.1 sharded
+    over a process on each host (FSDP and NeMo's expert mesh across the bridge); DSpark on padded batches equals NeMo's
+    wrappers around NeMo's own model sharded alike in two processes on one machine (tests/automodel_reference.py), bit
+    for bit at real positions."""
+    from automodel_reference import RUN_BATCHES, batches
+    from reference import difference_at_real
+    from support.automodel import nemo_path_env, sharded_reference
+    from support.nemo import nemo_on_path
+
+    from draftfeed.tiny import build_tiny_nemo_target
+
+    nemo_on_path()
+    target = build_tiny_nemo_target(tmp_path / "deepseek-v41")
+    reference = sharded_reference({"deepseek-v41": target}, tmp_path / "reference.safetensors")
+    names = [f"run-{i}" for i in range(RUN_BATCHES)]
+    env = {**WORKER_ENV, **nemo_path_env()}
+    flags = ["--engine", "automodel", "--expert-parallel", "--service", "nodes-automodel", "--task", "dspark", "--target-layer-ids", "1,3,5"]
+    with Hosts(["head", "node-0", "node-1"]) as hosts:
+        started: list[commands.Process] = []
+        try:
+            broker = commands.start_broker(hosts.address("head"), prefix=hosts.command("head"))
+            started.append(broker)
+            started += start_all(*[lambda node=node: start_node(hosts, broker, target, node, *flags, env=env) for node in (0, 1)])
+            out = tmp_path / "automodel.safetensors"
+            rank = start_rank(hosts, broker, "nodes-automodel", "dspark", names, out, batches="automodel_reference")
+            started.append(rank)
+            order, tensors = result_of(rank, out)
+            assert order == names
+            problems = [
+                problem
+                for name in names
+                for field in ("target_hidden_states", "target_last_hidden_states")
+                if (
+                    problem := difference_at_real(
+                        f"{name} {field}",
+                        tensors[f"{name}/{field}"],
+                        reference[f"deepseek-v41/{name}/dspark/{field}"],
+                        batches()[name]["attention_mask"],
+                    )
+                )
+            ]
+            assert problems == []
         finally:
             for process in started:
                 process.stop(timeout_s=5)

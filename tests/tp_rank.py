@@ -1,5 +1,6 @@
 """A training rank in a process of its own, on a host of draftfeed/bench/hosts.py: iterates named batches of
-tests/tp_reference.py and saves what it received, for the test to compare with the tensor-parallel reference.
+tests/tp_reference.py (or of ``--batches``, another reference module's) and saves what it received, for the test to
+compare with the tensor-parallel reference.
 
     python tp_rank.py --broker tcp://10.79.0.1:5555 --service svc --task eagle3|dspark --names run-0,run-1 --out FILE
 
@@ -11,13 +12,13 @@ FILE (safetensors, keys ``NAME/FIELD``).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
 
 import torch
 from support.lines import say
-from tp_reference import batches
 
 from draftfeed import RemoteDSparkTarget, RemoteEagle3Target
 from draftfeed.processes.ready import announce_ready
@@ -31,12 +32,13 @@ def main() -> int:
     parser.add_argument("--names", required=True)
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--batches", default="tp_reference", help="the reference module whose batches() these are")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from safetensors.torch import save_file
 
     torch.set_num_threads(1)
-    named = batches()
+    named = importlib.import_module(args.batches).batches()
     names = args.names.split(",")
     received: dict[str, torch.Tensor] = {}
     order: list[str] = []

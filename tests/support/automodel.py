@@ -1,0 +1,40 @@
+"""NeMo's own model sharded over two processes of the test's own (tests/automodel_reference.py), the reference a worker
+of ``--engine automodel --tensor-parallel 2`` is compared with, on one machine (test_automodel_engine.py) and over two
+(test_nodes.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from conftest import WORKER_ENV
+
+from draftfeed.net import free_port
+from support import preload
+
+
+def sharded_reference(targets: dict[str, Path], out: Path, expert_parallel: bool = True) -> dict[str, torch.Tensor]:
+    """Each target's supervision (``NAME/BATCH/TASK/FIELD``) from NeMo's model sharded over two processes, experts over
+    both with ``expert_parallel``, NeMo's wrappers around it."""
+    from safetensors.torch import load_file
+
+    port = free_port()
+    served = [f"{name}={path}" for name, path in targets.items()]
+    args = [str(port), str(out), "1" if expert_parallel else "0", *served]
+    ranks = [preload.popen_module("automodel_reference", [str(rank), *args], {**os.environ, **WORKER_ENV}) for rank in (0, 1)]
+    try:
+        for rank in ranks:
+            done = preload.communicate(rank, timeout_s=200)
+            assert done.returncode == 0, f"NeMo's sharded reference failed:\n{done.stderr[-3000:]}"
+    finally:
+        for rank in ranks:
+            rank.kill()
+    return load_file(str(out))
+
+
+def nemo_path_env() -> dict[str, str]:
+    """A worker's environment with .nemo-packages on its path (its followers inherit it)."""
+    from support.nemo import NEMO_PACKAGES
+
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [WORKER_ENV["PYTHONPATH"], str(NEMO_PACKAGES)]))}
