@@ -619,3 +619,64 @@ def test_vllm_refuses_an_architecture_it_cannot_capture_in_one_line(tmp_path):
     target = build_tiny_target(tmp_path / "glm4-moe", arch="glm4-moe", num_hidden_layers=2, hidden_size=128, vocab_size=VOCAB)
     with pytest.raises(ValueError, match=r"^engine vllm captures hidden states through vLLM's EAGLE-3 interface, which vLLM's Glm4MoeForCausalLM"):
         load_engine(TargetSettings(engine="vllm", path=str(target), device="cpu", dtype="float32"))
+
+
+@NEEDS_VLLM
+@pytest.mark.long
+def test_vllm_over_two_nodes_serves_what_the_same_plan_serves_on_one_machine(hosts_available, vllm_target, tmp_path):
+    """``--engine vllm --tensor-parallel 2 --nnodes 2``: vLLM's own multi-node executor, node 0 (the worker) and node 1
+    (headless) on two network-namespace hosts, the broker and a rank on a third. EAGLE-3 on six padded batches, in
+    order, equal bit for bit at real positions to the same engine at tensor_parallel=2 on one machine (started here
+    once the nodes are gone), padded positions zero. SIGTERM on node 0 stops node 1 too (exit 0)."""
+    from automodel_reference import RUN_BATCHES, batches
+    from conftest import WORKER_ENV
+    from test_nodes import result_of, show, start_all, start_rank
+
+    from draftfeed.bench.hosts import Hosts
+    from draftfeed.consumers.engines.vllm import VLLMEngine
+    from draftfeed.processes import commands
+
+    names = [f"run-{i}" for i in range(RUN_BATCHES)]
+    env = {**WORKER_ENV, **VLLM_ENV}
+    out = tmp_path / "nodes.safetensors"
+    with Hosts(["head", "node-0", "node-1"]) as hosts:
+        started: list[commands.Process] = []
+        try:
+            broker = commands.start_broker(hosts.address("head"), prefix=hosts.command("head"))
+            started.append(broker)
+            flags = ["--engine", "vllm", "--tensor-parallel", "2", "--nnodes", "2", "--master-addr", f"{hosts.address('node-0')}:29531"]
+            flags += ["--service", "vllm-nodes", "--aux-layer-ids", ",".join(map(str, AUX_IDS))]
+            nodes = start_all(
+                *[
+                    lambda node=node: commands.start_worker(
+                        broker.ready["backend"], str(vllm_target), *flags, "--node-rank", str(node), env=env, prefix=hosts.command(f"node-{node}")
+                    )
+                    for node in (0, 1)
+                ]
+            )
+            started += nodes
+            rank = start_rank(hosts, broker, "vllm-nodes", "eagle3", names, out, batches="automodel_reference")
+            started.append(rank)
+            order, received = result_of(rank, out)
+            assert order == names
+            assert nodes[0].stop(timeout_s=60) == 0, "\n".join(nodes[0].log_tail[-20:])
+            assert nodes[1].popen.wait(60) == 0, "\n".join(nodes[1].log_tail[-20:])
+        finally:
+            for process in started:
+                process.stop(timeout_s=5)
+            show(started)
+    one_machine = VLLMEngine(str(vllm_target), device="cpu", dtype="float32", tensor_parallel=2)
+    try:
+        task = load_task(TaskSettings.of("eagle3", AUX_IDS), one_machine)
+        worst: dict[str, float] = {}
+        for name in names:
+            batch = batches()[name]
+            want = task.compute(batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
+            real = batch["attention_mask"].bool()
+            assert_hidden_close(received[f"{name}/aux_hidden_states"], want["aux_hidden_states"], batch["attention_mask"], f"{name} aux")
+            for field in ("aux_hidden_states", "target_probs"):
+                worst[field] = max(worst.get(field, 0.0), float((received[f"{name}/{field}"] - want[field])[real].abs().max()))
+        print(f"\nvllm over two nodes against the same plan on one machine, largest absolute differences: {worst}")
+        assert worst == {"aux_hidden_states": 0.0, "target_probs": 0.0}, "not bit for bit the same plan on one machine"
+    finally:
+        one_machine.close()

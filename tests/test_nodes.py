@@ -444,7 +444,10 @@ def worker_command(*args: str) -> subprocess.CompletedProcess:
         (["--nnodes", "2", "--tensor-parallel", "2", "--master-addr", "127.0.0.1:29500"], "the other nodes cannot reach a loopback address"),
         (["--nnodes", "2", "--node-rank", "2", "--tensor-parallel", "2", "--master-addr", "10.0.0.5:1"], "--node-rank 2: give this machine's place"),
         (["--master-addr", "10.0.0.5:29500"], "--master-addr goes with --nnodes 2 or more"),
-        (["--nnodes", "2", "--tensor-parallel", "2", "--master-addr", "10.0.0.5:29500", "--engine", "vllm"], "the vllm engine runs on one machine"),
+        (
+            ["--nnodes", "2", "--tensor-parallel", "2", "--master-addr", "10.0.0.5:29500", "--engine", "my.engine:Engine"],
+            "an engine of your own runs on one machine",
+        ),
         (["--pipeline-parallel", "2"], "--pipeline-parallel 2: the hf engine spreads a target by tensor parallelism"),
         (["--pipeline-parallel", "2", "--engine", "vllm"], "vLLM's extract_hidden_states capture refuses pipeline parallelism"),
         (["--pipeline-parallel", "2", "--engine", "sglang"], "the sglang engine drives sglang's ModelRunner at pp_size 1"),

@@ -45,10 +45,6 @@ def tensor_parallel_devices(device: str, tensor_parallel: int, devices: Sequence
 
 
 # Why the vllm engine does not span machines (vLLM's own multi-node executor is what it would take: docs/engines.md).
-VLLM_NODES = (
-    "the vllm engine runs on one machine (its --tensor-parallel over that machine's devices); across machines serve the target "
-    "with --engine hf or sglang and --nnodes, or run one vllm worker a machine"
-)
 # Why an engine does not run a target's layers in pipeline stages (--pipeline-parallel), by engine.
 NO_PIPELINE = {
     "hf": "the hf engine spreads a target by tensor parallelism (--tensor-parallel N, over machines with --nnodes) or its layers "
@@ -72,10 +68,8 @@ def placement_problem(
         return f"--pipeline-parallel {pipeline_parallel}: {NO_PIPELINE[engine]}"
     if expert_parallel and tensor_parallel * pipeline_parallel < 2:
         return "--expert-parallel shards the experts over the worker's processes: give --tensor-parallel N (2 or more) with it"
-    if nodes and engine == "vllm":
-        return f"--engine vllm --nnodes: {VLLM_NODES}"
     if nodes and ":" in engine:
-        return f"--engine {engine}: an engine of your own runs on one machine; --nnodes is for hf, sglang and vllm"
+        return f"--engine {engine}: an engine of your own runs on one machine; --nnodes is for hf, sglang, vllm and automodel"
     if nodes and device_map is not None:
         return "--device-map auto spreads layers over one machine's devices; across machines use --tensor-parallel N with --nnodes"
     if device_map is not None and engine != "hf":

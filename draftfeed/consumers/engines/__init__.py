@@ -60,6 +60,8 @@ def load_engine(settings: TargetSettings, plan: dict[str, Any] | None = None) ->
             pipeline_parallel=settings.pipeline_parallel,
             expert_parallel=expert_parallel,
             nodes=nodes,
+            plan=plan,
+            join_timeout_s=settings.join_timeout_s,
             **options,
         )
     if name == "sglang":

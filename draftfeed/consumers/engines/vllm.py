@@ -34,14 +34,17 @@ from typing import Any
 
 import torch
 
-from draftfeed.consumers.devices import NO_PIPELINE, VLLM_NODES
+from draftfeed.consumers.devices import NO_PIPELINE
 from draftfeed.consumers.engines.base import EMBEDDINGS, FINAL_HIDDEN, Capture, ForwardOutput, Part, request_segments
 from draftfeed.consumers.engines.hf import resolve_dtype
 from draftfeed.consumers.engines.joining import JoinedWriter
 from draftfeed.consumers.engines.loading import transformers_config
 from draftfeed.consumers.engines.packages import EnginePackage, import_engine_package, refuse_own_options
+from draftfeed.consumers.engines.parallel.rendezvous import DEFAULT_JOIN_TIMEOUT_S
 from draftfeed.consumers.engines.target_head import TargetHead
+from draftfeed.consumers.engines.vllm_nodes import NodeZero
 from draftfeed.consumers.engines.vllm_updates import VLLMUpdates
+from draftfeed.consumers.nodes import NodePlan
 from draftfeed.contract.packing import Documents
 from draftfeed.dataplane.weights.worker import UpdateRefused
 from draftfeed.schemas.messages import UpdateWeights
@@ -57,6 +60,10 @@ OWN_OPTIONS = ("model", "dtype", "speculative_config", "kv_transfer_config", "en
 # vllm.LLM options the engine does not pass on, and what to do instead.
 PARALLEL_OPTIONS = {
     "tensor_parallel_size": "set --tensor-parallel N instead",
+    "nnodes": "set --nnodes instead (every machine runs the same line with its --node-rank)",
+    "node_rank": "set --node-rank instead",
+    "master_addr": "set --master-addr instead (node 0's address; draftfeed picks vLLM's port there)",
+    "master_port": "set --master-addr instead (node 0's address; draftfeed picks vLLM's port there)",
     "pipeline_parallel_size": NO_PIPELINE["vllm"],
     "enable_expert_parallel": "set --expert-parallel instead",
 }
@@ -227,13 +234,13 @@ class VLLMEngine:
         devices: Sequence[str] | None = None,
         pipeline_parallel: int = 1,
         expert_parallel: bool = False,
-        nodes: Any = None,
+        nodes: NodePlan | None = None,
+        plan: dict[str, Any] | None = None,
+        join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
         **llm_options: Any,
     ) -> None:
         if pipeline_parallel > 1:
             raise ValueError(f"--pipeline-parallel {pipeline_parallel}: {PARALLEL_OPTIONS['pipeline_parallel_size']}")
-        if nodes is not None:
-            raise ValueError(f"--engine vllm --nnodes: {VLLM_NODES}")
         self._vllm = import_engine_package(VLLM)
         self.target = target
         if (problem := capture_problem(target)) is not None:
@@ -241,7 +248,8 @@ class VLLMEngine:
         self.device = torch.device(device)
         refuse_own_options("vllm", llm_options, OWN_OPTIONS)
         refuse_parallel_options(llm_options)
-        ranks = rank_devices(self.device, tensor_parallel, devices)
+        local = tensor_parallel // nodes.nnodes if nodes is not None else tensor_parallel  # this machine's ranks
+        ranks = rank_devices(self.device, local, devices)
         if ranks is not None:
             self.device = show_gpus(ranks)
         elif self.device.type == "cuda" and self.device.index not in (None, 0):
@@ -249,7 +257,7 @@ class VLLMEngine:
                 f"--device {device}: vLLM places the target on the first visible GPU; "
                 f"select the GPU with CUDA_VISIBLE_DEVICES={self.device.index} and pass --device cuda"
             )
-        self._start_environment = cpu_start_environment(tensor_parallel) if self.device.type == "cpu" else {}
+        self._start_environment = cpu_start_environment(local) if self.device.type == "cpu" else {}
         self.tensor_parallel = tensor_parallel
         self.dtype = resolve_dtype(dtype, self.device)
         self.llm_options = llm_options | ({"enable_expert_parallel": True} if expert_parallel else {})
@@ -260,6 +268,10 @@ class VLLMEngine:
         self._llm: Any = None
         self._storage: str | None = None
         self._updates: VLLMUpdates | None = None
+        # Over machines: the other nodes join here first, then take vLLM's arguments from node 0 (vllm_nodes.py).
+        self._nodes = NodeZero(nodes, plan, join_timeout_s) if nodes is not None else None
+        if self._nodes is not None:
+            self._start_environment |= self._nodes.environment()
 
     # ---------------------------------------------------------------- start
     def prepare(self, captures: Sequence[Capture]) -> None:
@@ -287,21 +299,29 @@ class VLLMEngine:
         self._sampling = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 
     def _start(self, ids: tuple[int, ...], connector: dict[str, Any]) -> Any:
-        """vllm.LLM with the capture of ``ids``, written through ``connector``."""
-        return self._vllm.LLM(
-            model=self.target,
-            dtype=str(self.dtype).removeprefix("torch."),
-            skip_tokenizer_init=True,
-            tensor_parallel_size=self.tensor_parallel,
-            enable_chunked_prefill=False,  # a prompt's hidden states come out of one prefill
-            speculative_config={
-                "method": "extract_hidden_states",
-                "num_speculative_tokens": 1,
-                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(ids)}},
-            },
-            kv_transfer_config=connector,
-            **({"enforce_eager": True} | self.llm_options),
+        """vllm.LLM with the capture of ``ids``, written through ``connector``; over machines, at node rank 0, its
+        arguments published first for the other nodes."""
+        arguments = (
+            {
+                "model": self.target,
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "skip_tokenizer_init": True,
+                "tensor_parallel_size": self.tensor_parallel,
+                "enable_chunked_prefill": False,  # a prompt's hidden states come out of one prefill
+                "speculative_config": {
+                    "method": "extract_hidden_states",
+                    "num_speculative_tokens": 1,
+                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(ids)}},
+                },
+                "kv_transfer_config": connector,
+            }
+            | {"enforce_eager": True}
+            | self.llm_options
         )
+        if self._nodes is not None:
+            arguments |= self._nodes.placement()
+            self._nodes.publish(arguments)
+        return self._vllm.LLM(**arguments)
 
     # ---------------------------------------------------------------- forward
     @torch.inference_mode()
@@ -386,6 +406,8 @@ class VLLMEngine:
         return self.head.lm_head.weight.detach()
 
     def close(self) -> None:
+        if self._nodes is not None:  # first, so that the other nodes stop theirs while this one stops
+            self._nodes.close()
         if self._llm is not None:
             self._llm.llm_engine.engine_core.shutdown(timeout=10)
             self._llm = None

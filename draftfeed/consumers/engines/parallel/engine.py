@@ -22,7 +22,6 @@ import logging
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -44,21 +43,15 @@ from draftfeed.consumers.engines.parallel.commands import (
 from draftfeed.consumers.engines.parallel.followers import FollowerProcesses
 from draftfeed.consumers.engines.parallel.group import COLLECTIVE_TIMEOUT_S, LOAD_TIMEOUT_S, host_rendezvous, interface_towards
 from draftfeed.consumers.engines.parallel.ranked import build_ranked
+from draftfeed.consumers.engines.parallel.rendezvous import DEFAULT_JOIN_TIMEOUT_S, MEETING_KEY, PLAN_KEY, await_nodes, refusal
 from draftfeed.consumers.engines.parallel.spec import LOOPBACK, FollowerSpec, Meeting, TargetSpec, place_at
 from draftfeed.consumers.engines.parallel.watch import LeaderWatch
 from draftfeed.consumers.nodes import NodePlan
 from draftfeed.consumers.weight_updates import UpdateRefused
 from draftfeed.contract.packing import Documents
 from draftfeed.net import free_port
-from draftfeed.schemas.errors import CannotServe
 from draftfeed.schemas.messages import UpdateWeights
 from draftfeed.security.keys import KeyPair
-
-# Keys of rank 0's store that the other nodes read (node.py) and write.
-PLAN_KEY, MEETING_KEY = "draftfeed/plan", "draftfeed/meeting"
-NODE_KEY, REFUSED_KEY = "draftfeed/node/{}", "draftfeed/refused/{}"
-# How long node 0 waits for every other node to join (each says so at once, before it loads anything).
-DEFAULT_JOIN_TIMEOUT_S = 120.0
 
 log = logging.getLogger("draftfeed.worker")
 
@@ -141,7 +134,8 @@ class TensorParallelEngine:
             self._followers = FollowerProcesses(specs, self._follower_ended)
             place = place_at(meeting, 0, self.devices[0], interface=interface, store=store)
             if nodes is not None:
-                self._await_nodes(join_timeout_s)
+                await_nodes(store, nodes, join_timeout_s, lambda: self.lost)
+                log.info("worker: every node of %d joined at %s", nodes.nnodes, nodes.master)
             self.inner: Engine = build_ranked(engine, target, dtype, options, place, expert_parallel)
             self._channel.await_followers(self.tensor_parallel - 1, LOAD_TIMEOUT_S, lambda: self.lost or self._refused())
             if engine == "hf":
@@ -160,36 +154,9 @@ class TensorParallelEngine:
         self.images_refusal = PARALLEL_IMAGES_REFUSAL
         log.info("worker: the target runs over %d processes on %s", self.tensor_parallel, ", ".join(self.devices))
 
-    def _await_nodes(self, timeout_s: float) -> None:
-        """Every other node joins (it says so at once, before it loads the target) within ``timeout_s``; one that
-        refused the plan, or that never comes, is one line: CannotServe."""
-        assert self.nodes is not None
-        missing = list(range(1, self.nodes.nnodes))
-        deadline = time.monotonic() + timeout_s
-        while missing:
-            if (why := self.lost or self._refused()) is not None:
-                raise CannotServe(why)
-            missing = [node for node in missing if not self._store.check([NODE_KEY.format(node)])]
-            if not missing:
-                break
-            if time.monotonic() > deadline:
-                nodes = ", ".join(str(node) for node in missing)
-                raise CannotServe(
-                    f"node {nodes} of --nnodes {self.nodes.nnodes} did not join at {self.nodes.master} within {timeout_s:.0f} s: run the same "
-                    f"`draftfeed launch worker` line there with --node-rank {missing[0]}, and check that it reaches --master-addr"
-                )
-            time.sleep(0.2)
-        log.info("worker: every node of %d joined at %s", self.nodes.nnodes, self.nodes.master)
-
     def _refused(self) -> str | None:
-        """What a node that refused to join said (it runs another plan, or another node took its rank), or None."""
-        if self.nodes is None:
-            return None
-        for node in range(1, self.nodes.nnodes):
-            key = REFUSED_KEY.format(node)
-            if self._store.check([key]):
-                return self._store.get(key).decode()
-        return None
+        """What a node that refused to join said, or None (on one machine, always None)."""
+        return refusal(self._store, self.nodes) if self.nodes is not None else None
 
     @property
     def pids(self) -> list[int]:

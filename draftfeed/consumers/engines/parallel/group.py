@@ -49,17 +49,23 @@ def host_rendezvous(timeout_s: float, host: str = LOOPBACK, port: int = 0) -> di
     )
 
 
-def interface_towards(host: str) -> str | None:
-    """The name of this machine's network interface that routes to ``host``, None if no interface holds the address
-    it routes from (the kernel's choice, asked with an unconnected UDP socket: no packet is sent)."""
+def address_towards(host: str) -> str | None:
+    """This machine's address that routes to ``host`` (the kernel's choice, asked with an unconnected UDP socket: no
+    packet is sent), None without a route."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         try:
             probe.connect((host, 9))
         except OSError:
             return None
-        local = probe.getsockname()[0]
-    if family != socket.AF_INET:
+        return probe.getsockname()[0]
+
+
+def interface_towards(host: str) -> str | None:
+    """The name of this machine's network interface that routes to ``host``, None if no interface holds the address
+    it routes from."""
+    local = address_towards(host)
+    if local is None or ":" in host:
         return None
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as ask:
         for _index, name in socket.if_nameindex():

@@ -14,22 +14,17 @@ SIGINT here ends its processes too. They die with it however it ends (``PR_SET_P
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
 import threading
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
-
-from draftfeed.consumers.engines.parallel.engine import MEETING_KEY, NODE_KEY, PLAN_KEY, REFUSED_KEY
 from draftfeed.consumers.engines.parallel.followers import FollowerProcesses
 from draftfeed.consumers.engines.parallel.group import interface_towards
+from draftfeed.consumers.engines.parallel.rendezvous import MEETING_KEY, join_node_zero
 from draftfeed.consumers.engines.parallel.spec import FollowerSpec, Meeting, TargetSpec
-from draftfeed.consumers.nodes import NodePlan, describe_difference
 from draftfeed.consumers.settings import TargetSettings
 from draftfeed.schemas.errors import CannotServe
 
@@ -43,18 +38,11 @@ def serve_node(settings: TargetSettings, plan: dict[str, Any], on_ready: Callabl
     nodes, devices, join_timeout_s = settings.node_plan(), list(settings.devices), settings.join_timeout_s
     assert nodes is not None and nodes.node_rank > 0, "node 0 is the worker: load_engine serves it"
     where = f"node {nodes.node_rank} of --nnodes {nodes.nnodes}"
-    try:
-        store = dist.TCPStore(nodes.master_host, nodes.master_port, is_master=False, timeout=timedelta(seconds=join_timeout_s))
-    except (RuntimeError, TimeoutError) as exc:
-        raise CannotServe(
-            f"{where}: no node 0 answered at --master-addr {nodes.master} within {join_timeout_s:.0f} s ({type(exc).__name__}); start "
-            "the worker's node 0 (--node-rank 0) there first, and check that this machine reaches that address"
-        ) from None
-    if store.add(NODE_KEY.format(nodes.node_rank), 1) > 1:
-        _refuse(store, nodes, f"two machines started as --node-rank {nodes.node_rank} of the worker at {nodes.master}: give each its own rank")
-    theirs = json.loads(store.get(PLAN_KEY))
-    if (difference := describe_difference(plan, theirs, f"node {nodes.node_rank}", "node 0")) is not None:
-        _refuse(store, nodes, f"{where} runs another plan than node 0: {difference}; start every node with the same line but --node-rank")
+    store = join_node_zero(nodes, plan, join_timeout_s)
+    if settings.engine == "vllm":  # vLLM starts its own processes here (vllm_nodes.py)
+        from draftfeed.consumers.engines.vllm_nodes import serve_vllm_node
+
+        return serve_vllm_node(settings, store, nodes, on_ready)
     meeting = Meeting.model_validate_json(store.get(MEETING_KEY))
     interface = interface_towards(nodes.master_host)
     built = TargetSpec(
@@ -88,7 +76,7 @@ def serve_node(settings: TargetSettings, plan: dict[str, Any], on_ready: Callabl
     log.info("%s: joined the worker at %s (interface %s); its ranks %s run here", where, nodes.master, interface, list(nodes.ranks()))
     if on_ready is not None:
         on_ready()
-    stop = _stop_on_signals(ended)
+    stop = stop_on_signals(ended)
     try:
         while not ended.wait(0.5) and not processes.all_ended():
             pass
@@ -106,13 +94,7 @@ def serve_node(settings: TargetSettings, plan: dict[str, Any], on_ready: Callabl
     return 0
 
 
-def _refuse(store: dist.TCPStore, nodes: NodePlan, why: str) -> None:
-    """Tell node 0 why this node does not join (it stops with the same line), and stop here."""
-    store.set(REFUSED_KEY.format(nodes.node_rank), why)
-    raise CannotServe(why)
-
-
-def _stop_on_signals(ended: threading.Event) -> list[str]:
+def stop_on_signals(ended: threading.Event) -> list[str]:
     """SIGTERM and SIGINT end the node's processes; the list says which came."""
     came: list[str] = []
 
