@@ -236,3 +236,61 @@ def test_a_worker_killed_mid_run_leaves_the_run_to_another_every_batch_once_in_o
     assert problems == []
     wait_until(lambda: gone(follower), timeout_s=15, what=f"the killed worker's follower (pid {follower}) to die with it")
     assert fast_cluster.status()["counters"]["requests_failed"] == 0
+
+
+def block_fp8_copy(source, fp8, dequantized, block: int = 128) -> None:
+    """``source``'s checkpoint as DeepSeek ships it (every projection's weight in float8_e4m3fn, one float32
+    ``weight_scale_inv`` per 128 x 128 block, its ``quantization_config`` saying so) in ``fp8``, and in
+    ``dequantized`` the float32 weights those give back (each block's float8 values times its scale)."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    quantized, back = {}, {}
+    for name, tensor in load_file(str(source / "model.safetensors")).items():
+        if not (name.endswith("proj.weight") and tensor.dim() == 2):
+            quantized[name] = back[name] = tensor
+            continue
+        rows, cols = tensor.shape
+        scales = torch.zeros(-(-rows // block), -(-cols // block))
+        values, restored = torch.empty_like(tensor, dtype=torch.float8_e4m3fn), torch.empty_like(tensor)
+        for i in range(scales.shape[0]):
+            for j in range(scales.shape[1]):
+                where = (slice(i * block, (i + 1) * block), slice(j * block, (j + 1) * block))
+                scales[i, j] = tensor[where].abs().max().clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+                values[where] = (tensor[where] / scales[i, j]).to(torch.float8_e4m3fn)
+                restored[where] = values[where].float() * scales[i, j]
+        quantized[name], quantized[f"{name}_scale_inv"], back[name] = values, scales, restored
+    for folder, weights in ((fp8, quantized), (dequantized, back)):
+        shutil.copytree(source, folder)
+        save_file(weights, str(folder / "model.safetensors"))
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [block, block], "activation_scheme": "dynamic"}
+    (fp8 / "config.json").write_text(json.dumps(config))
+
+
+def test_a_block_fp8_deepseek_checkpoint_loads_as_shipped_dequantized_by_nemos_adapter(targets, tmp_path):
+    """DeepSeek-V3 (and Kimi-K2) ship block-FP8 weights. The automodel engine loads such a checkpoint on a CPU through
+    NeMo's own adapter, which dequantizes each weight with its block scales as it maps it: DSpark supervision equals
+    bit for bit that of a float32 checkpoint holding the dequantized weights. The hf engine refuses it on a CPU in one
+    line that names this engine."""
+    from draftfeed.consumers.engines.automodel import AutoModelEngine
+    from draftfeed.consumers.engines.hf import quantization_problem
+
+    fp8, dequantized = tmp_path / "fp8", tmp_path / "dequantized"
+    block_fp8_copy(targets["deepseek-v3"], fp8, dequantized)
+    batch = make_batch(2, 24, 256, seed=13)
+    got, want = (
+        DSparkTask(AutoModelEngine(str(path), device="cpu", dtype="float32"), target_layer_ids=DSPARK_IDS).compute(
+            batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+        )
+        for path in (fp8, dequantized)
+    )
+    problems = [
+        difference_at_real(name, got[name], want[name], batch["attention_mask"]) for name in ("target_hidden_states", "target_last_hidden_states")
+    ]
+    assert [p for p in problems if p] == []
+    said = quantization_problem(str(fp8), "cpu")
+    assert said is not None and "--engine automodel" in said and "\n" not in said, said

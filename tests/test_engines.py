@@ -428,7 +428,7 @@ def test_vllm_on_cpu_refuses_other_devices(vllm_target, devices, message):
 
 
 def test_cpu_thread_binding_splits_the_cores_in_contiguous_groups():
-    from draftfeed.consumers.engines.vllm import cpu_thread_binding
+    from draftfeed.consumers.engines.vllm_environment import cpu_thread_binding
 
     assert cpu_thread_binding(2, [0, 1]) == "0|1"
     assert cpu_thread_binding(2, list(range(8))) == "0-3|4-7"

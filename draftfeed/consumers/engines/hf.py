@@ -305,6 +305,7 @@ def quantization_problem(target: str, device: str) -> str | None:
     shown = ", ".join(f"{key} {value}" for key, value in settings.items() if key in ("quant_method", "fmt", "weight_block_size", "bits"))
     return (
         f"--target {target} is a quantized checkpoint (its quantization_config: {shown or settings}); the hf engine runs it on "
-        "GPUs only: serve it with --device cuda:N, with --engine vllm or sglang (their own quantization support), or from a "
-        "bfloat16 copy of the checkpoint"
+        "GPUs only: serve it with --device cuda:N, with --engine vllm or sglang (their own quantization support), with --engine "
+        "automodel where NeMo AutoModel implements it (its adapter dequantizes DeepSeek's block-FP8 as it loads, on a CPU too), "
+        "or from a bfloat16 copy of the checkpoint"
     )

@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from draftfeed.consumers.engines.parallel.group import LOAD_TIMEOUT_S, address_towards, host_rendezvous, interface_towards
 from draftfeed.consumers.engines.parallel.rendezvous import PLAN_KEY, await_nodes
-from draftfeed.consumers.engines.parallel.watch import WATCH_SILENCE_S
+from draftfeed.consumers.engines.parallel.watch import WATCH_SILENCE_S, stop_on_signals
+from draftfeed.consumers.engines.vllm_environment import cpu_start_environment, environment
 from draftfeed.consumers.nodes import NodePlan
 from draftfeed.net import free_port
 from draftfeed.schemas.errors import CannotServe
@@ -84,9 +85,6 @@ class NodeZero:
 def serve_vllm_node(settings: Any, store: dist.TCPStore, nodes: NodePlan, on_ready: Any = None) -> int:
     """Node R's vLLM: headless, at node rank R, with node 0's arguments and this node's --target path, until node 0
     closes (0) or is lost, or a vLLM process here dies, or a signal (CannotServe, or 0 on a signal)."""
-    from draftfeed.consumers.engines.parallel.node import stop_on_signals
-    from draftfeed.consumers.engines.vllm import cpu_start_environment, environment
-
     where = f"node {nodes.node_rank} of --nnodes {nodes.nnodes}"
     arguments = _await_arguments(store, where, LOAD_TIMEOUT_S)
     arguments |= {"model": settings.path, "node_rank": nodes.node_rank}

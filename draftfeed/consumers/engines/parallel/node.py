@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +24,7 @@ from draftfeed.consumers.engines.parallel.followers import FollowerProcesses
 from draftfeed.consumers.engines.parallel.group import interface_towards
 from draftfeed.consumers.engines.parallel.rendezvous import MEETING_KEY, join_node_zero
 from draftfeed.consumers.engines.parallel.spec import FollowerSpec, Meeting, TargetSpec
+from draftfeed.consumers.engines.parallel.watch import stop_on_signals
 from draftfeed.consumers.settings import TargetSettings
 from draftfeed.schemas.errors import CannotServe
 
@@ -92,16 +92,3 @@ def serve_node(settings: TargetSettings, plan: dict[str, Any], on_ready: Callabl
         raise CannotServe(f"{where}: {first_failure[0]}; this node's other processes were stopped")
     log.info("%s: the worker on node 0 stopped; this node's processes exited", where)
     return 0
-
-
-def stop_on_signals(ended: threading.Event) -> list[str]:
-    """SIGTERM and SIGINT end the node's processes; the list says which came."""
-    came: list[str] = []
-
-    def handler(signum: int, _frame: object) -> None:
-        came.append(signal.Signals(signum).name)
-        ended.set()
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    return came

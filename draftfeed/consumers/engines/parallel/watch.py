@@ -9,6 +9,8 @@ collective blocks:
   follower it heard from is silent for ``WATCH_SILENCE_S``: the worker stops (engine.py);
 - a follower (``FollowerWatch``) that does not hear rank 0 for ``WATCH_SILENCE_S`` logs one line and ends its
   process at once, whatever it is blocked in: rank 0's machine is gone, its link cut, or its process killed.
+
+A node other than node 0 also ends on SIGTERM or SIGINT (``stop_on_signals``: node.py, vllm_nodes.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -113,3 +116,16 @@ class FollowerWatch:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+def stop_on_signals(ended: threading.Event) -> list[str]:
+    """SIGTERM and SIGINT end the node's processes; the list says which came."""
+    came: list[str] = []
+
+    def handler(signum: int, _frame: object) -> None:
+        came.append(signal.Signals(signum).name)
+        ended.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return came
