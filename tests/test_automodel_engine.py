@@ -9,6 +9,7 @@ DeepSeek-V4.1 recipe test (tests/test_nemo_frontier.py)."""
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import make_batch
 from reference import difference_at_real
 from support.nemo import nemo_on_path, nemo_reference
@@ -245,7 +246,6 @@ def block_fp8_copy(source, fp8, dequantized, block: int = 128) -> None:
     import json
     import shutil
 
-    import torch
     from safetensors.torch import load_file, save_file
 
     quantized, back = {}, {}
@@ -294,3 +294,39 @@ def test_a_block_fp8_deepseek_checkpoint_loads_as_shipped_dequantized_by_nemos_a
     assert [p for p in problems if p] == []
     said = quantization_problem(str(fp8), "cpu")
     assert said is not None and "--engine automodel" in said and "\n" not in said, said
+
+
+@pytest.mark.parametrize("family", ["deepseek-v41", "deepseek-v3", "glm-moe-dsa"])
+def test_packed_rows_run_each_document_as_a_row_of_its_own(family, targets):
+    """A packed batch (two and three documents, then padding) on the automodel engine: DSpark supervision equals, bit
+    for bit at real positions, NeMo's wrapper around NeMo's model over the same documents as rows of their own (each
+    from position 0, right-padded to the longest), put back at the documents' positions; padded positions are zeros."""
+    from nemo_automodel.components.speculative.dspark.target import HFDSparkTargetModel
+    from reference import make_packed_batch
+
+    from draftfeed.consumers.engines.automodel import AutoModelEngine
+    from draftfeed.contract.packing import Documents
+
+    packed = make_packed_batch([[5, 7], [4, 4, 3]], [2, 3], 256, seed=14)
+    ids, mask, loss = packed["input_ids"], packed["attention_mask"], packed["loss_mask"]
+    documents = Documents(seq_lens=packed["seq_lens"], position_ids=packed["position_ids"])
+    engine = AutoModelEngine(str(targets[family]), device="cpu", dtype="float32")
+    got = DSparkTask(engine, target_layer_ids=DSPARK_IDS).compute(ids, mask, loss, documents=documents)
+    segments = documents.segments(mask)
+    assert len(segments) == 5
+    longest = max(len(positions) for _, positions in segments)
+    rows = {
+        name: torch.zeros(len(segments), longest, dtype=tensor.dtype)
+        for name, tensor in (("input_ids", ids), ("attention_mask", mask), ("loss_mask", loss))
+    }
+    for index, (row, positions) in enumerate(segments):
+        for name, tensor in (("input_ids", ids), ("attention_mask", mask), ("loss_mask", loss)):
+            rows[name][index, : len(positions)] = tensor[row, positions]
+    alone = HFDSparkTargetModel(nemo_reference(targets[family]), DSPARK_IDS).generate_batch(**rows)
+    problems = []
+    for name in ("target_hidden_states", "target_last_hidden_states"):
+        want = torch.zeros_like(got[name])
+        for index, (row, positions) in enumerate(segments):
+            want[row, positions] = getattr(alone, name)[index, : len(positions)]
+        problems.append(difference_at_real(f"packed {name}", got[name], want, mask))
+    assert [p for p in problems if p] == []

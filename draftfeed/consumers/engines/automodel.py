@@ -13,7 +13,8 @@ streams entering layer i's attention, after its Engram update) gives DSpark thos
 
 At ``--tensor-parallel N`` (``parallel``: this process's place among the worker's N, on one machine or over
 ``--nnodes``) the model is sharded as NeMo's own recipes shard their targets: FSDP over the N processes, and with
-``--expert-parallel`` its experts over them too (automodel_sharding.py). Images are refused.
+``--expert-parallel`` its experts over them too (automodel_sharding.py). A packed row's documents run as rows of their
+own. Images are refused.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from draftfeed.consumers.engines.packages import EnginePackage, import_engine_pa
 from draftfeed.consumers.engines.parallel.group import LOAD_TIMEOUT_S, join_process_group
 from draftfeed.consumers.engines.parallel.spec import ProcessPlace
 from draftfeed.consumers.engines.whole_layer_updates import checked_files, checkpoint_tensors, pulled
+from draftfeed.contract.packing import Documents
 from draftfeed.dataplane.frames.codec import DTYPES
 from draftfeed.dataplane.weights.worker import UpdateRefused
 from draftfeed.schemas.messages import LogitTransform, UpdateWeights
@@ -224,7 +226,31 @@ class AutoModelEngine:
         """Nothing to release beyond what garbage collection frees."""
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture) -> ForwardOutput:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture, documents: Documents | None = None) -> ForwardOutput:
+        """One forward of the batch; a packed batch (``documents``) runs each document as a row of its own, positions
+        from 0 and nothing else in view (NeMo's models take no block mask), every row padded to the longest document,
+        and what it gives goes back to the document's positions (so any architecture keeps its documents apart)."""
+        if documents is None:
+            return self._forward(input_ids, attention_mask, capture)
+        segments = documents.segments(attention_mask)
+        if not segments:  # padding only: nothing real to compute
+            return self._forward(input_ids, attention_mask, capture)
+        longest = max(len(positions) for _, positions in segments)
+        rows_ids = torch.zeros(len(segments), longest, dtype=input_ids.dtype)
+        rows_mask = torch.zeros(len(segments), longest, dtype=attention_mask.dtype)
+        for index, (row, positions) in enumerate(segments):
+            rows_ids[index, : len(positions)], rows_mask[index, : len(positions)] = input_ids[row, positions], 1
+        rows = self._forward(rows_ids, rows_mask, capture)
+        placed = lambda tensor: _to_documents(tensor, segments, input_ids.shape) if tensor is not None else None  # noqa: E731
+        return ForwardOutput(
+            layer_outputs={layer: placed(tensor) for layer, tensor in rows.layer_outputs.items()},
+            embeddings=placed(rows.embeddings),
+            final_hidden=placed(rows.final_hidden),
+            logits=placed(rows.logits),
+            joined=placed(rows.joined),
+        )
+
+    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture) -> ForwardOutput:
         out = ForwardOutput()
         joined = JoinedWriter(capture.joined) if capture.joined is not None else None
         features = [part for part in capture.joined.parts if isinstance(part, ModelFeature)] if capture.joined else []
@@ -277,3 +303,12 @@ class AutoModelEngine:
 
     def output_embeddings(self) -> torch.Tensor:
         return whole_weight(self.model.get_output_embeddings().weight).detach()
+
+
+def _to_documents(tensor: torch.Tensor, segments: list[tuple[int, torch.Tensor]], shape: torch.Size) -> torch.Tensor:
+    """A tensor of document rows [documents, longest, ...] put back at each document's positions of the packed batch
+    [B, S, ...] (zeros elsewhere)."""
+    out = tensor.new_zeros((*shape, *tensor.shape[2:]))
+    for index, (row, positions) in enumerate(segments):
+        out[row, positions.to(tensor.device)] = tensor[index, : len(positions)]
+    return out
