@@ -330,3 +330,21 @@ def test_packed_rows_run_each_document_as_a_row_of_its_own(family, targets):
             want[row, positions] = getattr(alone, name)[index, : len(positions)]
         problems.append(difference_at_real(f"packed {name}", got[name], want, mask))
     assert [p for p in problems if p] == []
+
+
+@pytest.mark.long
+def test_a_layout_nemo_cannot_shard_is_refused_in_one_line(targets, monkeypatch):
+    """DeepSeek-V3's 16 experts over 3 processes: NeMo's parallelizer refuses (an assertion); the worker says so in one
+    line naming what to change, instead of a traceback."""
+    import os
+
+    from support.nemo import NEMO_PACKAGES
+
+    from draftfeed.consumers.engines.parallel.engine import TensorParallelEngine
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(NEMO_PACKAGES)])))
+    with pytest.raises(ValueError) as refused:
+        TensorParallelEngine("automodel", str(targets["deepseek-v3"]), ["cpu"] * 3, "float32", expert_parallel=True, on_lost=lambda _why: None)
+    said = str(refused.value)
+    assert "\n" not in said and said.startswith("NeMo AutoModel cannot shard its DeepseekV3ForCausalLM over 3 processes with --expert-parallel"), said
+    assert "n_routed_experts 16 must be divisible by expert_parallel_degree 3" in said and "leave --expert-parallel out" in said, said

@@ -195,8 +195,15 @@ class AutoModelEngine:
                 )
             model = model.to(self.dtype)
         else:
-            mesh = mesh_context(parallel.world_size, expert_parallel, self.dtype)
-            model = sharded_model(lambda: build_model(model_class, config, options, self.device), mesh, self.device, self.dtype)
+            try:
+                mesh = mesh_context(parallel.world_size, expert_parallel, self.dtype)
+                model = sharded_model(lambda: build_model(model_class, config, options, self.device), mesh, self.device, self.dtype)
+            except (AssertionError, RuntimeError, TypeError) as exc:  # NeMo's parallelizer refusing this layout
+                how = f"over {parallel.world_size} processes" + (" with --expert-parallel" if expert_parallel else "")
+                raise ValueError(
+                    f"NeMo AutoModel cannot shard its {model_class.__name__} {how}: {_first_line(exc)}; give a --tensor-parallel "
+                    "that it can shard (one that divides its experts for --expert-parallel), or leave --expert-parallel out"
+                ) from None
             self._moe_mesh = mesh.moe_mesh if expert_parallel else None
             load_sharded(model, target, self._moe_mesh)
             settle(model, self.device)
