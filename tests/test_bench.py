@@ -75,6 +75,7 @@ def test_every_scenario_is_a_module_with_one_signature():
         "scaling",
         "real-target",
         "tensor-parallel",
+        "automodel-sharding",
         "long-rows",
         "frontier-rows",
         "store",

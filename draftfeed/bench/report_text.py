@@ -222,6 +222,20 @@ SECTIONS = (
         ),
     ),
     Section(
+        "automodel-sharding",
+        "automodel sharding",
+        "The automodel engine over two processes",
+        "a tiny DeepSeek-V3 (16 experts, hidden 256) under NeMo's own model code sharded over two processes (NeMo's FSDP, "
+        "and its expert mesh with `--expert-parallel`) against the same engine in one process: rank 0's parameter bytes "
+        "against the whole target's, and a DSpark batch's time.",
+        lambda _: (
+            "Both ranks compute every batch (the worker's ranks run in step), so two processes hold half the target each "
+            "but are not faster: on 2 cores they share the cores and add the gathers. Under FSDP alone NeMo keeps "
+            "lm_head whole on every rank, hence a little over half. Run with nemo-automodel importable "
+            "(`PYTHONPATH=.nemo-packages draftfeed bench --scenario automodel-sharding`)."
+        ),
+    ),
+    Section(
         "long-rows",
         "long rows",
         "Long rows",

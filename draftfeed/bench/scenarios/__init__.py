@@ -20,6 +20,7 @@ _MODULES = {
     "scaling": "scaling",
     "real-target": "real_target",
     "tensor-parallel": "tensor_parallel",
+    "automodel-sharding": "automodel_sharding",
     "long-rows": "long_rows",
     "frontier-rows": "frontier_rows",
     "store": "store",

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from draftfeed.consumers.engines.automodel_sharding import copy_into, load_sharded, map_group, mesh_context, settle, sharded_model
+from draftfeed.consumers.engines.automodel_sharding import copy_into, load_sharded, map_group, mesh_context, release_gathered, settle, sharded_model
 from draftfeed.consumers.engines.base import EMBEDDINGS, FINAL_HIDDEN, Capture, ForwardOutput, ModelFeature, TargetShape
 from draftfeed.consumers.engines.hf import resolve_dtype, whole_weight
 from draftfeed.consumers.engines.hooks import first_input_hook, store_hook
@@ -278,6 +278,7 @@ class AutoModelEngine:
                 hooks.callback(self.final_norm.register_forward_hook(store).remove)
             arguments = {"input_ids": input_ids.to(self.device), "attention_mask": attention_mask.to(self.device), "use_cache": False}
             result = self.model(**{key: value for key, value in arguments.items() if key in self._accepts})
+        release_gathered(self.model)
         if capture.logits:
             logits = result.logits if hasattr(result, "logits") else result
             out.logits = logits.to(self.device)

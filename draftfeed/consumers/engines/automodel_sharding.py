@@ -148,3 +148,13 @@ def settle(model: nn.Module, device: torch.device) -> None:
     tokens = torch.zeros(1, 2, dtype=torch.long, device=device)
     with torch.no_grad():
         model(input_ids=tokens, attention_mask=torch.ones_like(tokens))
+    release_gathered(model)
+
+
+def release_gathered(model: nn.Module) -> None:
+    """Free what FSDP still holds gathered after a forward: its root unit (the final norm and lm_head under FSDP alone)
+    stays whole after a forward, for the backward a training step would run next; a worker runs none."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.reshard()
