@@ -440,7 +440,7 @@ def test_cpu_thread_binding_splits_the_cores_in_contiguous_groups():
 
 
 def test_a_binding_the_user_set_is_kept(monkeypatch):
-    from draftfeed.consumers.engines.vllm import THREADS_BIND, cpu_start_environment
+    from draftfeed.consumers.engines.vllm_environment import THREADS_BIND, cpu_start_environment
 
     monkeypatch.setenv(THREADS_BIND, "1|0")
     assert cpu_start_environment(2) == {}

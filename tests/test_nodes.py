@@ -158,6 +158,50 @@ def test_two_nodes_equal_the_same_plan_on_one_machine(hosts_available, tp_target
             show(started)
 
 
+FRONTIER_FAMILIES = ("deepseek-v32", "deepseek-v4", "glm-moe-dsa", "minimax-m2", "qwen3.5-moe")
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("family", FRONTIER_FAMILIES)
+def test_frontier_families_over_two_nodes_equal_the_same_plan_on_one_machine(hosts_available, family, tmp_path):
+    """The text frontier families at ``--tensor-parallel 2 --nnodes 2`` (hf: transformers' plan over a process on each
+    of two hosts): DSpark on padded batches equals the same plan over two processes on one machine (draftfeed's
+    tensor-parallel engine in this process), bit for bit."""
+    from tp_reference import DSPARK_IDS, batches
+
+    from draftfeed.consumers.engines.parallel.engine import TensorParallelEngine
+    from draftfeed.consumers.tasks.dspark import DSparkTask
+
+    target = build_tiny_target(tmp_path / family, arch=family, num_hidden_layers=8)
+    names = ["plain-0", "plain-1", "full"]
+    flags = ["--service", f"nodes-{family}", "--task", "dspark", "--target-layer-ids", ",".join(map(str, DSPARK_IDS))]
+    with Hosts(["head", "node-0", "node-1"]) as hosts:
+        started: list[commands.Process] = []
+        try:
+            broker = commands.start_broker(hosts.address("head"), prefix=hosts.command("head"))
+            started.append(broker)
+            started += start_all(*[lambda node=node: start_node(hosts, broker, target, node, *flags) for node in (0, 1)])
+            out = tmp_path / "received.safetensors"
+            rank = start_rank(hosts, broker, f"nodes-{family}", "dspark", names, out)
+            started.append(rank)
+            order, tensors = result_of(rank, out)
+            assert order == names
+        finally:
+            for process in started:
+                process.stop(timeout_s=5)
+            show(started)
+    engine = TensorParallelEngine("hf", str(target), ["cpu", "cpu"], "float32", on_lost=lambda _why: None)
+    try:
+        task = DSparkTask(engine, target_layer_ids=DSPARK_IDS)
+        for name in names:
+            batch = batches()[name]
+            want = task.compute(batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
+            for field in ("target_hidden_states", "target_last_hidden_states"):
+                assert torch.equal(tensors[f"{name}/{field}"], want[field]), f"{family} {name} {field}: not the same plan on one machine"
+    finally:
+        engine.close()
+
+
 @pytest.mark.long
 def test_the_automodel_engine_over_two_nodes_equals_nemos_own_model_sharded_alike(hosts_available, tmp_path):
     """``--engine automodel --tensor-parallel 2 --nnodes 2 --expert-parallel``: NeMo's model of DeepSeek-V4.1 sharded
