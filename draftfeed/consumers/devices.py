@@ -44,7 +44,6 @@ def tensor_parallel_devices(device: str, tensor_parallel: int, devices: Sequence
     return [f"{kind}:{index + rank}" for rank in range(tensor_parallel)]
 
 
-# Why the vllm engine does not span machines (vLLM's own multi-node executor is what it would take: docs/engines.md).
 # Why an engine does not run a target's layers in pipeline stages (--pipeline-parallel), by engine.
 NO_PIPELINE = {
     "hf": "the hf engine spreads a target by tensor parallelism (--tensor-parallel N, over machines with --nnodes) or its layers "

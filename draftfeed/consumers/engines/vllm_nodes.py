@@ -91,6 +91,8 @@ def serve_vllm_node(settings: Any, store: dist.TCPStore, nodes: NodePlan, on_rea
     variables = node_environment(nodes.master_host)
     if settings.device.startswith("cpu"):
         variables |= cpu_start_environment(nodes.per_node)
+    elif settings.devices:  # this machine's GPUs for its vLLM ranks, as node 0's engine shows them to vLLM
+        variables["CUDA_VISIBLE_DEVICES"] = ",".join(device.rpartition(":")[2] for device in settings.devices)
     log.info(
         "%s: starting vLLM's headless executor for ranks %s (%s)", where, list(nodes.ranks()), ", ".join(f"{k}={v}" for k, v in variables.items())
     )
