@@ -148,16 +148,15 @@ def test_over_two_processes_with_experts_spread_equals_nemos_own_sharded_model(f
     bit at real positions, and rank 0 holds about half the parameters after its forwards. On DeepSeek-V4.1, a file
     update lands in every rank's shards: it changes the supervision, and the old layer put back gives the first
     supervision again, bit for bit."""
-    import os
 
     from automodel_reference import AUX_IDS, batches
     from safetensors.torch import load_file, save_file
-    from support.nemo import NEMO_PACKAGES
+    from support.automodel import nemo_path_env
 
     from draftfeed.consumers.engines.parallel.engine import TensorParallelEngine
     from draftfeed.schemas.messages import UpdateWeights
 
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(NEMO_PACKAGES)])))  # the follower's
+    monkeypatch.setenv("PYTHONPATH", nemo_path_env()["PYTHONPATH"])  # the follower's
     lost: list[str] = []
     engine = TensorParallelEngine("automodel", str(targets[family]), ["cpu", "cpu"], "float32", expert_parallel=True, on_lost=lost.append)
     ids, mask, loss = (batches()["one"][key] for key in ("input_ids", "attention_mask", "loss_mask"))
@@ -336,13 +335,12 @@ def test_packed_rows_run_each_document_as_a_row_of_its_own(family, targets):
 def test_a_layout_nemo_cannot_shard_is_refused_in_one_line(targets, monkeypatch):
     """DeepSeek-V3's 16 experts over 3 processes: NeMo's parallelizer refuses (an assertion); the worker says so in one
     line naming what to change, instead of a traceback."""
-    import os
 
-    from support.nemo import NEMO_PACKAGES
+    from support.automodel import nemo_path_env
 
     from draftfeed.consumers.engines.parallel.engine import TensorParallelEngine
 
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(NEMO_PACKAGES)])))
+    monkeypatch.setenv("PYTHONPATH", nemo_path_env()["PYTHONPATH"])
     with pytest.raises(ValueError) as refused:
         TensorParallelEngine("automodel", str(targets["deepseek-v3"]), ["cpu"] * 3, "float32", expert_parallel=True, on_lost=lambda _why: None)
     said = str(refused.value)

@@ -20,6 +20,7 @@ import pytest
 import torch
 from conftest import add_service, make_batch
 from reference import difference_at_real
+from support.automodel import automodel_service
 from support.nemo import nemo_on_path, train_steps
 
 from draftfeed.integrations.nemo import use_draftfeed
@@ -67,9 +68,10 @@ def config(nemo, target: Path, url: str, **options):
     return nemo.ConfigNode({"recipe_args": args})
 
 
-def call_builder(nemo, recipe, target: Path):
-    """The recipe's DeepSeek-V4 builder, by the name its module calls, with the arguments its setup() passes."""
-    return nemo.train_dspark.build_deepseek_v4_target(
+def call_builder(nemo, recipe, target: Path, builder: str = "build_deepseek_v4_target"):
+    """The recipe's builder of a frontier target (DeepSeek-V4's, GLM-5.2's), by the name its module calls, with the
+    arguments its setup() passes."""
+    return getattr(nemo.train_dspark, builder)(
         cfg=recipe.cfg,
         world_size=1,
         device=CPU,
@@ -129,20 +131,12 @@ def test_deepseek_v41_target_options_give_draftfeeds_target_served_by_the_automo
     """The recipe's DeepSeek-V4.1 path (``DeepseekV41DSparkTargetConfig.build``, CUDA and a process group on its own)
     gives the stand-in, whose DSpark wrapper, served by a worker of ``--engine automodel``, equals NeMo's wrapper
     around NeMo's own model in process."""
-    import os
-
-    from conftest import WORKER_ENV
-    from support.nemo import NEMO_PACKAGES, nemo_reference
+    from support.nemo import nemo_reference
 
     from draftfeed.tiny import build_tiny_nemo_target
 
     v41 = build_tiny_nemo_target(tmp_path / "deepseek-v41", draft_layers=1)
-    env = {"PYTHONPATH": os.pathsep.join([WORKER_ENV["PYTHONPATH"], str(NEMO_PACKAGES)])}
-    ids = ",".join(map(str, V41_LAYERS))
-    cluster.add_worker(
-        v41, "--engine", "automodel", "--service", "v41-dspark", "--task", "dspark", "--target-layer-ids", ids, "--name", "v41-r", env=env
-    )
-    v41_url = f"draftfeed://{cluster.frontend.removeprefix('tcp://')}/v41-dspark?data_plane=frames"
+    v41_url = automodel_service(cluster, v41, "v41-dspark", V41_LAYERS)
     recipe = nemo.recipe(config(nemo, v41, v41_url))
     options = nemo.train_dspark.DeepseekV41DSparkTargetConfig(target_path=str(v41))
     with draftfeed_target(recipe, "dspark"):
@@ -252,31 +246,15 @@ def test_nemos_dspark_trainer_on_a_glm_5_2_target_served_by_nemos_own_model_give
     worker of ``--engine automodel`` (NeMo's own model, as the builder would load it), a few steps of the recipe's
     GLM-5.2 draft give losses and a trained draft equal bit for bit to the same steps on NeMo's wrapper around NeMo's
     own model in process: the colocated target the builder would give, built here without CUDA."""
-    import os
-
-    from conftest import WORKER_ENV
-    from support.nemo import NEMO_PACKAGES, nemo_reference
+    from support.nemo import nemo_reference
 
     from draftfeed.tiny import build_tiny_target
 
     glm = build_tiny_target(tmp_path / "glm-5.2", arch="glm-moe-dsa", num_hidden_layers=6)
-    env = {"PYTHONPATH": os.pathsep.join([WORKER_ENV["PYTHONPATH"], str(NEMO_PACKAGES)])}
-    ids = ",".join(map(str, GLM_LAYERS))
-    cluster.add_worker(
-        glm, "--engine", "automodel", "--service", "glm-dspark", "--task", "dspark", "--target-layer-ids", ids, "--name", "glm-r", env=env
-    )
-    glm_url = f"draftfeed://{cluster.frontend.removeprefix('tcp://')}/glm-dspark?data_plane=frames"
+    glm_url = automodel_service(cluster, glm, "glm-dspark", GLM_LAYERS)
     recipe = nemo.recipe(config(nemo, glm, glm_url))
     with draftfeed_target(recipe, "dspark"):
-        target_config, model, setup = nemo.train_dspark.build_glm_5_2_target(
-            cfg=recipe.cfg,
-            world_size=1,
-            device=CPU,
-            compute_dtype=torch.float32,
-            target_path=str(glm),
-            recipe_cfg=recipe.cfg.recipe_args,
-            trust_remote_code=False,
-        )
+        target_config, model, setup = call_builder(nemo, recipe, glm, "build_glm_5_2_target")
         remote = nemo.train_dspark.HFDSparkTargetModel(model, target_layer_ids=GLM_LAYERS, cp_mesh=None)
     colocated = nemo.train_dspark.HFDSparkTargetModel(nemo_reference(glm), GLM_LAYERS)
     batches = [make_batch(2, 24, target_config.vocab_size, seed=seed) for seed in (31, 32, 33)]

@@ -19,17 +19,9 @@ def sharded_reference(targets: dict[str, Path], out: Path, expert_parallel: bool
     both with ``expert_parallel``, NeMo's wrappers around it."""
     from safetensors.torch import load_file
 
-    port = free_port()
     served = [f"{name}={path}" for name, path in targets.items()]
-    args = [str(port), str(out), "1" if expert_parallel else "0", *served]
-    ranks = [preload.popen_module("automodel_reference", [str(rank), *args], {**os.environ, **WORKER_ENV}) for rank in (0, 1)]
-    try:
-        for rank in ranks:
-            done = preload.communicate(rank, timeout_s=200)
-            assert done.returncode == 0, f"NeMo's sharded reference failed:\n{done.stderr[-3000:]}"
-    finally:
-        for rank in ranks:
-            rank.kill()
+    args = [str(free_port()), str(out), "1" if expert_parallel else "0", *served]
+    preload.run_two_ranks("automodel_reference", args, {**os.environ, **WORKER_ENV}, 200, "NeMo's sharded reference")
     return load_file(str(out))
 
 
@@ -38,3 +30,11 @@ def nemo_path_env() -> dict[str, str]:
     from support.nemo import NEMO_PACKAGES
 
     return {"PYTHONPATH": os.pathsep.join(filter(None, [WORKER_ENV["PYTHONPATH"], str(NEMO_PACKAGES)]))}
+
+
+def automodel_service(cluster, target: Path, service: str, layer_ids: list[int]) -> str:
+    """A worker of ``--engine automodel`` serving ``target``'s DSpark at ``layer_ids`` on ``cluster``: its draftfeed URL."""
+    ids = ",".join(map(str, layer_ids))
+    flags = ["--engine", "automodel", "--service", service, "--task", "dspark", "--target-layer-ids", ids, "--name", f"{service}-0"]
+    cluster.add_worker(target, *flags, env=nemo_path_env())
+    return f"draftfeed://{cluster.frontend.removeprefix('tcp://')}/{service}?data_plane=frames"

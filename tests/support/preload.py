@@ -222,6 +222,20 @@ def launch(module: str, args: Sequence[str], env: dict[str, str], prefix: Sequen
     return _preloader(env).popen(module, args, env, netns)
 
 
+def run_two_ranks(module: str, args: Sequence[str], env: Mapping[str, str], timeout_s: float, what: str) -> None:
+    """``python -m MODULE RANK ARGS`` as ranks 0 and 1 side by side (a reference computed by two processes of the test's
+    own), both to their ends within ``timeout_s``; a rank that fails is an AssertionError naming ``what``, with its
+    stderr's end. Neither outlives this call."""
+    ranks = [popen_module(module, [str(rank), *args], env) for rank in (0, 1)]
+    try:
+        for rank in ranks:
+            done = communicate(rank, timeout_s=timeout_s)
+            assert done.returncode == 0, f"{what} failed:\n{done.stderr[-3000:]}"
+    finally:
+        for rank in ranks:
+            rank.kill()
+
+
 def run_module(module: str, args: Sequence[str], env: Mapping[str, str], timeout_s: float = 120) -> subprocess.CompletedProcess:
     """``python -m MODULE ARGS`` run to its end with ``env``, as ``subprocess.run(..., capture_output=True,
     text=True)`` would, forked from the preloader of its import-time environment: for the suite's many one-line

@@ -44,14 +44,7 @@ def tensor_parallel_reference(targets: dict[str, Path], out: Path) -> dict[str, 
     port = free_port()
     env = {**os.environ, **WORKER_ENV}
     paths = [f"{SERVED[name]}={targets[name]}" for name in TARGETS]
-    ranks = [preload.popen_module("tp_reference", [str(rank), str(port), str(out), *paths], env) for rank in (0, 1)]  # tests/ is on PYTHONPATH
-    try:
-        for rank in ranks:
-            done = preload.communicate(rank, timeout_s=240)
-            assert done.returncode == 0, f"the tensor-parallel reference failed:\n{done.stderr[-3000:]}"
-    finally:
-        for rank in ranks:
-            rank.kill()
+    preload.run_two_ranks("tp_reference", [str(port), str(out), *paths], env, 240, "the tensor-parallel reference")  # tests/ is on PYTHONPATH
     return load_file(out)
 
 
