@@ -214,11 +214,20 @@ def assert_supervision_equal(supervision, expected: dict[str, torch.Tensor]) -> 
     assert not problems, "; ".join(problems)
 
 
+def one_stream(hidden: torch.Tensor, embeddings: bool) -> torch.Tensor:
+    """A layer of several residual streams [B, S, streams, H] (DeepSeek-V4's hyper-connections) as DSpark reads it
+    (docs/contract.md): the embedding output's copies by their first, any other layer by their mean; [B, S, H] as is."""
+    if hidden.dim() == 3:
+        return hidden
+    return hidden[:, :, 0] if embeddings else hidden.mean(dim=2)
+
+
 @torch.no_grad()
 def reference_dspark(model, batch, layer_ids):
-    """The contract in-process: -1 is output_hidden_states[0], L-1 the post-norm output_hidden_states[L], i the output of layer i."""
+    """The contract in-process: -1 is output_hidden_states[0], L-1 the post-norm output_hidden_states[L], i the output of
+    layer i (each of several streams read as one: ``one_stream``)."""
     out = text_model(model)(**model_inputs(model, batch), use_cache=False, output_hidden_states=True)
-    hidden = [zero_padding(h, batch["attention_mask"]) for h in out.hidden_states]
+    hidden = [zero_padding(one_stream(h, index == 0), batch["attention_mask"]) for index, h in enumerate(out.hidden_states)]
     last = len(hidden) - 2
 
     def layer(i: int) -> torch.Tensor:

@@ -163,18 +163,21 @@ FRONTIER_FAMILIES = ("deepseek-v32", "deepseek-v4", "glm-moe-dsa", "minimax-m2",
 
 @pytest.mark.long
 @pytest.mark.parametrize("family", FRONTIER_FAMILIES)
-def test_frontier_families_over_two_nodes_equal_the_same_plan_on_one_machine(hosts_available, family, tmp_path, monkeypatch):
+def test_frontier_families_over_two_nodes_equal_the_same_plan_on_one_machine(hosts_available, family, tmp_path):
     """The text frontier families at ``--tensor-parallel 2 --nnodes 2`` (hf: transformers' plan over a process on each
-    of two hosts): DSpark on padded batches equals the same plan over two processes on one machine (draftfeed's
-    tensor-parallel engine in this process, one thread a process as the workers'), bit for bit."""
-    from reference import difference
-    from tp_reference import DSPARK_IDS, batches
+    of two hosts): DSpark on padded batches equals transformers' plan over two processes of the test's own on one
+    machine (tests/tp_reference.py, one thread a process as the workers'), bit for bit."""
+    from safetensors.torch import load_file
+    from tp_reference import DSPARK_IDS
 
-    from draftfeed.consumers.engines.parallel.engine import TensorParallelEngine
-    from draftfeed.consumers.tasks.dspark import DSparkTask
+    from draftfeed.net import free_port
 
     target = build_tiny_target(tmp_path / family, arch=family, num_hidden_layers=8)
     names = ["plain-0", "plain-1", "full"]
+    reference_file = tmp_path / "reference.safetensors"
+    served = [str(free_port()), str(reference_file), f"dspark={target}"]
+    preload.run_two_ranks("tp_reference", served, {**os.environ, **WORKER_ENV}, 240, "the tensor-parallel reference")
+    reference = load_file(str(reference_file))
     flags = ["--service", f"nodes-{family}", "--task", "dspark", "--target-layer-ids", ",".join(map(str, DSPARK_IDS))]
     with Hosts(["head", "node-0", "node-1"]) as hosts:
         started: list[commands.Process] = []
@@ -187,28 +190,15 @@ def test_frontier_families_over_two_nodes_equal_the_same_plan_on_one_machine(hos
             started.append(rank)
             order, tensors = result_of(rank, out)
             assert order == names
+            for name in names:
+                prefix = f"0/dspark/{name}/"
+                assert_supervision_equal(
+                    Supervision(received(tensors, name)), {k[len(prefix) :]: v for k, v in reference.items() if k.startswith(prefix)}
+                )
         finally:
             for process in started:
                 process.stop(timeout_s=5)
             show(started)
-    monkeypatch.setenv("OMP_NUM_THREADS", WORKER_ENV["OMP_NUM_THREADS"])  # the follower's
-    threads = torch.get_num_threads()
-    torch.set_num_threads(int(WORKER_ENV["OMP_NUM_THREADS"]))
-    engine = TensorParallelEngine("hf", str(target), ["cpu", "cpu"], "float32", on_lost=lambda _why: None)
-    try:
-        task = DSparkTask(engine, target_layer_ids=DSPARK_IDS)
-        problems = []
-        for name in names:
-            batch = batches()[name]
-            want = task.compute(batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
-            problems += [
-                difference(f"{name} {field}", tensors[f"{name}/{field}"], want[field])
-                for field in ("target_hidden_states", "target_last_hidden_states")
-            ]
-        assert [problem for problem in problems if problem] == []
-    finally:
-        engine.close()
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.long
