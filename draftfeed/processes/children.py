@@ -2,8 +2,8 @@
 preloader and what it forks).
 
 Each dies with the process that started it, however that one ends, SIGKILL included: Linux's ``PR_SET_PDEATHSIG``
-(``die_with_parent``), set in the child before it runs anything. ``spawn`` starts the child as a small Python program
-that sets it and then becomes the command (``exec``; the signal outlives exec), never through Popen's ``preexec_fn``:
+(``die_with_parent``), set in the child before it runs anything. ``spawn`` starts the child as this module, which sets
+it and then becomes the command (``_become``: ``exec``; the signal outlives exec), never through Popen's ``preexec_fn``:
 that makes Popen fork a copy of this process and run Python in it before exec, which Python documents as unsafe with
 threads, and which was seen to kill the child with SIGSEGV before it ran (a broker started by a test process that had
 run gloo ranks and imported NeMo AutoModel). That signal comes when the *thread* that started
@@ -99,23 +99,13 @@ def adopt(popen: Any) -> None:
     raise RuntimeError(f"not started: this process is stopping the ones it started ({' '.join(map(str, popen.args))})")
 
 
-# The child's first program (``python -I -S -c`` it, then this pid, then the command): it takes the death signal of
-# the thread that started it, ends at once if its parent has already ended, and becomes the command.
-_DYING_WITH_PARENT = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)\n"
-    "if os.getppid() != int(sys.argv[1]): os.kill(os.getpid(), signal.SIGKILL)\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n"
-)
-
-
 def spawn(args: Sequence[str], **kwargs: Any) -> subprocess.Popen:
     """``subprocess.Popen(args, **kwargs)`` for a child that dies with this process (see the module's docstring): on
-    Linux started as ``_DYING_WITH_PARENT``, which then runs ``args``."""
+    Linux started as ``python -m draftfeed.processes.children PARENT ARGS...`` (``_become``), which then runs ``args``."""
     parent = os.getpid()
     command = list(args)
     if _prctl() is not None:
-        command = [sys.executable, "-I", "-S", "-c", _DYING_WITH_PARENT, str(parent), *command]
+        command = [sys.executable, "-m", __name__, str(parent), *command]
 
     def start_child() -> subprocess.Popen:
         child = subprocess.Popen(command, **kwargs)
@@ -158,3 +148,14 @@ def kill_all() -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def _become(argv: Sequence[str]) -> None:
+    """A spawned child's first program (``python -m draftfeed.processes.children PARENT COMMAND...``): it dies with
+    PARENT's thread that started it (``die_with_parent``), then becomes COMMAND."""
+    die_with_parent(int(argv[0]))
+    os.execvp(argv[1], list(argv[1:]))
+
+
+if __name__ == "__main__":
+    _become(sys.argv[1:])

@@ -29,7 +29,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from draftfeed.consumers.engines.automodel_sharding import copy_into, load_sharded, map_group, mesh_context, release_gathered, settle, sharded_model
+from draftfeed.consumers.engines.automodel_sharding import (
+    checkpoint_files,
+    copy_into,
+    load_sharded,
+    map_group,
+    mesh_context,
+    mismatch,
+    release_gathered,
+    settle,
+    sharded_model,
+)
 from draftfeed.consumers.engines.base import EMBEDDINGS, FINAL_HIDDEN, Capture, ForwardOutput, ModelFeature, TargetShape
 from draftfeed.consumers.engines.hf import resolve_dtype, whole_weight
 from draftfeed.consumers.engines.hooks import first_input_hook, store_hook
@@ -144,10 +154,7 @@ def read_weights(target: str) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint's safetensors files, under its own names."""
     from safetensors.torch import load_file
 
-    files = sorted(Path(target).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"--target {target}: no .safetensors files there; the automodel engine reads safetensors checkpoints")
-    return {name: tensor for file in files for name, tensor in load_file(str(file)).items()}
+    return {name: tensor for file in checkpoint_files(target) for name, tensor in load_file(str(file)).items()}
 
 
 def _text_config(config: Any) -> Any:
@@ -300,10 +307,8 @@ class AutoModelEngine:
         new = {name: load() for name, load in loaders.items()}
         mapped = map_group(self._adapter, dict(new), self._moe_mesh)  # from_hf empties what it is given
         held = self.model.state_dict()
-        for name, tensor in mapped.items():
-            if name not in held or held[name].shape != tensor.shape:
-                found = "no such tensor" if name not in held else f"shape {list(held[name].shape)}"
-                raise UpdateRefused(f"tensor {name} (NeMo's name for it): the update gives shape {list(tensor.shape)}, NeMo's model has {found}")
+        if (problem := mismatch(held, mapped)) is not None:
+            raise UpdateRefused(f"the update's {problem}")
         copy_into(held, mapped)
 
     def input_embeddings(self) -> torch.Tensor:

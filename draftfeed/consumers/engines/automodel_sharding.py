@@ -67,15 +67,20 @@ def sharded_model(build: Any, mesh: Any, device: torch.device, dtype: torch.dtyp
     return model
 
 
+def checkpoint_files(target: str) -> list[Path]:
+    """The checkpoint's safetensors files, or a ValueError in one line if it has none."""
+    files = sorted(Path(target).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"--target {target}: no .safetensors files there; the automodel engine reads safetensors checkpoints")
+    return files
+
+
 def layer_groups(target: str) -> Iterator[dict[str, torch.Tensor]]:
     """The checkpoint's tensors, one decoder layer at a time in order, then those outside every layer."""
     from safetensors import safe_open
 
-    files = sorted(Path(target).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"--target {target}: no .safetensors files there; the automodel engine reads safetensors checkpoints")
     where: dict[int | None, list[tuple[Path, str]]] = {}
-    for file in files:
+    for file in checkpoint_files(target):
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():
                 found = LAYER_NAME.search(name)
@@ -117,10 +122,9 @@ def copy_into(held: dict[str, torch.Tensor], mapped: dict[str, torch.Tensor]) ->
 def mismatch(held: dict[str, torch.Tensor], mapped: dict[str, torch.Tensor]) -> str | None:
     """The first mapped tensor the model has not, or has in another shape (whole shapes compared), or None."""
     for name, tensor in mapped.items():
-        if name not in held:
-            return f"{name}: no such tensor in NeMo's model"
-        if tuple(held[name].shape) != tuple(tensor.shape):
-            return f"{name}: shape {list(tensor.shape)}, NeMo's model has {list(held[name].shape)}"
+        if name not in held or tuple(held[name].shape) != tuple(tensor.shape):
+            found = "no such tensor" if name not in held else f"shape {list(held[name].shape)}"
+            return f"tensor {name} (NeMo's name for it): shape {list(tensor.shape)} given, NeMo's model has {found}"
     return None
 
 
