@@ -11,21 +11,23 @@ them out themselves (the capture's layer ids are known once the task prepares th
   headless ``MultiprocExecutor`` at node rank R with its own --target path, and ends when node 0 says it closed,
   when node 0's store stops answering for WATCH_SILENCE_S (node 0 lost), when one of its vLLM processes dies, or on
   SIGTERM / SIGINT. A headless vLLM node does not end by itself when node 0 does.
-- On both, vLLM is told the address (``VLLM_HOST_IP``) and gloo the interface (``GLOO_SOCKET_IFNAME``) towards node 0:
-  on a host without a default route vLLM otherwise takes 0.0.0.0 ("Failed to get the IP address") and the nodes hang.
+- On both, vLLM is told the address (``VLLM_HOST_IP``) and gloo and NCCL the interface towards node 0, unless the user
+  set them: on a host without a default route vLLM otherwise takes 0.0.0.0 ("Failed to get the IP address") and the
+  nodes hang.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from typing import Any
 
 import torch.distributed as dist
 
-from draftfeed.consumers.engines.parallel.group import LOAD_TIMEOUT_S, address_towards, host_rendezvous, interface_towards
+from draftfeed.consumers.engines.parallel.group import INTERFACE_VARIABLES, LOAD_TIMEOUT_S, address_towards, host_rendezvous, interface_towards
 from draftfeed.consumers.engines.parallel.rendezvous import PLAN_KEY, await_nodes
 from draftfeed.consumers.engines.parallel.watch import WATCH_SILENCE_S, stop_on_signals
 from draftfeed.consumers.engines.vllm_environment import cpu_start_environment, environment
@@ -39,11 +41,13 @@ ARGUMENTS_KEY, CLOSED_KEY = "draftfeed/vllm/arguments", "draftfeed/vllm/closed"
 
 
 def node_environment(master_host: str) -> dict[str, str]:
-    """What vLLM and gloo are told on a node: its address and interface towards node 0 (``master_host``)."""
+    """What vLLM, gloo and NCCL are told on a node: its address and interface towards node 0 (``master_host``), each
+    unless the user set it already (as for the other engines' processes: group.use_interface)."""
     address, interface = address_towards(master_host), interface_towards(master_host)
     if address is None:
         raise ValueError(f"--master-addr {master_host}: this machine has no route to it; give node 0's address on the network the nodes share")
-    return {"VLLM_HOST_IP": address} | ({"GLOO_SOCKET_IFNAME": interface} if interface is not None else {})
+    chosen = {"VLLM_HOST_IP": address} | ({variable: interface for variable in INTERFACE_VARIABLES} if interface is not None else {})
+    return {variable: value for variable, value in chosen.items() if variable not in os.environ}
 
 
 class NodeZero:

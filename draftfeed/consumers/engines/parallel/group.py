@@ -78,10 +78,14 @@ def interface_towards(host: str) -> str | None:
     return None
 
 
+# What gloo and NCCL read to bind to a network interface.
+INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
 def use_interface(place: ProcessPlace) -> None:
     """gloo and NCCL bind to the interface towards node 0 (unless the user named one already)."""
     if place.interface is not None:
-        for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        for variable in INTERFACE_VARIABLES:
             os.environ.setdefault(variable, place.interface)
 
 
