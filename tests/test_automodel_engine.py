@@ -150,6 +150,7 @@ def test_over_two_processes_with_experts_spread_equals_nemos_own_sharded_model(f
     supervision again, bit for bit."""
 
     from automodel_reference import AUX_IDS, batches
+    from conftest import WORKER_ENV
     from safetensors.torch import load_file, save_file
     from support.automodel import nemo_path_env
 
@@ -157,6 +158,7 @@ def test_over_two_processes_with_experts_spread_equals_nemos_own_sharded_model(f
     from draftfeed.schemas.messages import UpdateWeights
 
     monkeypatch.setenv("PYTHONPATH", nemo_path_env()["PYTHONPATH"])  # the follower's
+    monkeypatch.setenv("OMP_NUM_THREADS", WORKER_ENV["OMP_NUM_THREADS"])  # the follower's threads, the reference's
     lost: list[str] = []
     engine = TensorParallelEngine("automodel", str(targets[family]), ["cpu", "cpu"], "float32", expert_parallel=True, on_lost=lost.append)
     ids, mask, loss = (batches()["one"][key] for key in ("input_ids", "attention_mask", "loss_mask"))

@@ -627,10 +627,11 @@ def test_vllm_over_two_nodes_serves_what_the_same_plan_serves_on_one_machine(hos
     """``--engine vllm --tensor-parallel 2 --nnodes 2``: vLLM's own multi-node executor, node 0 (the worker) and node 1
     (headless) on two network-namespace hosts, the broker and a rank on a third. EAGLE-3 on six padded batches, in
     order, equal bit for bit at real positions to the same engine at tensor_parallel=2 on one machine (started here
-    once the nodes are gone), padded positions zero. SIGTERM on node 0 stops node 1 too (exit 0)."""
+    once the nodes are gone; a core for each rank on both sides), padded positions zero. SIGTERM on node 0 stops node 1
+    too (exit 0), and no process is left on either host, vLLM's own included."""
     from automodel_reference import RUN_BATCHES, batches
-    from conftest import WORKER_ENV
-    from test_nodes import result_of, show, start_all, start_rank
+    from conftest import WORKER_ENV, wait_until
+    from test_nodes import pids_on, result_of, show, start_all, start_rank
 
     from draftfeed.bench.hosts import Hosts
     from draftfeed.consumers.engines.vllm import VLLMEngine
@@ -649,7 +650,13 @@ def test_vllm_over_two_nodes_serves_what_the_same_plan_serves_on_one_machine(hos
             nodes = start_all(
                 *[
                     lambda node=node: commands.start_worker(
-                        broker.ready["backend"], str(vllm_target), *flags, "--node-rank", str(node), env=env, prefix=hosts.command(f"node-{node}")
+                        broker.ready["backend"],
+                        str(vllm_target),
+                        *flags,
+                        "--node-rank",
+                        str(node),
+                        env=env | {"VLLM_CPU_OMP_THREADS_BIND": str(node)},  # a core each, as the reference's "0|1"
+                        prefix=hosts.command(f"node-{node}"),
                     )
                     for node in (0, 1)
                 ]
@@ -661,6 +668,8 @@ def test_vllm_over_two_nodes_serves_what_the_same_plan_serves_on_one_machine(hos
             assert order == names
             assert nodes[0].stop(timeout_s=60) == 0, "\n".join(nodes[0].log_tail[-20:])
             assert nodes[1].popen.wait(60) == 0, "\n".join(nodes[1].log_tail[-20:])
+            for host in ("node-0", "node-1"):  # vLLM's own processes too
+                wait_until(lambda host=host: not pids_on(hosts, host), timeout_s=30, what=f"every process on {host} to end")
         finally:
             for process in started:
                 process.stop(timeout_s=5)
