@@ -68,7 +68,7 @@ def test_rank_partitioned_longer_than_the_liveness_window(hosts_available, tiny_
                     "--draft-vocab",
                     str(draft_vocab),
                     "--batches",
-                    "120",
+                    "150",  # 60 after the last cut: a loaded machine reads the rank's lines late, and the cut must find it still running
                 ],
                 module="rank_process",
                 env=WORKER_ENV,
