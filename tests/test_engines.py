@@ -629,12 +629,11 @@ def test_vllm_over_two_nodes_serves_what_the_same_plan_serves_on_one_machine(hos
     order, equal bit for bit at real positions to the same engine at tensor_parallel=2 on one machine (started here
     once the nodes are gone; a core for each rank on both sides), padded positions zero. SIGTERM on node 0 stops node 1
     too (exit 0), and no process is left on either host, vLLM's own included."""
-    from automodel_reference import RUN_BATCHES, batches
+    from automodel_reference import RUN_BATCHES
     from conftest import WORKER_ENV, wait_until
     from test_nodes import pids_on, result_of, show, start_all, start_rank
 
     from draftfeed.bench.hosts import Hosts
-    from draftfeed.consumers.engines.vllm import VLLMEngine
     from draftfeed.processes import commands
 
     names = [f"run-{i}" for i in range(RUN_BATCHES)]
@@ -674,6 +673,18 @@ def test_vllm_over_two_nodes_serves_what_the_same_plan_serves_on_one_machine(hos
             for process in started:
                 process.stop(timeout_s=5)
             show(started)
+    worst = largest_differences_from_one_machine(vllm_target, names, received)
+    print(f"\nvllm over two nodes against the same plan on one machine, largest absolute differences: {worst}")
+    assert worst == {"aux_hidden_states": 0.0, "target_probs": 0.0}, "not bit for bit the same plan on one machine"
+
+
+def largest_differences_from_one_machine(vllm_target: Path, names: list[str], received: dict[str, torch.Tensor]) -> dict[str, float]:
+    """EAGLE-3 of the batches ``names`` (automodel_reference's) as received, against the vllm engine at tensor_parallel=2
+    on one machine, computed here: the largest absolute difference of each field at real positions (padded ones zero)."""
+    from automodel_reference import batches
+
+    from draftfeed.consumers.engines.vllm import VLLMEngine
+
     one_machine = VLLMEngine(str(vllm_target), device="cpu", dtype="float32", tensor_parallel=2)
     try:
         task = load_task(TaskSettings.of("eagle3", AUX_IDS), one_machine)
@@ -685,7 +696,90 @@ def test_vllm_over_two_nodes_serves_what_the_same_plan_serves_on_one_machine(hos
             assert_hidden_close(received[f"{name}/aux_hidden_states"], want["aux_hidden_states"], batch["attention_mask"], f"{name} aux")
             for field in ("aux_hidden_states", "target_probs"):
                 worst[field] = max(worst.get(field, 0.0), float((received[f"{name}/{field}"] - want[field])[real].abs().max()))
-        print(f"\nvllm over two nodes against the same plan on one machine, largest absolute differences: {worst}")
-        assert worst == {"aux_hidden_states": 0.0, "target_probs": 0.0}, "not bit for bit the same plan on one machine"
+        return worst
     finally:
         one_machine.close()
+
+
+@NEEDS_VLLM
+@pytest.mark.long
+@pytest.mark.parametrize("fault", ["link-down", "sigkill"])
+def test_a_vllm_node_lost_mid_run_ends_its_worker_and_the_run_completes_elsewhere(hosts_available, vllm_target, tmp_path, fault):
+    """``--engine vllm --tensor-parallel 2 --nnodes 2`` over two namespace hosts; after the rank's second batch node 1 is
+    lost (its link cut for good: vLLM's collectives would wait 300 s; or its processes SIGKILLed). Node 0 stops the
+    worker (node 1's silence, or vLLM's engine found dead), the batches it held go back to the broker uncharged, and a
+    spare worker started then (vllm at tensor_parallel=2 on the rank's host) completes the run: every batch once, in
+    order, each equal bit for bit to the same plan on one machine. Both nodes end with a non-zero status, and no
+    process is left on either host, vLLM's own included."""
+    import subprocess
+
+    from conftest import WORKER_ENV, wait_until
+    from support.lines import wait_for_line
+    from test_nodes import LIVENESS, pids_on, result_of, show, start_all, start_rank
+
+    from draftfeed.bench.hosts import Hosts
+    from draftfeed.processes import commands
+
+    names = [f"run-{i}" for i in range(6)]
+    env = {**WORKER_ENV, **VLLM_ENV}
+    out = tmp_path / "lost.safetensors"
+    with Hosts(["head", "node-0", "node-1"]) as hosts:
+        started: list[commands.Process] = []
+        try:
+            broker = commands.start_broker(hosts.address("head"), extra=LIVENESS, prefix=hosts.command("head"))
+            started.append(broker)
+            service = ["--service", "vllm-lost", "--aux-layer-ids", ",".join(map(str, AUX_IDS)), "--engine", "vllm", "--tensor-parallel", "2"]
+            flags = [*service, "--nnodes", "2", "--master-addr", f"{hosts.address('node-0')}:29533", "--name", "two-nodes"]
+            nodes = start_all(
+                *[
+                    lambda node=node: commands.start_worker(
+                        broker.ready["backend"],
+                        str(vllm_target),
+                        *flags,
+                        "--node-rank",
+                        str(node),
+                        env=env | {"VLLM_CPU_OMP_THREADS_BIND": str(node)},
+                        prefix=hosts.command(f"node-{node}"),
+                    )
+                    for node in (0, 1)
+                ]
+            )
+            started += nodes
+            rank = start_rank(hosts, broker, "vllm-lost", "eagle3", names, out, batches="automodel_reference")
+            started.append(rank)
+            wait_for_line(rank, r"^batch 2$", timeout_s=120)
+            mark = nodes[0].lines_seen
+            if fault == "link-down":
+                hosts.cut("node-1")  # for good
+            else:
+                for pid in pids_on(hosts, "node-1"):
+                    subprocess.run(["kill", "-9", str(pid)], check=False)
+            struck = time.monotonic()
+            found = wait_for_line(nodes[0], r"the worker stops", timeout_s=60, after=mark)
+            print(f"\n{fault}: node 0 stopped the worker {time.monotonic() - struck:.1f} s after the fault: {found}")
+            spare = commands.start_worker(
+                broker.ready["backend"],
+                str(vllm_target),
+                *service,
+                "--name",
+                "spare",
+                env=env | {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # as the one-machine reference's
+                prefix=hosts.command("head"),
+            )
+            started.append(spare)
+            order, received = result_of(rank, out)
+            assert order == names, "a batch missing, repeated or out of order"
+            assert nodes[0].popen.wait(60) != 0, "node 0 ends with a non-zero status when node 1 is lost"
+            assert any("forgot worker two-nodes" in line for line in broker.log_tail), "node 0 left the broker"
+            if fault == "link-down":  # node 1 ends by itself when node 0 falls silent (killed, it has nothing left)
+                assert nodes[1].popen.wait(60) != 0
+                wait_for_line(nodes[1], r"rank 0 of this worker .* has been silent", timeout_s=5)
+            for host in ("node-0", "node-1"):
+                wait_until(lambda host=host: not pids_on(hosts, host), timeout_s=60, what=f"every process on {host} to end")
+            print(f"{fault}: the two hosts were empty {time.monotonic() - struck:.1f} s after the fault")
+        finally:
+            for process in started:
+                process.stop(timeout_s=5)
+            show(started)
+    worst = largest_differences_from_one_machine(vllm_target, names, received)
+    assert worst == {"aux_hidden_states": 0.0, "target_probs": 0.0}, f"not bit for bit the same plan on one machine: {worst}"

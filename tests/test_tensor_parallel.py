@@ -365,21 +365,22 @@ def test_dflash_eagle_and_vispec_captures_at_degree_2(tiny_target, tiny_model):
 def test_an_engine_closed_after_its_follower_was_lost_leaves_its_process_alive(tiny_target, monkeypatch):
     """The grace timer that ends a worker whose follower was lost (a stuck collective must not keep it) ends nothing
     once the engine is closed: a program (or pytest) that holds a TensorParallelEngine lives on. Unclosed, it ends."""
-    import draftfeed.consumers.engines.parallel.engine as engine_module
+    import draftfeed.consumers.engines.parallel.loss as loss_module
 
     ended: list[int] = []
-    monkeypatch.setattr(engine_module, "LOST_GRACE_S", 3.0)  # the close below comes well within it
-    monkeypatch.setattr(engine_module.os, "_exit", ended.append)
+    monkeypatch.setattr(loss_module, "LOST_GRACE_S", 3.0)  # the close below comes well within it
+    monkeypatch.setattr(loss_module.os, "_exit", ended.append)
     for close in (True, False):
         lost: list[str] = []
         engine = TensorParallelEngine("hf", str(tiny_target), ["cpu", "cpu"], "float32", on_lost=lost.append)
         try:
             os.kill(engine.pids[1], signal.SIGKILL)
             wait_until(lambda lost=lost: lost, timeout_s=30, what="the engine to see its follower killed")
-            assert engine._end_timer is not None
+            timer = engine._loss._timer
+            assert timer is not None
             if close:
                 engine.close()
-            engine._end_timer.join(timeout=10)
+            timer.join(timeout=10)
             assert ended == ([] if close else [70]), f"close={close}: the grace timer ended the process with {ended}"
         finally:
             engine.close()

@@ -20,6 +20,9 @@ rank, and only TP rank 0 writes the hidden-states file (the stock connector and 
 On CUDA, ``devices`` become ``CUDA_VISIBLE_DEVICES`` for vLLM's workers; on CPU each rank gets its own share of this
 process's cores through ``VLLM_CPU_OMP_THREADS_BIND`` (vLLM refuses more than one CPU rank without it). Pipeline
 parallelism is refused: vLLM 0.32 does not run the ``extract_hidden_states`` capture under it.
+
+An engine that can no longer compute through no fault of the batch (vLLM's engine core died: ``EngineDeadError``; or,
+over machines, a node fell silent) raises EngineLost: the worker hands the batch back uncharged and stops (loss.py).
 """
 
 from __future__ import annotations
@@ -28,17 +31,18 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from draftfeed.consumers.devices import NO_PIPELINE
-from draftfeed.consumers.engines.base import EMBEDDINGS, FINAL_HIDDEN, Capture, ForwardOutput, Part, request_segments
+from draftfeed.consumers.engines.base import EMBEDDINGS, FINAL_HIDDEN, Capture, EngineLost, ForwardOutput, Part, request_segments
 from draftfeed.consumers.engines.hf import resolve_dtype
 from draftfeed.consumers.engines.joining import JoinedWriter
 from draftfeed.consumers.engines.loading import transformers_config
 from draftfeed.consumers.engines.packages import EnginePackage, import_engine_package, refuse_own_options
+from draftfeed.consumers.engines.parallel.loss import EngineLoss, sigterm_self
 from draftfeed.consumers.engines.parallel.rendezvous import DEFAULT_JOIN_TIMEOUT_S
 from draftfeed.consumers.engines.target_head import TargetHead
 from draftfeed.consumers.engines.vllm_environment import cpu_start_environment, environment
@@ -47,6 +51,7 @@ from draftfeed.consumers.engines.vllm_updates import VLLMUpdates
 from draftfeed.consumers.nodes import NodePlan
 from draftfeed.contract.packing import Documents
 from draftfeed.dataplane.weights.worker import UpdateRefused
+from draftfeed.processes.children import kill_descendants
 from draftfeed.schemas.messages import UpdateWeights
 from draftfeed.security.keys import KeyPair
 
@@ -179,6 +184,7 @@ class VLLMEngine:
         nodes: NodePlan | None = None,
         plan: dict[str, Any] | None = None,
         join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
+        on_lost: Callable[[str], None] = sigterm_self,
         **llm_options: Any,
     ) -> None:
         if pipeline_parallel > 1:
@@ -210,8 +216,10 @@ class VLLMEngine:
         self._llm: Any = None
         self._storage: str | None = None
         self._updates: VLLMUpdates | None = None
+        # A node lost, or vLLM's engine dead: the worker stops; stuck, it ends with vLLM's processes (loss.py).
+        self._loss = EngineLoss(on_lost, kill=kill_descendants)
         # Over machines: the other nodes join here first, then take vLLM's arguments from node 0 (vllm_nodes.py).
-        self._nodes = NodeZero(nodes, plan, join_timeout_s) if nodes is not None else None
+        self._nodes = NodeZero(nodes, plan, join_timeout_s, self._loss.lose) if nodes is not None else None
         if self._nodes is not None:
             self._start_environment |= self._nodes.environment()
 
@@ -238,6 +246,7 @@ class VLLMEngine:
         )
         with environment(self._start_environment):
             self._llm = self._start(ids, connector)
+        self._loss.started = True
         self._sampling = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 
     def _start(self, ids: tuple[int, ...], connector: dict[str, Any]) -> Any:
@@ -265,6 +274,16 @@ class VLLMEngine:
             self._nodes.publish(arguments)
         return self._vllm.LLM(**arguments)
 
+    @property
+    def lost(self) -> str | None:
+        """Why the engine can no longer compute, or None (loss.py)."""
+        return self._loss.why
+
+    @property
+    def lost_hooks(self) -> list[Callable[[str], None]]:
+        """Told first when the engine cannot compute (the worker leaves its broker)."""
+        return self._loss.hooks
+
     # ---------------------------------------------------------------- forward
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Capture, documents: Documents | None = None) -> ForwardOutput:
@@ -286,7 +305,7 @@ class VLLMEngine:
         joined = JoinedWriter.allocated(capture.joined, (batch, seq), hidden_size, self.dtype, self.device) if capture.joined else None
         parts = {_vllm_id(part): part for part in capture.joined.parts if part != FINAL_HIDDEN} if capture.joined else {}
         if prompts:
-            outputs = self._llm.generate(prompts, self._sampling, use_tqdm=False)
+            outputs = self._generate(prompts)
             for (row, positions), prompt, output in zip(segments, prompts, outputs, strict=True):
                 hidden = self._load(output, prompt["prompt_token_ids"])  # [n, len(ids), H]
                 at = (row, positions.to(self.device))
@@ -306,6 +325,22 @@ class VLLMEngine:
                 joined.write(FINAL_HIDDEN, final)
         out.joined = joined.tensor if joined is not None else None
         return out
+
+    def _generate(self, prompts: list[dict[str, Any]]) -> list[Any]:
+        """vLLM's outputs of ``prompts``; EngineLost when vLLM cannot compute any more through no fault of theirs."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if self.lost is not None:
+            raise EngineLost(f"the worker cannot compute: {self.lost}")
+        try:
+            return self._llm.generate(prompts, self._sampling, use_tqdm=False)
+        except Exception as exc:
+            if self.lost is not None:
+                raise EngineLost(f"the worker cannot compute: {self.lost}") from exc
+            if not isinstance(exc, EngineDeadError):
+                raise
+            self._loss.found(f"vLLM's engine core died ({type(exc).__name__}; vLLM's log above says why)")
+            raise EngineLost(f"the worker cannot compute: {self.lost}") from exc
 
     def _load(self, output: Any, token_ids: list[int]) -> torch.Tensor:
         """Read one request's hidden states file, check it is that request's, and delete it."""
@@ -348,6 +383,7 @@ class VLLMEngine:
         return self.head.lm_head.weight.detach()
 
     def close(self) -> None:
+        self._loss.close()
         if self._nodes is not None:  # first, so that the other nodes stop theirs while this one stops
             self._nodes.close()
         if self._llm is not None:

@@ -9,8 +9,12 @@ them out themselves (the capture's layer ids are known once the task prepares th
   vLLM at node rank 0; on close it says so in the store.
 - Node R (``serve_vllm_node``, ``draftfeed launch worker ... --node-rank R``) waits for those arguments, starts vLLM's
   headless ``MultiprocExecutor`` at node rank R with its own --target path, and ends when node 0 says it closed,
-  when node 0's store stops answering for WATCH_SILENCE_S (node 0 lost), when one of its vLLM processes dies, or on
+  when node 0 falls silent for WATCH_SILENCE_S (node 0 lost), when one of its vLLM processes dies, or on
   SIGTERM / SIGINT. A headless vLLM node does not end by itself when node 0 does.
+- Liveness, apart from vLLM's collectives (watch.py): node R says it is alive to node 0's watch once a second. A node
+  that falls silent (its host down, its link cut, its processes killed) makes node 0 stop the worker within
+  WATCH_SILENCE_S (``on_silent``: the engine's loss, loss.py), where vLLM would wait for its own timeout (300 s) in
+  a collective that never ends.
 - On both, vLLM is told the address (``VLLM_HOST_IP``) and gloo and NCCL the interface towards node 0, unless the user
   set them: on a host without a default route vLLM otherwise takes 0.0.0.0 ("Failed to get the IP address") and the
   nodes hang.
@@ -21,15 +25,17 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 
 from draftfeed.consumers.engines.parallel.group import INTERFACE_VARIABLES, LOAD_TIMEOUT_S, address_towards, host_rendezvous, interface_towards
 from draftfeed.consumers.engines.parallel.rendezvous import PLAN_KEY, await_nodes
-from draftfeed.consumers.engines.parallel.watch import WATCH_SILENCE_S, stop_on_signals
+from draftfeed.consumers.engines.parallel.watch import FollowerWatch, LeaderWatch, stop_on_signals
 from draftfeed.consumers.engines.vllm_environment import cpu_start_environment, environment
 from draftfeed.consumers.nodes import NodePlan
 from draftfeed.net import free_port
@@ -37,7 +43,7 @@ from draftfeed.schemas.errors import CannotServe
 
 log = logging.getLogger("draftfeed.worker")
 
-ARGUMENTS_KEY, CLOSED_KEY = "draftfeed/vllm/arguments", "draftfeed/vllm/closed"
+ARGUMENTS_KEY, CLOSED_KEY, WATCH_KEY = "draftfeed/vllm/arguments", "draftfeed/vllm/closed", "draftfeed/vllm/watch"
 
 
 def node_environment(master_host: str) -> dict[str, str]:
@@ -51,13 +57,20 @@ def node_environment(master_host: str) -> dict[str, str]:
 
 
 class NodeZero:
-    """Node 0's side: the store the other nodes join, and vLLM's own meeting port."""
+    """Node 0's side: the store the other nodes join, vLLM's own meeting port, and the watch that hears every other
+    node (``on_silent`` when one falls silent)."""
 
-    def __init__(self, nodes: NodePlan, plan: dict[str, Any] | None, join_timeout_s: float) -> None:
+    def __init__(self, nodes: NodePlan, plan: dict[str, Any] | None, join_timeout_s: float, on_silent: Callable[[str], None]) -> None:
         self.nodes = nodes
         self.store = host_rendezvous(LOAD_TIMEOUT_S, nodes.master_host, nodes.master_port)
-        self.store.set(PLAN_KEY, json.dumps(plan or {}))
-        await_nodes(self.store, nodes, join_timeout_s)
+        self.watch = LeaderWatch(f"tcp://{nodes.master_host}:*", on_silent)
+        try:
+            self.store.set(PLAN_KEY, json.dumps(plan or {}))
+            self.store.set(WATCH_KEY, self.watch.endpoint)
+            await_nodes(self.store, nodes, join_timeout_s)
+        except BaseException:
+            self.watch.close()
+            raise
         log.info("worker: every node of %d joined at %s", nodes.nnodes, nodes.master)
         self.vllm_port = free_port(nodes.master_host)
 
@@ -79,7 +92,8 @@ class NodeZero:
         self.store.set(ARGUMENTS_KEY, json.dumps({key: value for key, value in arguments.items() if key != "model"}))
 
     def close(self) -> None:
-        """Tell the other nodes that node 0 closed vLLM: they stop theirs."""
+        """Tell the other nodes that node 0 closed vLLM: they stop theirs (their silence is expected from here)."""
+        self.watch.close()
         try:
             self.store.set(CLOSED_KEY, "1")
         except Exception:  # a store that is already gone says it too
@@ -102,21 +116,41 @@ def serve_vllm_node(settings: Any, store: dist.TCPStore, nodes: NodePlan, on_rea
     )
     ended = threading.Event()
     stop = stop_on_signals(ended)
-    with environment(variables):
-        executor = _headless_executor(arguments)
-    if on_ready is not None:
-        on_ready()
+    silent: list[str] = []
+    closed = threading.Event()
+
+    def node_zero_silent(why: str) -> None:
+        silent.append(why)
+        ended.set()
+
+    ranks = nodes.ranks()
+    beats = FollowerWatch(
+        store.get(WATCH_KEY).decode(),
+        ranks[0],
+        nodes.node_rank,
+        socket.gethostname(),
+        what=f"vLLM node {nodes.node_rank} ({f'rank {ranks[0]}' if len(ranks) == 1 else f'ranks {ranks[0]}-{ranks[-1]}'})",
+        on_silent=node_zero_silent,
+    )
     try:
-        why = _watch(store, executor, ended)
+        with environment(variables):
+            executor = _headless_executor(arguments)
+        if on_ready is not None:
+            on_ready()
+        _watch_closed(store, closed, ended)
+        try:
+            failed = _await_end(executor, ended)
+        finally:
+            executor.shutdown()
     finally:
-        executor.shutdown()
+        beats.close()
     if stop:
         log.info("%s: %s: vLLM stopped here", where, stop[0])
         return 0
-    if why is not None:
-        raise CannotServe(f"{where}: {why}; vLLM stopped here")
-    log.info("%s: node 0 closed vLLM; vLLM stopped here", where)
-    return 0
+    if closed.is_set():
+        log.info("%s: node 0 closed vLLM; vLLM stopped here", where)
+        return 0
+    raise CannotServe(f"{where}: {failed or silent[0]}; vLLM stopped here")
 
 
 def _await_arguments(store: dist.TCPStore, where: str, timeout_s: float) -> dict[str, Any]:
@@ -149,17 +183,28 @@ def _headless_executor(arguments: dict[str, Any]) -> Any:
     return executor
 
 
-def _watch(store: dist.TCPStore, executor: Any, ended: threading.Event) -> str | None:
-    """Wait until node 0 closes (None), a signal (None), or why this node must stop."""
-    heard = time.monotonic()
+def _watch_closed(store: dist.TCPStore, closed: threading.Event, ended: threading.Event) -> None:
+    """Node 0's word that it closed vLLM (``closed``, then ``ended``), read from its store on a thread of its own: a
+    store call to a machine whose link is cut blocks for the store's whole timeout, and node 0's silence must end this
+    node sooner (the watch)."""
+
+    def read() -> None:
+        while not ended.is_set():
+            try:
+                if store.check([CLOSED_KEY]):
+                    closed.set()
+                    ended.set()
+                    return
+            except Exception:  # node 0's store does not answer: its silence, if it lasts, ends this node
+                pass
+            ended.wait(1.0)
+
+    threading.Thread(target=read, name="draftfeed-vllm-closed", daemon=True).start()
+
+
+def _await_end(executor: Any, ended: threading.Event) -> str | None:
+    """Wait until ``ended`` (node 0 closed or fell silent, or a signal: None), or why this node must stop."""
     while not ended.wait(1.0):
         if getattr(executor, "is_failed", False):
             return "a vLLM process on this node ended"
-        try:
-            if store.check([CLOSED_KEY]):
-                return None
-            heard = time.monotonic()
-        except Exception:  # node 0's store does not answer
-            if time.monotonic() - heard > WATCH_SILENCE_S:
-                return f"node 0 fell silent for {WATCH_SILENCE_S:.0f} s"
     return None

@@ -12,7 +12,7 @@ line), where the calls come from and where to say they are alive. Every follower
 A follower that ends, or falls silent, while the worker runs leaves the group unable to compute: the worker is
 told to stop (``lost_hooks``, then ``on_lost``, by default a SIGTERM to this process, which drains as a SIGTERM
 does), a call in progress raises EngineLost (its request goes back to the broker, not charged), and if this
-process is stuck in a collective that never returns, it exits after ``LOST_GRACE_S`` with its followers killed.
+process is stuck in a collective that never returns, it exits after ``LOST_GRACE_S`` with its followers killed (loss.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -42,6 +41,7 @@ from draftfeed.consumers.engines.parallel.commands import (
 )
 from draftfeed.consumers.engines.parallel.followers import FollowerProcesses
 from draftfeed.consumers.engines.parallel.group import COLLECTIVE_TIMEOUT_S, LOAD_TIMEOUT_S, host_rendezvous, interface_towards
+from draftfeed.consumers.engines.parallel.loss import EngineLoss, sigterm_self
 from draftfeed.consumers.engines.parallel.ranked import build_ranked
 from draftfeed.consumers.engines.parallel.rendezvous import DEFAULT_JOIN_TIMEOUT_S, MEETING_KEY, PLAN_KEY, await_nodes, refusal
 from draftfeed.consumers.engines.parallel.spec import LOOPBACK, FollowerSpec, Meeting, TargetSpec, place_at
@@ -55,13 +55,8 @@ from draftfeed.security.keys import KeyPair
 
 log = logging.getLogger("draftfeed.worker")
 
-LOST_GRACE_S = 10.0  # after a follower ended, how long the worker may take to stop before it is ended
 # After rank 0 raised in a call, how long the others get to say they raised too (they end the call at the same point).
 ACK_TIMEOUT_S = 10.0
-
-
-def _sigterm_self(_why: str) -> None:
-    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def spec_of(capture: Capture) -> CaptureSpec:
@@ -82,7 +77,7 @@ class TensorParallelEngine:
         devices: Sequence[str],
         dtype: str = "auto",
         options: dict[str, Any] | None = None,
-        on_lost: Callable[[str], None] = _sigterm_self,
+        on_lost: Callable[[str], None] = sigterm_self,
         nodes: NodePlan | None = None,
         plan: dict[str, Any] | None = None,
         expert_parallel: bool = False,
@@ -92,16 +87,9 @@ class TensorParallelEngine:
         self.devices = list(devices)
         self.tensor_parallel = nodes.tensor_parallel if nodes is not None else len(devices)
         self.nodes = nodes
-        self.lost: str | None = None
-        self.lost_hooks: list[Callable[[str], None]] = []  # told first when the group cannot compute (the worker leaves its broker)
-        self._on_lost = on_lost
+        self._loss = EngineLoss(on_lost, kill=self._kill_followers)
         self._weights: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
-        self._started = False
-        self._closing = False  # from here a follower's end is expected
-        self._end_timer: threading.Timer | None = None  # ends this process LOST_GRACE_S after a follower was lost
-        self._end_lock = threading.Lock()
-        self._end_cancelled = False
         self._calls = 0
         host = nodes.master_host if nodes is not None else LOOPBACK
         self._store = store = host_rendezvous(LOAD_TIMEOUT_S, host, nodes.master_port if nodes is not None else 0)
@@ -143,7 +131,7 @@ class TensorParallelEngine:
         except BaseException:
             self._abandon()
             raise
-        self._started = True
+        self._loss.started = True
         self.name = self.inner.name
         self.shape = self.inner.shape
         self.device = self.inner.device
@@ -163,30 +151,23 @@ class TensorParallelEngine:
         """The worker's own process first, then its followers'."""
         return [os.getpid(), *(self._followers.pids if self._followers else [])]
 
+    @property
+    def lost(self) -> str | None:
+        """Why the group can no longer compute, or None (loss.py)."""
+        return self._loss.why
+
+    @property
+    def lost_hooks(self) -> list[Callable[[str], None]]:
+        """Told first when the group cannot compute (the worker leaves its broker)."""
+        return self._loss.hooks
+
     def _follower_ended(self, how: str) -> None:
         """Called on a watch thread when a follower ends while the worker runs."""
-        if self.lost is not None or self._closing:  # already stopping: a follower out of step exits by itself
-            return
-        self.lost = how
-        log.error("worker: %s; the worker stops (its requests go back to the broker)", how)
-        for hook in self.lost_hooks:
-            try:
-                hook(how)
-            except Exception:  # a hook must not keep the worker from stopping
-                log.exception("worker: a hook on the lost engine failed")
-        with self._end_lock:
-            if not self._end_cancelled:
-                self._end_timer = threading.Timer(LOST_GRACE_S, self._end_now)
-                self._end_timer.daemon = True
-                self._end_timer.start()
-        if self._started:  # while starting, the start itself fails (await_followers), or the timer ends a stuck one
-            self._on_lost(how)
+        self._loss.lose(how)
 
-    def _end_now(self) -> None:
-        log.error("worker: still running %.0f s after %s: exiting now", LOST_GRACE_S, self.lost)
+    def _kill_followers(self) -> None:
         if self._followers is not None:
             self._followers.kill()
-        os._exit(70)
 
     def _call(self, command: Prepare | Forward | Weight | Update, run: Callable[[], Any], tensors: dict[str, torch.Tensor] | None = None) -> Any:
         """Send a call to the followers, make it here, and take every follower's ack of it.
@@ -213,10 +194,7 @@ class TensorParallelEngine:
                     self._channel.send(GoOn(call=command.call))
                     raise error
                 return result
-            if self.lost is None:
-                self.lost = f"its ranks ended call {command.call} ({command.type}) differently: {self._outcomes(error, acks)}"
-                log.error("worker: %s; the worker stops", self.lost)
-                self._on_lost(self.lost)
+            self._loss.out_of_step(f"its ranks ended call {command.call} ({command.type}) differently: {self._outcomes(error, acks)}")
             raise EngineLost(f"the worker cannot compute: {self.lost}") from error
 
     @staticmethod
@@ -297,8 +275,7 @@ class TensorParallelEngine:
         """Stop the followers (they leave the group), then this rank; a follower that does not exit is killed."""
         if self._followers is None:
             return
-        self._closing = True
-        self._cancel_end()
+        self._loss.close()
         if self.lost is None:
             self._channel.send(Stop())
             self._followers.stop()
@@ -312,18 +289,9 @@ class TensorParallelEngine:
         if torch.distributed.is_initialized() and self.lost is None:
             torch.distributed.destroy_process_group()
 
-    def _cancel_end(self) -> None:
-        """Closed in the grace period after a follower was lost: the process that holds the engine lives on (a worker
-        exits by itself; a program that embeds the engine goes on)."""
-        with self._end_lock:
-            self._end_cancelled = True
-            if self._end_timer is not None:
-                self._end_timer.cancel()
-
     def _abandon(self) -> None:
         """A failed start: no follower is left running, nothing is left bound, and the process that tried lives on."""
-        self._closing = True
-        self._cancel_end()
+        self._loss.close()
         if self._followers is not None:
             self._followers.kill()
             self._followers = None

@@ -5,10 +5,11 @@ each side would wait for the collective's timeout (minutes). So every follower s
 ``WATCH_INTERVAL_S`` on a socket of their own, and rank 0 answers each time, on a thread of each side that no
 collective blocks:
 
-- rank 0 (``LeaderWatch``) calls ``on_silent`` once, naming the rank, its node and how long it was silent, when a
-  follower it heard from is silent for ``WATCH_SILENCE_S``: the worker stops (engine.py);
+- rank 0 (``LeaderWatch``) calls ``on_silent`` once, naming the process, its node and how long it was silent, when a
+  follower it heard from is silent for ``WATCH_SILENCE_S``: the worker stops (engine.py, loss.py);
 - a follower (``FollowerWatch``) that does not hear rank 0 for ``WATCH_SILENCE_S`` logs one line and ends its
-  process at once, whatever it is blocked in: rank 0's machine is gone, its link cut, or its process killed.
+  process at once, whatever it is blocked in: rank 0's machine is gone, its link cut, or its process killed. A
+  follower that has processes of its own to stop first (a vLLM node: vllm_nodes.py) is told instead (``on_silent``).
 
 A node other than node 0 also ends on SIGTERM or SIGINT (``stop_on_signals``: node.py, vllm_nodes.py).
 """
@@ -29,6 +30,7 @@ log = logging.getLogger("draftfeed.worker")
 
 WATCH_INTERVAL_S = 1.0
 WATCH_SILENCE_S = 15.0  # long enough for a starved thread on a loaded host (a 2-core machine running many processes)
+SILENT_LEADER_EXIT_CODE = 75
 
 
 class LeaderWatch:
@@ -59,8 +61,7 @@ class LeaderWatch:
                 if not fired and now - when > WATCH_SILENCE_S:
                     fired = True
                     self._on_silent(
-                        f"its tensor-parallel process rank {who['rank']} (pid {who['pid']} on node {who['node']}, host {who['host']}) "
-                        f"has been silent for {now - when:.1f} s (its machine or the link to it is down, or the process hangs)"
+                        f"its {who['what']} (pid {who['pid']} on node {who['node']}, host {who['host']}) has been silent for {now - when:.1f} s (its machine or the link to it is down, or the process hangs)"
                     )
         self._socket.close(0)
         self._context.term()
@@ -73,11 +74,14 @@ class LeaderWatch:
 class FollowerWatch:
     """A follower's end: beats to rank 0's watch at ``endpoint``; ends this process when rank 0 is silent."""
 
-    def __init__(self, endpoint: str, rank: int, node: int, host: str, exit_code: int = 75) -> None:
+    def __init__(
+        self, endpoint: str, rank: int, node: int, host: str, what: str | None = None, on_silent: Callable[[str], None] | None = None
+    ) -> None:
         self._endpoint = endpoint
-        self._about = json.dumps({"rank": rank, "node": node, "host": host, "pid": os.getpid()}).encode()
-        self._rank = rank
-        self._exit_code = exit_code
+        what = what or f"tensor-parallel process rank {rank}"
+        self._about = json.dumps({"what": what, "node": node, "host": host, "pid": os.getpid()}).encode()
+        self._what = what
+        self._on_silent = on_silent
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="draftfeed-tp-watch", daemon=True)
         self._thread.start()
@@ -100,15 +104,16 @@ class FollowerWatch:
                         sock.recv()
                         heard = time.monotonic()
                 if time.monotonic() - heard > WATCH_SILENCE_S and not self._stop.is_set():
-                    log.error(
-                        "rank %d: rank 0 of this worker at %s has been silent for %.1f s (its machine or the link to it is down, or it "
-                        "was killed): this process exits",
-                        self._rank,
-                        self._endpoint,
-                        time.monotonic() - heard,
+                    why = (
+                        f"rank 0 of this worker at {self._endpoint} has been silent for {time.monotonic() - heard:.1f} s "
+                        "(its machine or the link to it is down, or it was killed)"
                     )
+                    if self._on_silent is not None:
+                        self._on_silent(why)
+                        return
+                    log.error("%s: %s: this process exits", self._what, why)
                     logging.shutdown()
-                    os._exit(self._exit_code)
+                    os._exit(SILENT_LEADER_EXIT_CODE)
         finally:
             sock.close(0)
             context.term()
