@@ -7,8 +7,12 @@ With an 8B-shaped random-weight Llama in bfloat16 (saved and loaded through the 
    forms, including the copy to host memory): goal at least 0.9 of the forward's rate;
 2. device-to-host copies of one batch's supervision from pinned against pageable memory;
 3. the compact form: bytes against the probs form, and the rank-side rebuild of target_probs on the device;
-4. end to end: a broker, a worker process on the GPU and a rank process, for both forms.
-Prints one JSON document (and writes it with --json).
+4. end to end: a broker, a worker process on the GPU and a rank process, for both forms;
+5. Kimi-K3 on ``--engine automodel`` (NeMo's own model, its KDA layers on the fla package's Triton/CUDA kernels): a
+   tiny random-weight Kimi-K3 (draftfeed.tiny) served in process, DSpark against NeMo's ``HFDSparkTargetModel`` around
+   the same NeMo model, bit for bit at real positions of a padded batch; on a CPU, or without fla, the engine's one-line
+   refusal (NeMo AutoModel on the path: PYTHONPATH=.nemo-packages).
+Prints one JSON document (and writes it with --json); a part that fails records its error and the others run.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per batch (default 2048; 256 with --small)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--skip-pipeline", action="store_true", help="leave out the end-to-end processes")
+    parser.add_argument("--skip-kimi-k3", action="store_true", help="leave out the Kimi-K3 case (part 5)")
     parser.add_argument(
         "--pipeline-forms", default="probs,hidden", help="supervision forms the end-to-end part runs, comma-separated (default: probs,hidden)"
     )
@@ -160,10 +165,53 @@ def main() -> None:
                 form: pipeline_rate(target, device, seq, form, 4 if args.small else 12, forward_s) for form in args.pipeline_forms.split(",")
             }
 
+        # 5. Kimi-K3 on the automodel engine
+        if not args.skip_kimi_k3:
+            results["kimi_k3_automodel"] = kimi_k3_case(Path(scratch) / "kimi-k3", device)
+
     text = json.dumps(results, indent=2)
     print(text)
     if args.json:
         Path(args.json).write_text(text)
+
+
+KIMI_LAYERS = [0, 2, 3]  # of the tiny Kimi-K3's 4 layers: two KDA layers and the post-norm last one
+
+
+def kimi_k3_case(path: Path, device: torch.device) -> dict:
+    """DSpark of a tiny Kimi-K3 through the automodel engine against NeMo's wrapper around NeMo's model in process:
+    the largest difference at real positions of a padded batch (0.0: bit for bit), or the engine's refusal."""
+    from draftfeed.consumers.engines.automodel import CPU_BACKEND, AutoModelEngine, kernels_problem
+    from draftfeed.consumers.settings import TaskSettings
+    from draftfeed.consumers.tasks import load_task
+    from draftfeed.tiny import build_tiny_nemo_target
+
+    try:
+        from nemo_automodel.components.models.kimi_k3.config import KimiK3Config
+        from nemo_automodel.components.speculative.dspark.target import HFDSparkTargetModel
+    except ImportError as exc:
+        return {"error": f"NeMo AutoModel is not importable ({exc}): PYTHONPATH=.nemo-packages"}
+    problem = kernels_problem(KimiK3Config(), device)
+    if problem is not None:  # a CPU, or no fla: what the engine says at start
+        return {"refused": problem}
+    try:
+        started = time.perf_counter()
+        build_tiny_nemo_target(path, arch="kimi-k3", device=str(device))
+        engine = AutoModelEngine(str(path), device=str(device), dtype="bfloat16", **CPU_BACKEND)
+        load_s = time.perf_counter() - started
+        input_ids = torch.randint(0, 256, (2, 48))
+        mask = torch.ones_like(input_ids)
+        mask[1, 40:] = 0
+        got = load_task(TaskSettings.of("dspark", KIMI_LAYERS), engine).compute(input_ids, mask, mask)
+        want = HFDSparkTargetModel(engine.model, KIMI_LAYERS).generate_batch(input_ids.to(device), mask.to(device), mask.to(device))
+        real = mask.bool()
+        worst = {
+            name: float((got[name].float().cpu() - getattr(want, name).float().cpu())[real].abs().max())
+            for name in ("target_hidden_states", "target_last_hidden_states")
+        }
+        return {"load_s": round(load_s, 1), "largest_difference_at_real_positions": worst}
+    except Exception as exc:  # recorded, so that the run's other parts still report
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 RANK = """

@@ -530,10 +530,12 @@ def _minimax_m3_vl_config(common: dict[str, Any]) -> Any:
     )
 
 
-NEMO_ONLY_ARCHS = ("deepseek-v41",)  # implemented by NeMo AutoModel only (transformers has no such model type)
+NEMO_ONLY_ARCHS = ("deepseek-v41", "kimi-k3")  # implemented by NeMo AutoModel only (transformers has no such model type)
 
 
-def build_tiny_nemo_target(path: str | Path, *, arch: str = "deepseek-v41", vocab_size: int = 256, seed: int = 0, draft_layers: int = 0) -> Path:
+def build_tiny_nemo_target(
+    path: str | Path, *, arch: str = "deepseek-v41", vocab_size: int = 256, seed: int = 0, draft_layers: int = 0, device: str = "cpu"
+) -> Path:
     """Save a random-weight target that only NeMo AutoModel implements, by NeMo's own config and model classes, its
     weights under the released checkpoint's names (the model's ``state_dict_adapter.to_hf``), as such a checkpoint is
     laid out; ``--engine automodel`` loads it back.
@@ -543,14 +545,20 @@ def build_tiny_nemo_target(path: str | Path, *, arch: str = "deepseek-v41", voca
     experts, 2 per token, and one shared; no Engram layers (they need the released tokenizer) and no vision tower.
     ``draft_layers``: its DSpark draft's depth, which the checkpoint states (``num_nextn_predict_layers``) and NeMo's
     DSpark recipe builds its draft from (0: a target no draft can be built for).
+    ``kimi-k3`` (Kimi-K3's text model, ``KimiK3ForCausalLM`` as NeMo's DSpark builder loads it): 4 layers, hidden 64,
+    three linear-attention (KDA) layers of 4 heads of 16 and a gated multi-head latent attention layer last, 4 latent
+    experts (width 32), 2 per token, one shared, a dense first layer; in bfloat16. NeMo builds KDA layers with the fla
+    package's kernels only: ``device`` a GPU, with fla installed (benchmarks/gpu.py).
     """
     import torch
-    from safetensors.torch import save_file
 
     from draftfeed.consumers.engines.automodel import CPU_BACKEND, backend_config
 
     if arch not in NEMO_ONLY_ARCHS:
         raise ValueError(f"unknown NeMo-only arch {arch!r}; choose one of {', '.join(NEMO_ONLY_ARCHS)}")
+    if arch == "kimi-k3":
+        config, model = _kimi_k3(vocab_size, seed, torch.device(device))
+        return _save_nemo_target(path, config, model)
     from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
     from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
@@ -592,9 +600,62 @@ def build_tiny_nemo_target(path: str | Path, *, arch: str = "deepseek-v41", voca
     torch.manual_seed(seed)
     model = DeepseekV41ForCausalLM(config, backend=backend_config(CPU_BACKEND))
     model.initialize_weights(buffer_device=torch.device("cpu"), dtype=torch.float32)
+    return _save_nemo_target(path, config, model)
+
+
+def _save_nemo_target(path: str | Path, config: Any, model: Any) -> Path:
+    """The config, and the weights under the released checkpoint's names (the model's ``state_dict_adapter.to_hf``)."""
+    from safetensors.torch import save_file
+
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(folder)
     weights = model.state_dict_adapter.to_hf(model.state_dict())
-    save_file({name: tensor.contiguous() for name, tensor in weights.items()}, str(folder / "model.safetensors"))
+    save_file({name: tensor.detach().contiguous().cpu() for name, tensor in weights.items()}, str(folder / "model.safetensors"))
     return folder
+
+
+def _kimi_k3(vocab_size: int, seed: int, device: Any) -> tuple[Any, Any]:
+    """Kimi-K3's config (the image-text checkpoint's, its text model tagged KimiK3ForCausalLM, which NeMo's DSpark
+    builder loads) and NeMo's text model of it, random weights on ``device``."""
+    import torch
+    from nemo_automodel.components.models.kimi_k3.config import KimiK3Config
+    from nemo_automodel.components.models.kimi_k3.model import KimiK3ForCausalLM
+
+    from draftfeed.consumers.engines.automodel import CPU_BACKEND, backend_config
+
+    text = {
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "moe_intermediate_size": 32,
+        "routed_expert_hidden_size": 32,
+        "num_experts": 4,
+        "num_experts_per_token": 2,
+        "num_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "max_position_embeddings": 4096,
+        "linear_attn_config": {
+            "head_dim": 16,
+            "num_heads": 4,
+            "short_conv_kernel_size": 4,
+            "kda_layers": [1, 2, 3],
+            "full_attn_layers": [4],
+            "use_full_rank_gate": True,
+            "gate_lower_bound": -5.0,
+        },
+        "torch_dtype": "bfloat16",
+    }
+    config = KimiK3Config(text_config=text, architectures=["KimiK3ForCausalLM"])
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = KimiK3ForCausalLM(config, backend=backend_config(CPU_BACKEND))
+    model.initialize_weights(buffer_device=device, dtype=torch.bfloat16)
+    return config, model

@@ -74,6 +74,12 @@ def test_what_the_automodel_engine_cannot_run_is_refused_in_one_line(targets, tm
     qwen3_moe = build_tiny_target(tmp_path / "qwen3-moe", arch="qwen3-moe", num_hidden_layers=2, vocab_size=256)
     with pytest.raises(ValueError, match=r"^NeMo AutoModel's Qwen3MoeForCausalLM cannot be built here: its code asks for a GPU while it is built"):
         AutoModelEngine(str(qwen3_moe), device="cpu")  # NeMo 0.7.0 puts its rotary cache on cuda:N, whatever the device
+    from nemo_automodel.components.models.kimi_k3.config import KimiK3Config
+
+    KimiK3Config().save_pretrained(tmp_path / "kimi-k3")  # the released shape's config: refused before any weight is read
+    with pytest.raises(ValueError, match=r"Kimi-K3's linear attention \(KDA\) runs .* on the fla package's Triton and CUDA kernels only") as refused:
+        AutoModelEngine(str(tmp_path / "kimi-k3"), device="cpu")
+    assert "serve it on GPUs (--device cuda)" in str(refused.value) and "\n" not in str(refused.value)
 
 
 @pytest.mark.parametrize("family", ["deepseek-v41", "deepseek-v3"])

@@ -3,16 +3,15 @@ of a DeepSeek-V4 target (``build_deepseek_v4_target``, which on its own asks for
 group), called as the recipe's setup() calls it with ``target_model_backend: remote``, gives the config as NeMo reads
 it, draftfeed's stand-in (no weights) and no process group; NeMo's DSpark wrapper around it is draftfeed's, whose
 supervision equals NeMo's wrapper around the model in process, bit for bit at real positions. A target the service
-does not serve (a reduced depth) is refused in one line; the targets only NeMo's own model code implements
-DeepSeek-V4.1's target options give the stand-in too, served by a worker of ``--engine automodel``; Kimi-K3 is refused
-at setup in one line, before anything loads. A few training steps of the recipe's own drafts (DeepSeek-V4 on hf, GLM-5.2
+does not serve (a reduced depth) is refused in one line; DeepSeek-V4.1's target options give the stand-in too, served
+by a worker of ``--engine automodel``, and so does the Kimi-K3 builder (served here by the fake frontier engine at its
+widths: no engine runs KDA on a CPU). A few training steps of the recipe's own drafts (DeepSeek-V4 on hf, GLM-5.2
 and DeepSeek-V4.1 on ``--engine automodel``) give the losses and trained drafts of NeMo's wrapper in process, bit for bit.
 """
 
 from __future__ import annotations
 
 import importlib
-import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -161,15 +160,48 @@ def test_deepseek_v41_target_options_give_draftfeeds_target_served_by_the_automo
         options.build(device=CPU, compute_dtype=torch.float32, distributed_setup=None)
 
 
-@pytest.mark.parametrize("model_type", ["kimi_k3"])
-def test_a_target_only_nemos_own_code_implements_is_refused_at_setup(nemo, url, tmp_path, model_type):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
-    recipe = nemo.recipe(config(nemo, tmp_path, url))
-    with pytest.raises(
-        ValueError, match=rf"a {model_type} target is implemented by NeMo AutoModel's own model code only, .*do not run yet"
-    ) as refused:
-        recipe.setup()
+KIMI_LAYERS = [0, 2, 3]  # of the small Kimi-K3's 4 layers (3: the post-norm last one)
+KIMI_SHAPE = {"hidden_size": 64, "num_hidden_layers": 4, "vocab_size": 256}
+
+
+def test_the_kimi_k3_builder_gives_draftfeeds_target(nemo, cluster, tmp_path):
+    """The recipe's Kimi-K3 builder (on its own: CUDA, an expert mesh and fla's KDA kernels), called as setup() calls
+    it, gives the checkpoint's text config as NeMo's builder reads it (tagged KimiK3ForCausalLM), draftfeed's stand-in
+    and no process group, and its DSpark wrapper is draftfeed's, checked against the service's target info. No engine
+    runs KDA on a CPU (the automodel engine refuses it: test_automodel_engine.py), so the service here is the fake
+    frontier engine at the checkpoint's widths: the batches are the fake's values, compared with its own function."""
+    from nemo_automodel.components.models.kimi_k3.config import KimiK3Config
+
+    from draftfeed.bench.frontier import frontier_dspark
+
+    kimi = tmp_path / "kimi-k3"
+    KimiK3Config(text_config=KIMI_SHAPE | {"num_attention_heads": 4}).save_pretrained(kimi)
+    engine = ["--engine", "draftfeed.bench.frontier:FakeFrontierEngine", "--dtype", "bfloat16"]
+    engine += [flag for key, value in KIMI_SHAPE.items() for flag in ("--engine-option", f"{key}={value}")]
+    add_service(cluster, kimi, "kimi-dspark", *engine, "--task", "dspark", "--target-layer-ids", ",".join(map(str, KIMI_LAYERS)))
+    kimi_url = f"draftfeed://{cluster.frontend.removeprefix('tcp://')}/kimi-dspark?data_plane=frames"
+    recipe = nemo.recipe(config(nemo, kimi, kimi_url))
+    with draftfeed_target(recipe, "dspark"):
+        target_config, model, setup = call_builder(nemo, recipe, kimi, "build_kimi_k3_target")
+        wrapper = nemo.train_dspark.HFDSparkTargetModel(model, target_layer_ids=KIMI_LAYERS, cp_mesh=None)
+    try:
+        assert setup is None and isinstance(model, DraftfeedTargetModel) and type(wrapper) is DraftfeedDSparkTarget
+        assert (target_config.model_type, target_config.architectures, target_config.num_hidden_layers) == ("kimi_linear", ["KimiK3ForCausalLM"], 4)
+        batch = make_batch(2, 24, 256, seed=7)
+        got = wrapper.generate_batch(**batch)
+        want = frontier_dspark(batch["input_ids"], batch["attention_mask"], KIMI_LAYERS, 4, 64)
+        for name in ("target_hidden_states", "target_last_hidden_states"):
+            assert difference_at_real(name, getattr(got, name), want[name], batch["attention_mask"].bool()) is None
+    finally:
+        wrapper.close()
+    reduced = nemo.recipe(config(nemo, kimi, kimi_url, target_num_hidden_layers=2))
+    with pytest.raises(ValueError, match=r"num_hidden_layers: expected 2, served 4") as refused:
+        with draftfeed_target(reduced, "dspark"):
+            _, model, _ = call_builder(nemo, reduced, kimi, "build_kimi_k3_target")
+            nemo.train_dspark.HFDSparkTargetModel(model, target_layer_ids=[0, 1], cp_mesh=None)
     assert "\n" not in str(refused.value)
+    with pytest.raises(RuntimeError, match="requires CUDA"):  # outside the recipe's draftfeed target: NeMo's own
+        call_builder(nemo, recipe, kimi, "build_kimi_k3_target")
 
 
 def dspark_training(nemo, wrapper, target_config, batches, layers=LAYERS) -> tuple[list[torch.Tensor], torch.nn.Module]:

@@ -19,6 +19,7 @@ own. Images are refused.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 from collections.abc import Sequence
@@ -81,6 +82,14 @@ CUDA_ONLY_BACKEND = {
     ("dispatcher", "hybridep"): "dispatcher=torch",
 }
 IMAGES_REFUSAL = "engine automodel takes no image inputs in draftfeed yet: serve image-text batches with --engine hf"
+# Model types whose NeMo 0.7.0 code has no torch path at all, by model type (the checkpoint's or its text model's), with
+# what it runs on instead. Kimi-K3's linear attention takes fla's ShortConvolution (backend triton or cuda), its
+# chunked and recurrent KDA kernels and its gated norm, all Triton or CUDA; transformers has no implementation of it.
+KDA = (
+    "Kimi-K3's linear attention (KDA) runs in NeMo AutoModel 0.7.0 on the fla package's Triton and CUDA kernels only "
+    "(short convolution, chunked KDA, gated norm), and no other engine implements it"
+)
+KERNELS_ONLY = {"kimi_k3": KDA, "kimi_linear": KDA}
 
 
 def backend_config(options: dict[str, Any]) -> Any:
@@ -115,6 +124,18 @@ def nemo_config(target: str) -> Any:
         raise ValueError(
             f"--target {target}: NeMo AutoModel cannot read its config ({_first_line(exc)}); serve this target with --engine hf"
         ) from None
+
+
+def kernels_problem(config: Any, device: torch.device) -> str | None:
+    """Why NeMo's model of ``config`` cannot run on ``device`` (KERNELS_ONLY), naming what it needs, or None."""
+    why = KERNELS_ONLY.get(config.model_type) or KERNELS_ONLY.get(getattr(_text_config(config), "model_type", ""))
+    if why is None:
+        return None
+    if device.type != "cuda":
+        return f"{why}: serve it on GPUs (--device cuda) with fla installed (pip install flash-linear-attention); nothing runs it on a {device.type}"
+    if importlib.util.find_spec("fla") is None:
+        return f"{why}, and fla is not installed here: pip install flash-linear-attention"
+    return None
 
 
 def nemo_model_class(config: Any) -> type[nn.Module]:
@@ -188,6 +209,8 @@ class AutoModelEngine:
         if self.device.type == "cpu" and (problem := cpu_backend_problem(options)) is not None:
             raise ValueError(problem)
         config = nemo_config(target)
+        if (problem := kernels_problem(config, self.device)) is not None:
+            raise ValueError(f"--target {target}: {problem}")
         model_class = nemo_model_class(config)
         self._moe_mesh = None  # the expert mesh the adapter maps for (sharded only)
         if parallel is None:

@@ -13,10 +13,11 @@ unless a recipe's config asks for draftfeed (``recipe_args.target_model_backend:
    ``DraftfeedTargetModel`` (a client of the service, no weights) instead of loading the model;
 3. NeMo's four target wrappers, built around a ``DraftfeedTargetModel``, give draftfeed's wrapper of the same task
    (``wrappers.py``) instead of themselves; around any other model they are NeMo's own;
-4. the DSpark recipe's builders of its frontier targets (DeepSeek-V4, GLM-5.2), asked for its target while it is in
-   force, read the target's config as NeMo's own builder does and return the stand-in, no process group and no
-   weights (``FRONTIER_BUILDERS``), and so does DeepSeek-V4.1's target options' ``build`` (served by a worker of
-   ``--engine automodel``); Kimi-K3 and the image-text MiniMax-M3 path are refused in one line.
+4. the DSpark recipe's builders of its frontier targets (DeepSeek-V4, GLM-5.2, Kimi-K3), asked for its target while
+   it is in force, read the target's config as NeMo's own builder does and return the stand-in, no process group and
+   no weights (``FRONTIER_BUILDERS``), and so does DeepSeek-V4.1's target options' ``build`` (DeepSeek-V4.1 and Kimi-K3
+   are served by workers of ``--engine automodel``, Kimi-K3 on GPUs only); the image-text MiniMax-M3 path is refused
+   in one line.
 
 After the recipe's ``setup`` returns, its ``target_wrapper`` must be draftfeed's, or the run stops there.
 """
@@ -75,16 +76,10 @@ LOADERS = (
 )
 # The DSpark recipe's own builders of its frontier targets that transformers implements too (so draftfeed's workers
 # serve them), by their names in train_dspark; ``_frontier_config`` reads each one's config as the builder does.
-FRONTIER_BUILDERS = ("build_deepseek_v4_target", "build_glm_5_2_target")
-# The DSpark targets draftfeed does not serve yet, by model type, with why: NeMo's Kimi-K3 needs Triton kernels that
-# draftfeed's automodel engine has not been run with (docs/engines.md).
+FRONTIER_BUILDERS = ("build_deepseek_v4_target", "build_glm_5_2_target", "build_kimi_k3_target")
 # DeepSeek-V4.1's target options (its ``build`` gives the stand-in while the recipe's draftfeed target is in force; a
 # worker of --engine automodel serves it).
 V41_TARGET = ("nemo_automodel.components.models.deepseek_v41.config", "DeepseekV41DSparkTargetConfig")
-NOT_SERVED_TARGETS = {
-    "kimi_k3": "is implemented by NeMo AutoModel's own model code only, whose linear attention (KDA) takes Triton kernels only",
-    "kimi_linear": "is loaded by the recipe's Kimi-K3 builder, NeMo AutoModel's own model code",
-}
 # Axes of the `distributed:` section that shard the target: draftfeed's workers hold it, so none applies.
 TARGET_AXES = ("tp_size", "cp_size", "pp_size", "ep_size")
 DEFAULT_TIMEOUT = 120.0  # recipe_args.remote_timeout's default, as the EAGLE-3 recipe has it
@@ -174,22 +169,13 @@ class RecipeTarget:
 
 
 def _dspark_checks(recipe: Any, name: str, args: Any) -> None:
-    """An offline cache reads no target; the image-text MiniMax-M3 path and the targets only NeMo's own model code
-    implements are not served (yet)."""
+    """An offline cache reads no target; the image-text MiniMax-M3 path is not served (yet)."""
     if args.get("cached_target_path", None):
         raise ValueError(f"{name}: recipe_args.cached_target_path reads precomputed supervision; a draftfeed target computes it: give one of the two")
     if args.get("multimodal", False):
         raise ValueError(
             f"{name}: recipe_args.multimodal (MiniMax M3 VL with images) is not served by draftfeed: train on text batches "
             "(multimodal: false) against a draftfeed target, or with the recipe's own target"
-        )
-    dspark = importlib.import_module(f"{RECIPES}.train_dspark")
-    model_type = dspark._read_target_model_type(args.target_model_name_or_path, bool(args.get("trust_remote_code", False)))
-    why = NOT_SERVED_TARGETS.get(model_type)
-    if why is not None:
-        raise ValueError(
-            f"{name}: a {model_type} target {why}, which draftfeed's workers do not run yet: train it with the recipe's "
-            "own target (target_model_backend unset)"
         )
 
 
@@ -200,6 +186,11 @@ def _frontier_config(builder: str, target_path: str, recipe_cfg: Any, trust_remo
     if builder == "build_deepseek_v4_target":
         revision = build.NeMoAutoConfig.resolve_revision(target_path)
         config = build.NeMoAutoConfig.from_pretrained(target_path, revision=revision, name_or_path=target_path, num_nextn_predict_layers=0)
+    elif builder == "build_kimi_k3_target":  # the text model of the image-text checkpoint, as KimiK3ForCausalLM
+        revision = build.NeMoAutoConfig.resolve_revision(target_path)
+        config = build.NeMoAutoConfig.from_pretrained(target_path, revision=revision, trust_remote_code=trust_remote_code)
+        config = getattr(config, "text_config", config)
+        config.architectures, config.name_or_path = ["KimiK3ForCausalLM"], target_path
     else:
         from transformers import AutoConfig, PretrainedConfig
 
