@@ -158,15 +158,16 @@ def test_two_nodes_equal_the_same_plan_on_one_machine(hosts_available, tp_target
             show(started)
 
 
-FRONTIER_FAMILIES = ("deepseek-v32", "deepseek-v4", "glm-moe-dsa", "minimax-m2", "qwen3.5-moe")
+FRONTIER_FAMILIES = ("deepseek-v32", "deepseek-v4", "glm-moe-dsa", "minimax-m2", "qwen3.5-moe", "glm5-next", "minimax-m3-vl", "kimi-k2.5")
 
 
 @pytest.mark.long
 @pytest.mark.parametrize("family", FRONTIER_FAMILIES)
 def test_frontier_families_over_two_nodes_equal_the_same_plan_on_one_machine(hosts_available, family, tmp_path):
-    """The text frontier families at ``--tensor-parallel 2 --nnodes 2`` (hf: transformers' plan over a process on each
-    of two hosts): DSpark on padded batches equals transformers' plan over two processes of the test's own on one
-    machine (tests/tp_reference.py, one thread a process as the workers'), bit for bit."""
+    """The frontier families at ``--tensor-parallel 2 --nnodes 2`` (hf: transformers' plan, with draftfeed's plan
+    entries where it has any, over a process on each of two hosts; the image-text ones on text batches): DSpark on padded
+    batches equals the same plan over two processes of the test's own on one machine (tests/tp_reference.py, the class
+    the worker loads, one thread a process as the workers'), bit for bit."""
     from safetensors.torch import load_file
     from tp_reference import DSPARK_IDS
 

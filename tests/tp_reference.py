@@ -33,15 +33,21 @@ def main(rank: int, port: int, out: str, served: list[str]) -> None:
     """``served``: TASK=TARGET, each target's index its place in the list."""
     import torch.distributed as dist
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
+
+    from draftfeed.consumers.engines.loading import load_target, transformers_config
+    from draftfeed.consumers.engines.plan_fixes import plan_corrections
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=rank == 0, timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     results: dict[str, torch.Tensor] = {}
     for index, (task, target) in enumerate(item.split("=", 1) for item in served):
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32, distributed_config=DistributedConfig(tp_size=2)).eval()
+        # The class the worker loads (an image-text one where the config is), under the plan it runs (plan_fixes.py).
+        config = transformers_config(target)
+        corrections = plan_corrections(config)
+        plan = DistributedConfig(tp_size=2, **({"tp_plan": corrections} if corrections else {}))
+        model = load_target(target, config=config, dtype=torch.float32, distributed_config=plan).eval()
         for name, batch in batches().items():
             if index > 0 and name.startswith("run-"):
                 continue  # the run batches go to the first target alone
