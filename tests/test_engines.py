@@ -631,7 +631,7 @@ def test_vllm_over_two_nodes_serves_what_the_same_plan_serves_on_one_machine(hos
     too (exit 0), and no process is left on either host, vLLM's own included."""
     from automodel_reference import RUN_BATCHES
     from conftest import WORKER_ENV, wait_until
-    from test_nodes import pids_on, result_of, show, start_all, start_rank
+    from test_nodes import pids_on, result_of, show, start_rank
 
     from draftfeed.bench.hosts import Hosts
     from draftfeed.processes import commands
@@ -644,22 +644,8 @@ def test_vllm_over_two_nodes_serves_what_the_same_plan_serves_on_one_machine(hos
         try:
             broker = commands.start_broker(hosts.address("head"), prefix=hosts.command("head"))
             started.append(broker)
-            flags = ["--engine", "vllm", "--tensor-parallel", "2", "--nnodes", "2", "--master-addr", f"{hosts.address('node-0')}:29531"]
-            flags += ["--service", "vllm-nodes", "--aux-layer-ids", ",".join(map(str, AUX_IDS))]
-            nodes = start_all(
-                *[
-                    lambda node=node: commands.start_worker(
-                        broker.ready["backend"],
-                        str(vllm_target),
-                        *flags,
-                        "--node-rank",
-                        str(node),
-                        env=env | {"VLLM_CPU_OMP_THREADS_BIND": str(node)},  # a core each, as the reference's "0|1"
-                        prefix=hosts.command(f"node-{node}"),
-                    )
-                    for node in (0, 1)
-                ]
-            )
+            service = ["--service", "vllm-nodes", "--aux-layer-ids", ",".join(map(str, AUX_IDS)), "--engine", "vllm", "--tensor-parallel", "2"]
+            nodes = start_vllm_nodes(hosts, broker, vllm_target, [*service, "--master-addr", f"{hosts.address('node-0')}:29531"], env)
             started += nodes
             rank = start_rank(hosts, broker, "vllm-nodes", "eagle3", names, out, batches="automodel_reference")
             started.append(rank)
@@ -676,6 +662,31 @@ def test_vllm_over_two_nodes_serves_what_the_same_plan_serves_on_one_machine(hos
     worst = largest_differences_from_one_machine(vllm_target, names, received)
     print(f"\nvllm over two nodes against the same plan on one machine, largest absolute differences: {worst}")
     assert worst == {"aux_hidden_states": 0.0, "target_probs": 0.0}, "not bit for bit the same plan on one machine"
+
+
+def start_vllm_nodes(hosts, broker, vllm_target: Path, flags: list[str], env: dict[str, str]) -> list:
+    """Node 0 and node 1 of a vllm worker at ``--nnodes 2`` with the worker ``flags``, each on its namespace host with a
+    core of its own (as the one-machine reference's binding "0|1" gives each rank)."""
+    from test_nodes import start_all
+
+    from draftfeed.processes import commands
+
+    return start_all(
+        *[
+            lambda node=node: commands.start_worker(
+                broker.ready["backend"],
+                str(vllm_target),
+                *flags,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                env=env | {"VLLM_CPU_OMP_THREADS_BIND": str(node)},
+                prefix=hosts.command(f"node-{node}"),
+            )
+            for node in (0, 1)
+        ]
+    )
 
 
 def largest_differences_from_one_machine(vllm_target: Path, names: list[str], received: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -715,7 +726,7 @@ def test_a_vllm_node_lost_mid_run_ends_its_worker_and_the_run_completes_elsewher
 
     from conftest import WORKER_ENV, wait_until
     from support.lines import wait_for_line
-    from test_nodes import LIVENESS, pids_on, result_of, show, start_all, start_rank
+    from test_nodes import LIVENESS, pids_on, result_of, show, start_rank
 
     from draftfeed.bench.hosts import Hosts
     from draftfeed.processes import commands
@@ -729,21 +740,8 @@ def test_a_vllm_node_lost_mid_run_ends_its_worker_and_the_run_completes_elsewher
             broker = commands.start_broker(hosts.address("head"), extra=LIVENESS, prefix=hosts.command("head"))
             started.append(broker)
             service = ["--service", "vllm-lost", "--aux-layer-ids", ",".join(map(str, AUX_IDS)), "--engine", "vllm", "--tensor-parallel", "2"]
-            flags = [*service, "--nnodes", "2", "--master-addr", f"{hosts.address('node-0')}:29533", "--name", "two-nodes"]
-            nodes = start_all(
-                *[
-                    lambda node=node: commands.start_worker(
-                        broker.ready["backend"],
-                        str(vllm_target),
-                        *flags,
-                        "--node-rank",
-                        str(node),
-                        env=env | {"VLLM_CPU_OMP_THREADS_BIND": str(node)},
-                        prefix=hosts.command(f"node-{node}"),
-                    )
-                    for node in (0, 1)
-                ]
-            )
+            flags = [*service, "--master-addr", f"{hosts.address('node-0')}:29533", "--name", "two-nodes"]
+            nodes = start_vllm_nodes(hosts, broker, vllm_target, flags, env)
             started += nodes
             rank = start_rank(hosts, broker, "vllm-lost", "eagle3", names, out, batches="automodel_reference")
             started.append(rank)

@@ -42,7 +42,7 @@ from draftfeed.consumers.engines.hf import resolve_dtype
 from draftfeed.consumers.engines.joining import JoinedWriter
 from draftfeed.consumers.engines.loading import transformers_config
 from draftfeed.consumers.engines.packages import EnginePackage, import_engine_package, refuse_own_options
-from draftfeed.consumers.engines.parallel.loss import EngineLoss, sigterm_self
+from draftfeed.consumers.engines.parallel.loss import EngineLoss, LossReported, sigterm_self
 from draftfeed.consumers.engines.parallel.rendezvous import DEFAULT_JOIN_TIMEOUT_S
 from draftfeed.consumers.engines.target_head import TargetHead
 from draftfeed.consumers.engines.vllm_environment import cpu_start_environment, environment
@@ -165,7 +165,7 @@ VLLM_IMAGES_REFUSAL = (
 )
 
 
-class VLLMEngine:
+class VLLMEngine(LossReported):
     """A vllm.LLM started once the task has said what it will capture (``prepare``)."""
 
     name = "vllm"
@@ -273,16 +273,6 @@ class VLLMEngine:
             arguments |= self._nodes.placement()
             self._nodes.publish(arguments)
         return self._vllm.LLM(**arguments)
-
-    @property
-    def lost(self) -> str | None:
-        """Why the engine can no longer compute, or None (loss.py)."""
-        return self._loss.why
-
-    @property
-    def lost_hooks(self) -> list[Callable[[str], None]]:
-        """Told first when the engine cannot compute (the worker leaves its broker)."""
-        return self._loss.hooks
 
     # ---------------------------------------------------------------- forward
     @torch.inference_mode()

@@ -41,7 +41,7 @@ from draftfeed.consumers.engines.parallel.commands import (
 )
 from draftfeed.consumers.engines.parallel.followers import FollowerProcesses
 from draftfeed.consumers.engines.parallel.group import COLLECTIVE_TIMEOUT_S, LOAD_TIMEOUT_S, host_rendezvous, interface_towards
-from draftfeed.consumers.engines.parallel.loss import EngineLoss, sigterm_self
+from draftfeed.consumers.engines.parallel.loss import EngineLoss, LossReported, sigterm_self
 from draftfeed.consumers.engines.parallel.ranked import build_ranked
 from draftfeed.consumers.engines.parallel.rendezvous import DEFAULT_JOIN_TIMEOUT_S, MEETING_KEY, PLAN_KEY, await_nodes, refusal
 from draftfeed.consumers.engines.parallel.spec import LOOPBACK, FollowerSpec, Meeting, TargetSpec, place_at
@@ -66,7 +66,7 @@ def spec_of(capture: Capture) -> CaptureSpec:
 PARALLEL_IMAGES_REFUSAL = "a tensor-parallel worker (--tensor-parallel N) takes no image inputs yet: serve image-text batches with --tensor-parallel 1, or --device-map auto"
 
 
-class TensorParallelEngine:
+class TensorParallelEngine(LossReported):
     """``engine`` over ``devices``, one process a device, this one rank 0; with ``nodes``, ``devices`` are node 0's
     and the other nodes start the rest (``plan``: what they must agree with, nodes.fingerprint)."""
 
@@ -150,16 +150,6 @@ class TensorParallelEngine:
     def pids(self) -> list[int]:
         """The worker's own process first, then its followers'."""
         return [os.getpid(), *(self._followers.pids if self._followers else [])]
-
-    @property
-    def lost(self) -> str | None:
-        """Why the group can no longer compute, or None (loss.py)."""
-        return self._loss.why
-
-    @property
-    def lost_hooks(self) -> list[Callable[[str], None]]:
-        """Told first when the group cannot compute (the worker leaves its broker)."""
-        return self._loss.hooks
 
     def _follower_ended(self, how: str) -> None:
         """Called on a watch thread when a follower ends while the worker runs."""

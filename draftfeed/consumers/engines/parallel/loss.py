@@ -88,3 +88,19 @@ class EngineLoss:
         log.error("worker: still running %.0f s after %s: exiting now", LOST_GRACE_S, self.why)
         self._kill()
         os._exit(LOST_EXIT_CODE)
+
+
+class LossReported:
+    """What the worker reads of an engine's loss (an engine that holds its EngineLoss as ``_loss``)."""
+
+    _loss: EngineLoss
+
+    @property
+    def lost(self) -> str | None:
+        """Why the engine can no longer compute, or None."""
+        return self._loss.why
+
+    @property
+    def lost_hooks(self) -> list[Callable[[str], None]]:
+        """Told first when the engine cannot compute (the worker leaves its broker)."""
+        return self._loss.hooks
