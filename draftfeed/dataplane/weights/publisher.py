@@ -104,7 +104,10 @@ class WeightsPublisher(threading.Thread):
     def stop(self) -> None:
         """End the loop and free the sockets (and the NIXL agent); the thread ends before this returns."""
         self._stopping.set()
-        self._waker.send(b"", flags=zmq.NOBLOCK)
+        try:
+            self._waker.send(b"", flags=zmq.NOBLOCK)
+        except zmq.Again:  # the loop saw the flag first and has closed its end: nothing left to wake
+            pass
         if self.ident is not None:
             self.join(10)
         else:  # never started
