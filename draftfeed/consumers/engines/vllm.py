@@ -325,11 +325,10 @@ class VLLMEngine(LossReported):
         try:
             return self._llm.generate(prompts, self._sampling, use_tqdm=False)
         except Exception as exc:
-            if self.lost is not None:
-                raise EngineLost(f"the worker cannot compute: {self.lost}") from exc
-            if not isinstance(exc, EngineDeadError):
+            if isinstance(exc, EngineDeadError):
+                self._loss.found(f"vLLM's engine core died ({type(exc).__name__}; vLLM's log above says why)")
+            if self.lost is None:  # the batch's own failure
                 raise
-            self._loss.found(f"vLLM's engine core died ({type(exc).__name__}; vLLM's log above says why)")
             raise EngineLost(f"the worker cannot compute: {self.lost}") from exc
 
     def _load(self, output: Any, token_ids: list[int]) -> torch.Tensor:

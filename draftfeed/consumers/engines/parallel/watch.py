@@ -61,7 +61,8 @@ class LeaderWatch:
                 if not fired and now - when > WATCH_SILENCE_S:
                     fired = True
                     self._on_silent(
-                        f"its {who['what']} (pid {who['pid']} on node {who['node']}, host {who['host']}) has been silent for {now - when:.1f} s (its machine or the link to it is down, or the process hangs)"
+                        f"its {who['what']} (pid {who['pid']} on node {who['node']}, host {who['host']}) has been silent for "
+                        f"{now - when:.1f} s (its machine or the link to it is down, or the process hangs)"
                     )
         self._socket.close(0)
         self._context.term()
