@@ -159,32 +159,46 @@ def test_json_logs_are_one_object_per_line():
 
 
 def test_status_watch_prints_again_until_interrupted(observed):
-    import selectors
+    """A thread reads the watch's output to its end, so the pipe never fills: a watch blocked writing to a full pipe
+    cannot see its Ctrl-C (seen once under load, when this test read a line per wake-up)."""
+    import queue
     import signal
     import subprocess
     import sys
+    import threading
     import time
 
     broker = observed[0]
     watch = subprocess.Popen(
         [sys.executable, "-m", "draftfeed", "status", "--broker", broker.ready["frontend"], "--watch", "0.2"], stdout=subprocess.PIPE, text=True
     )
-    try:
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
         assert watch.stdout is not None
-        selector = selectors.DefaultSelector()
-        selector.register(watch.stdout, selectors.EVENT_READ)
+        for line in watch.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
         refreshes, tables, deadline = 0, 0, time.monotonic() + 60
-        while refreshes < 3 and time.monotonic() < deadline:
-            if selector.select(timeout=1.0):
-                line = watch.stdout.readline()
-                refreshes += line.startswith("---- ")
-                tables += SERVICE in line
+        while refreshes < 3 and (remaining := deadline - time.monotonic()) > 0:
+            try:
+                line = lines.get(timeout=remaining)
+            except queue.Empty:
+                break
+            assert line is not None, f"the watch ended by itself with {watch.wait(10)} after {refreshes} refreshes"
+            refreshes += line.startswith("---- ")
+            tables += SERVICE in line
         assert refreshes >= 3 and tables >= 2, f"{refreshes} refreshes, {tables} lines naming the service"
         watch.send_signal(signal.SIGINT)
-        assert watch.wait(10) == 0
+        assert watch.wait(30) == 0
     finally:
         watch.kill()
         watch.wait(10)
+        reader.join(10)
 
 
 def test_free_ports_are_drawn_below_the_ephemeral_range():
