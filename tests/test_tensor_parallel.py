@@ -299,6 +299,7 @@ def test_moe_families_at_degree_2(tmp_path):
         assert "fails" not in outcome and outcome["layers"] < 1e-5 and outcome["logits"] < 1e-5, outcome
 
 
+@pytest.mark.long  # two gloo processes and a padded batch through the plan (30 s): make test-long
 def test_a_target_whose_plan_fails_a_padded_batch_is_refused_at_start(tmp_path):
     """A DeepSeek-V3 with fewer key/value heads than query heads (which multi-head latent attention never has) fails
     any padded batch, under the plan as at one process: the engine's start check refuses it in one line naming what to
