@@ -30,7 +30,9 @@ import pytest
 from conftest import FAST_LIVENESS, WORKER_ENV, Cluster
 from support.lines import wait_for_line
 
+from draftfeed.observe.status_client import fetch_status
 from draftfeed.processes import children, commands
+from draftfeed.schemas.errors import DraftfeedError
 
 SERVICE = "soak"
 SLOW = ["--engine", "fake_engines:FakeSlowEngine", "--service", SERVICE]
@@ -77,9 +79,22 @@ class Faults(threading.Thread):
         self._broker_restarted = False
 
     def live(self) -> list[commands.Process]:
-        """The workers serving: running, not frozen, and not thawed within the last two liveness periods."""
+        """The workers serving: running, not frozen, not thawed within the last two liveness periods, and registered
+        with the broker now, heard within the liveness period. A worker thawed after the broker forgot it, or a
+        replacement still loading, serves nothing until it registers, which takes seconds on a loaded host: in one run
+        the kill rule took the one worker serving while the other, thawed 4 s before, had not registered again, and a
+        batch waited 13.8 s. While the broker restarts, none is taken."""
         now = time.monotonic()
-        return [w for w in self.cluster.workers if w.popen.poll() is None and self.out_until.get(w.pid, 0.0) <= now]
+        registered = self._registered()
+        return [w for w in self.cluster.workers if w.popen.poll() is None and self.out_until.get(w.pid, 0.0) <= now and w.pid in registered]
+
+    def _registered(self) -> set[int]:
+        try:
+            status = fetch_status(self.cluster.frontend, timeout_s=2.0, pairs=False)
+        except DraftfeedError:
+            return set()
+        workers = status["services"].get(SERVICE, {}).get("workers", [])
+        return {w["pid"] for w in workers if w["state"] != "draining" and w["last_heartbeat_s"] < LIVENESS_S}
 
     def note(self, what: str) -> None:
         self.log.append(f"{what} @{time.monotonic() - self.started:.1f}s")
