@@ -160,6 +160,8 @@ def test_a_sigterm_to_the_demo_at_any_moment_stops_every_process_it_started_and_
             shutil.rmtree(folder, ignore_errors=True)
 
 
+# make test-long: the death signal it relies on is checked in the suite by the two tests below, on one child each
+@pytest.mark.long
 def test_a_sigkilled_demo_leaves_no_process_behind():
     demo = run_demo()
     folder = None
