@@ -33,10 +33,9 @@ def main(rank: int, port: int, out: str, served: list[str]) -> None:
     """``served``: TASK=TARGET, each target's index its place in the list."""
     import torch.distributed as dist
     from safetensors.torch import save_file
-    from transformers.distributed import DistributedConfig
 
     from draftfeed.consumers.engines.loading import load_target, transformers_config
-    from draftfeed.consumers.engines.plan_fixes import plan_corrections
+    from draftfeed.consumers.engines.plan_fixes import distributed_config
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=rank == 0, timeout=timedelta(seconds=120))
@@ -45,9 +44,7 @@ def main(rank: int, port: int, out: str, served: list[str]) -> None:
     for index, (task, target) in enumerate(item.split("=", 1) for item in served):
         # The class the worker loads (an image-text one where the config is), under the plan it runs (plan_fixes.py).
         config = transformers_config(target)
-        corrections = plan_corrections(config)
-        plan = DistributedConfig(tp_size=2, **({"tp_plan": corrections} if corrections else {}))
-        model = load_target(target, config=config, dtype=torch.float32, distributed_config=plan).eval()
+        model = load_target(target, config=config, dtype=torch.float32, distributed_config=distributed_config(config, 2)).eval()
         for name, batch in batches().items():
             if index > 0 and name.startswith("run-"):
                 continue  # the run batches go to the first target alone

@@ -16,7 +16,7 @@ from draftfeed.consumers.engines.joining import JoinedWriter
 from draftfeed.consumers.engines.loading import load_target, text_decoder, text_forward, transformers_config
 from draftfeed.consumers.engines.parallel.group import LOAD_TIMEOUT_S, join_process_group
 from draftfeed.consumers.engines.parallel.spec import ProcessPlace
-from draftfeed.consumers.engines.plan_fixes import plan_corrections
+from draftfeed.consumers.engines.plan_fixes import distributed_config
 from draftfeed.consumers.settings import Dtype
 from draftfeed.consumers.weight_updates import load_update
 from draftfeed.contract.images import PACKED_WITH_IMAGES
@@ -83,14 +83,11 @@ class HFEngine:
         self.dtype = resolve_dtype(dtype, self.device)
         config = transformers_config(target)
         if parallel is not None:
-            from transformers.distributed import DistributedConfig
-
             self.device = join_process_group(parallel, timeout_s=LOAD_TIMEOUT_S)
             # Expert parallel: the experts sharded over the group by the model's own plan (each rank its share of
-            # whole experts), the rest by its tensor-parallel plan, as transformers lays them out.
-            sizes = {"tp_size": parallel.world_size} | ({"ep_size": parallel.world_size} if expert_parallel else {})
-            corrections = plan_corrections(config)  # where transformers' plan cannot run (plan_fixes.py)
-            placement: dict = {"distributed_config": DistributedConfig(**sizes, **({"tp_plan": corrections} if corrections else {}))}
+            # whole experts), the rest by its tensor-parallel plan, as transformers lays them out, with draftfeed's
+            # entries where transformers' plan cannot run (plan_fixes.py).
+            placement: dict = {"distributed_config": distributed_config(config, parallel.world_size, expert_parallel)}
         elif device_map == "auto":
             placement = _spread_over(devices or [device])
         elif device_map is not None:

@@ -28,3 +28,13 @@ def plan_corrections(config: Any) -> dict[str, str]:
     """The tensor-parallel plan entries that replace transformers' own for a target of ``config`` (none for most)."""
     layers, modules = _WHOLE.get(getattr(config, "model_type", ""), ("", ()))
     return {f"{layers}.{module}": REPLICATE for module in modules}
+
+
+def distributed_config(config: Any, processes: int, expert_parallel: bool = False) -> Any:
+    """transformers' ``DistributedConfig`` for a target of ``config`` over ``processes``: its tensor-parallel plan (and
+    with ``expert_parallel`` its expert-parallel one, each rank its share of whole experts), with the entries above."""
+    from transformers.distributed import DistributedConfig
+
+    sizes = {"tp_size": processes} | ({"ep_size": processes} if expert_parallel else {})
+    corrections = plan_corrections(config)
+    return DistributedConfig(**sizes, **({"tp_plan": corrections} if corrections else {}))
