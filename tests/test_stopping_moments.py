@@ -19,6 +19,8 @@ import pytest
 from conftest import WORKER_ENV, wait_until
 from support.preload import Preloader
 
+from draftfeed.processes import children
+
 pytestmark = pytest.mark.timeout(120)
 WAIT_S = 60.0  # for a line or a condition, on a loaded 2-core machine
 
@@ -50,17 +52,6 @@ class Proc:
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-
-
-def children_of(pid: int) -> list[int]:
-    """The pids of ``pid``'s children and theirs, from /proc/PID/task/*/children."""
-    found = []
-    for children in Path(f"/proc/{pid}/task").glob("*/children"):
-        try:
-            found.extend(int(child) for child in children.read_text().split())
-        except (FileNotFoundError, ProcessLookupError):
-            pass
-    return [descendant for child in found for descendant in (child, *children_of(child))]
 
 
 class Launched:
@@ -97,7 +88,7 @@ class Launched:
 
     def collect_descendants(self) -> int:
         """Every process under it now, added to those seen before; how many of them still run."""
-        for pid in children_of(self.popen.pid):
+        for pid in children.descendants(self.popen.pid):
             self.descendants.setdefault(pid, Proc(pid))
         return sum(not process.gone() for process in self.descendants.values())
 
