@@ -51,10 +51,15 @@ LONGEST_FIRST = (
 )
 
 
+def long_run() -> bool:
+    """Whether the long variants run too (pyproject.toml's `long` marker): `make test-long` sets DRAFTFEED_LONG=1."""
+    return os.environ.get("DRAFTFEED_LONG") == "1"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     first = {name: place for place, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: the rest keep their order
-    if os.environ.get("DRAFTFEED_LONG") != "1":  # the long variants (pyproject.toml's markers): `make test-long`
+    if not long_run():
         kept = [item for item in items if item.get_closest_marker("long") is None]
         if len(kept) != len(items):
             config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("long") is not None])

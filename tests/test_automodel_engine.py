@@ -8,11 +8,9 @@ DeepSeek-V4.1 recipe test (tests/test_nemo_frontier.py)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from conftest import make_batch
+from conftest import long_run, make_batch
 from reference import difference_at_real
 from support.nemo import nemo_on_path, nemo_reference
 
@@ -140,7 +138,7 @@ def sharded_reference(targets, tmp_path_factory):
     wrappers around it."""
     from support.automodel import sharded_reference
 
-    families = SHARDED if os.environ.get("DRAFTFEED_LONG") == "1" else SHARDED[:1]
+    families = SHARDED if long_run() else SHARDED[:1]
     return sharded_reference(
         {family: targets[family] for family in families}, tmp_path_factory.mktemp("automodel-reference") / "reference.safetensors"
     )
