@@ -56,6 +56,8 @@ def test_a_missing_target_folder_or_an_unreachable_hub_is_one_line():
     )
     offline = draftfeed_cli("launch", "worker", "--broker", "tcp://127.0.0.1:9", "--target", "meta-llama/Llama-3.1-8B", env={"HF_HUB_OFFLINE": "1"})
     one_line(offline, 2, "not a local folder, and the hub could not give it", "pass its local folder")
+    malformed = draftfeed_cli("launch", "worker", "--broker", "tcp://127.0.0.1:9", "--target", "two words/x/y", env={"HF_HUB_OFFLINE": "1"})
+    one_line(malformed, 2, "--target two words/x/y: neither a local folder nor a hub id", "its hub id as namespace/name")
 
 
 def test_endpoints_ports_levels_and_devices_are_checked(cluster_with_worker, tiny_target):

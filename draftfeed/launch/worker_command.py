@@ -48,7 +48,7 @@ def checked(command: WorkerCommand) -> WorkerCommand:
     worker, target = command.worker, command.worker.target
     if (problem := worker.task.problem()) is not None:
         raise UsageError(problem)
-    if (missing := _missing_folder(target.path)) is not None:
+    if (missing := _missing_folder(target.path) or _unreachable_hub_id(target.path)) is not None:
         raise UsageError(missing)
     keys = command.security.worker_keys()
     if worker.max_seq_len is not None and worker.max_seq_len < 1:
@@ -79,7 +79,6 @@ def _serve_worker(settings: WorkerSettings, serving: list[Any], http_port: int |
 
     transformers.logging.disable_progress_bar()
     transformers.logging.set_verbosity_error()
-    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # its retries say nothing the one error line does not
     target = settings.target
     _check_device(target.device)
     if settings.data_plane == "nixl":
@@ -195,11 +194,29 @@ def _missing_folder(target: str) -> str | None:
     return None
 
 
-def _target_problem(target: str, exc: OSError) -> str:
+def _unreachable_hub_id(target: str) -> str | None:
+    """Why ``target``, a hub id, cannot be had (the hub, or its cache offline, has no config for it), or None: its
+    config.json is fetched (or found in the cache) before torch loads, so that a wrong id or a machine without the
+    hub is one line at once rather than after the engine's imports."""
+    if _looks_local(target):
+        return None
+    from huggingface_hub import hf_hub_download
+
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # its retries say nothing the one error line does not
+    try:
+        hf_hub_download(target, "config.json")
+    except (OSError, ValueError) as exc:  # huggingface_hub's errors are OSErrors; a malformed id is a ValueError
+        return _target_problem(target, exc)
+    return None
+
+
+def _target_problem(target: str, exc: OSError | ValueError) -> str:
     """Why a target could not be loaded, in one line: a missing folder, or a hub id the hub could not give."""
     if _looks_local(target):
         return _missing_folder(target) or f"--target {target}: transformers cannot load a model from this folder: {str(exc).splitlines()[0]}"
     first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if isinstance(exc, ValueError):
+        return f"--target {target}: neither a local folder nor a hub id ({first}); pass the model's folder, or its hub id as namespace/name"
     return (
         f"--target {target}: not a local folder, and the hub could not give it ({first}); without network access, download the "
         "model elsewhere and pass its local folder"
