@@ -122,6 +122,7 @@ def test_32k_rows_at_frontier_width_are_exact_in_bounded_memory(frontier, plane,
     assert status["requeues"] == {}, status["requeues"]
 
 
+@pytest.mark.long  # 60 s on 2 cores; the suite keeps the piece-by-piece protocol's faults in-process (below)
 def test_a_worker_killed_mid_transfer_costs_its_batch_nothing(fast_cluster, tiny_target):
     """The worker dies with part of a 1.4 GB answer at the rank: the partial answer is freed, the batch comes whole
     from the next worker, exact."""
@@ -291,7 +292,7 @@ def test_a_device_tensor_is_sent_a_piece_at_a_time(monkeypatch):
     assert [spec.name for spec in encode_specs({"x": tensor})] == ["x"]
 
 
-@pytest.mark.long  # the suite keeps the worker killed mid-transfer; a cut link's partial answer is freed the same way
+@pytest.mark.long  # beside the worker killed mid-transfer: a cut link's partial answer is freed the same way
 def test_a_link_cut_mid_transfer_between_hosts_costs_its_batch_nothing(hosts_available, tiny_target):
     """Broker, two workers and the rank on hosts of their own (network namespaces): the first worker's link is cut for
     good with part of a 1.4 GB answer at the rank. The broker finds the worker silent, the rank frees the partial

@@ -126,6 +126,7 @@ def test_a_reduced_target_depth_is_refused_in_one_line(nemo, url, v4_target):
 V41_LAYERS = [3, 4, 5]  # the tiny DeepSeek-V4.1's dspark_target_layer_ids, which NeMo's draft insists on
 
 
+@pytest.mark.long  # the automodel engine's DeepSeek-V4.1 is in the suite (test_automodel_engine.py); the recipe's path is long
 def test_deepseek_v41_target_options_give_draftfeeds_target_served_by_the_automodel_engine(nemo, cluster, tmp_path):
     """The recipe's DeepSeek-V4.1 path (``DeepseekV41DSparkTargetConfig.build``, CUDA and a process group on its own)
     gives the stand-in, whose DSpark wrapper, served by a worker of ``--engine automodel``, equals NeMo's wrapper

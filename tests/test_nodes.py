@@ -280,6 +280,7 @@ print(json.dumps(said))
 """
 
 
+@pytest.mark.long  # the suite sends updates to a two-process worker on one host (test_tensor_parallel.py)
 def test_updates_from_a_file_and_from_a_publisher_reach_both_nodes(hosts_available, tp_targets, reference, tmp_path):
     """A two-node worker takes weight updates in place (issue 48) from a file every process reads, and published from
     a trainer's memory on a third host, which every process pulls itself over the bridge: a step that changes layer 2
@@ -368,8 +369,10 @@ def test_sglang_over_two_nodes_meets_at_node_0(hosts_available, tiny_target, tin
 
 
 # ---------------------------------------------------------------- a node lost mid-run
-# The SIGKILL is in make test; the cut link waits out the silence (its 15 s) and runs in make test-long.
-@pytest.mark.parametrize("fault", [pytest.param("link-down", marks=pytest.mark.long), "sigkill"])
+# make test-long: the cut link waits out the silence (its 15 s); a SIGKILL is over sooner. The suite loses a tensor-parallel
+# follower on one host (test_tensor_parallel.py), through the same lost-engine steps.
+@pytest.mark.long
+@pytest.mark.parametrize("fault", ["link-down", "sigkill"])
 def test_a_lost_node_ends_its_worker_and_the_run_completes_elsewhere(hosts_available, tiny_target, reference, tmp_path, fault):
     with Hosts(["head", "node-0", "node-1"]) as hosts:
         started: list[commands.Process] = []
@@ -416,11 +419,14 @@ def test_a_lost_node_ends_its_worker_and_the_run_completes_elsewhere(hosts_avail
 
 
 # ---------------------------------------------------------------- nodes that do not go together
+JOIN_S = 120
+
+
 @pytest.mark.parametrize(
     "node1_extra, said",
     [
         (["--task", "dspark"], 'task "dspark" on node 1, "eagle3" on node 0'),
-        (["--target", "OTHER"], "target_config"),
+        pytest.param(["--target", "OTHER"], "target_config", marks=pytest.mark.long),
     ],
     ids=["another-task", "another-target"],
 )
@@ -433,8 +439,8 @@ def test_a_node_with_another_plan_is_one_line_on_both(hosts_available, tiny_targ
             started.append(broker)
             base = [sys.executable, "-m", "draftfeed", "launch", "worker", "--broker", broker.ready["backend"], "--http-port", "0", "--target"]
             lines = [
-                [*hosts.command("node-0"), *base, str(tiny_target), *node_flags(hosts, 0, "--join-timeout", "30")],
-                [*hosts.command("node-1"), *base, str(tiny_target), *node_flags(hosts, 1, "--join-timeout", "30"), *extra],
+                [*hosts.command("node-0"), *base, str(tiny_target), *node_flags(hosts, 0, "--join-timeout", str(JOIN_S))],
+                [*hosts.command("node-1"), *base, str(tiny_target), *node_flags(hosts, 1, "--join-timeout", str(JOIN_S)), *extra],
             ]
             began = time.monotonic()
             popens = [
@@ -442,7 +448,7 @@ def test_a_node_with_another_plan_is_one_line_on_both(hosts_available, tiny_targ
                 for command in lines
             ]
             try:
-                outputs = [popen.communicate(timeout=60) for popen in popens]
+                outputs = [popen.communicate(timeout=JOIN_S + 60) for popen in popens]
             finally:
                 for popen in popens:
                     popen.kill()
@@ -451,7 +457,11 @@ def test_a_node_with_another_plan_is_one_line_on_both(hosts_available, tiny_targ
                 last = err.strip().splitlines()[-1] if err.strip() else ""
                 assert popen.returncode != 0 and "Traceback" not in err, f"node {node}:\n{err[-2000:]}"
                 assert said in last and "runs another plan than node 0" in last, f"node {node} said: {last}"
-            assert took < 30, f"the nodes took {took:.0f} s to say so"
+            # The plans are compared as the nodes join, not when the join timeout runs out. The lines above show which
+            # ended them; this says the answer did not wait for the timeout (how soon it came depends on the machine's
+            # load: process start-up is most of it).
+            assert took < JOIN_S, f"the nodes took {took:.0f} s to say so, as long as the join timeout"
+            print(f"the nodes said so after {took:.1f} s")
         finally:
             for process in started:
                 process.stop(timeout_s=5)
@@ -461,6 +471,7 @@ def _env() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if key in ("PATH", "HOME", "LANG")}
 
 
+@pytest.mark.long
 def test_a_missing_node_is_one_line_after_the_join_timeout(hosts_available, tiny_target):
     with Hosts(["head", "node-0"]) as hosts:
         broker = commands.start_broker(hosts.address("head"), prefix=hosts.command("head"))

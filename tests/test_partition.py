@@ -27,7 +27,11 @@ CUTS = (30, 60, 90)  # batches after which the rank's host is cut off
 
 @pytest.mark.parametrize(
     "task, form, draft_vocab",
-    [("eagle3", "probs", 300), pytest.param("eagle3", "hidden", 300, marks=pytest.mark.long), ("dspark", "probs", 0)],
+    [
+        pytest.param("eagle3", "probs", 300, marks=pytest.mark.long),
+        pytest.param("eagle3", "hidden", 300, marks=pytest.mark.long),
+        ("dspark", "probs", 0),
+    ],
     ids=["eagle3-mapping", "eagle3-compact-mapping", "dspark"],
 )
 def test_rank_partitioned_longer_than_the_liveness_window(hosts_available, tiny_target, task, form, draft_vocab):

@@ -357,6 +357,7 @@ def test_a_service_with_other_layers_is_refused_in_one_line(service, tiny_target
     assert "serves DFlash layers [1, 3, 4, 7]" in last and "--target-layer-ids 0,2,5,7" in last, last
 
 
+@pytest.mark.long  # the main suite kills workers mid-run on every plane; here it is speculators' trainer that runs on
 def test_a_worker_stopped_mid_run_costs_the_run_nothing(tiny_target, data, offline_runs, tmp_path):
     """Two slow workers (the hf engine at 0.3 s a forward); one is SIGKILLed once training has begun: another serves
     what it held, and the run equals the offline one."""
@@ -385,6 +386,7 @@ def test_a_worker_stopped_mid_run_costs_the_run_nothing(tiny_target, data, offli
 
 
 # ---------------------------------------------------------------- offline again, from what draftfeed served
+@pytest.mark.long  # the main suite exports recorded runs (test_store_export.py); this trains speculators on the export
 def test_a_recorded_run_exports_as_offline_files_the_trainer_reads(service, tiny_target, data, offline_runs, tmp_path):
     """A run on draftfeed records what it is served (``store=`` in the URL); ``draftfeed store export --format
     speculators`` writes it as speculators' offline files, each equal to the transformers-computed one, and the

@@ -119,9 +119,7 @@ def demo_folder(demo: Launched) -> Path:
     return Path(demo.wait_for_line(r"saved to (\S+)").group(1)).parent
 
 
-@pytest.mark.parametrize(
-    "moment", [pytest.param("starting its workers", marks=pytest.mark.long), "training", pytest.param("stopping", marks=pytest.mark.long)]
-)
+@pytest.mark.parametrize("moment", [pytest.param(moment, marks=pytest.mark.long) for moment in ("starting its workers", "training", "stopping")])
 def test_a_sigterm_to_the_demo_at_any_moment_stops_every_process_it_started_and_removes_its_folder(moment):
     demo = run_demo()
     folder = None

@@ -363,6 +363,7 @@ def test_dflash_eagle_and_vispec_captures_at_degree_2(tiny_target, tiny_model):
     assert lost == [] and not torch.distributed.is_initialized()
 
 
+@pytest.mark.long
 def test_an_engine_closed_after_its_follower_was_lost_leaves_its_process_alive(tiny_target, monkeypatch):
     """The grace timer that ends a worker whose follower was lost (a stuck collective must not keep it) ends nothing
     once the engine is closed: a program (or pytest) that holds a TensorParallelEngine lives on. Unclosed, it ends."""
@@ -389,6 +390,7 @@ def test_an_engine_closed_after_its_follower_was_lost_leaves_its_process_alive(t
                 torch.distributed.destroy_process_group()
 
 
+@pytest.mark.long  # the same plan entries over two nodes are long too (test_nodes.py); the suite keeps the MoE families
 def test_glm5_next_runs_under_draftfeeds_plan_entries(tmp_path):
     """GLM-5.3 fails a padded batch under transformers' own plan (its linear-attention layers' output projection is
     sharded rowwise, its input never split); with draftfeed's plan entries (plan_fixes.py: attention whole on every
