@@ -36,18 +36,19 @@ FAST_LIVENESS = ["--heartbeat-interval", "0.2", "--liveness", "8"]
 
 # The modules that take longest from start to end (most of it waiting on processes), run first: make test hands
 # whole modules to 4 processes in collection order (--dist loadscope --no-loadscope-reorder), and one of these started
-# last would leave the other processes idle at the end. Measured one module at a time, in seconds from start to end.
+# last would leave the other processes idle at the end. Seconds from start to end, as the suite ran them (--durations=0).
 LONGEST_FIRST = (
-    "test_nodes.py",  # 108
-    "test_frontier_rows.py",  # 94
-    "test_tensor_parallel.py",  # 63
-    "test_automodel_engine.py",  # 50
-    "test_mistakes.py",  # 50
-    "test_reliability.py",  # 49
-    "test_stopping_moments.py",  # 47
-    "test_partition.py",  # 37
-    "test_reliability_broker.py",  # 37
-    "test_nixl_plane.py",  # 37
+    "test_tensor_parallel.py",  # 145
+    "test_nodes.py",  # 134
+    "test_reliability.py",  # 70-97
+    "test_automodel_engine.py",  # 83
+    "test_frontier_rows.py",  # 74
+    "test_nemo_frontier.py",  # 65
+    "test_demo.py",  # 50-63
+    "test_mistakes.py",  # 55
+    "test_nixl_plane.py",  # 52
+    "test_preload.py",  # 49
+    "test_nemo_resume.py",  # 46
 )
 
 

@@ -54,9 +54,13 @@ def test_a_missing_target_folder_or_an_unreachable_hub_is_one_line():
     one_line(
         draftfeed_cli("launch", "worker", "--broker", "tcp://127.0.0.1:9", "--target", "/no/such/model"), 2, "--target /no/such/model: no such folder"
     )
-    offline = draftfeed_cli("launch", "worker", "--broker", "tcp://127.0.0.1:9", "--target", "meta-llama/Llama-3.1-8B", env={"HF_HUB_OFFLINE": "1"})
-    one_line(offline, 2, "not a local folder, and the hub could not give it", "pass its local folder")
-    malformed = draftfeed_cli("launch", "worker", "--broker", "tcp://127.0.0.1:9", "--target", "two words/x/y", env={"HF_HUB_OFFLINE": "1"})
+    # A hub id is checked before torch loads, so these run as plain processes (a preloader for HF_HUB_OFFLINE=1 would
+    # import torch and transformers first); each answers in about a second.
+    offline = {**os.environ, **WORKER_ENV, "HF_HUB_OFFLINE": "1"}
+    worker = [sys.executable, "-m", "draftfeed", "launch", "worker", "--broker", "tcp://127.0.0.1:9", "--target"]
+    unreachable = subprocess.run([*worker, "meta-llama/Llama-3.1-8B"], capture_output=True, text=True, timeout=60, env=offline)
+    one_line(unreachable, 2, "not a local folder, and the hub could not give it", "pass its local folder")
+    malformed = subprocess.run([*worker, "two words/x/y"], capture_output=True, text=True, timeout=60, env=offline)
     one_line(malformed, 2, "--target two words/x/y: neither a local folder nor a hub id", "its hub id as namespace/name")
 
 
