@@ -9,17 +9,18 @@ VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 NEMO_PACKAGES := .nemo-packages
-# Bytecode: pip would compile every file it installs (26 of torch's 38 s to install here; vllm, transformers, pandas
-# and pyarrow alike), most of which no process ever imports. It installs without (--no-compile), and every process make
+# Bytecode: pip would compile every file it installs (26 of torch's 38 s to install here; vllm, transformers, pandas and
+# pyarrow alike), most of which no process ever imports. It installs without (--no-compile), and every process make
 # starts writes the bytecode of what it imports, once: PYTHONDONTWRITEBYTECODE (set on our machines) is not passed on,
 # else each process would compile torch and transformers from source again, about 3 s per worker. Each environment
-# imports what the suite's processes import once after its install (WARM), so that the suite's first processes do not
-# all compile the same files side by side. A stale compiled file is ignored by Python, never used. Measured here from a
-# fresh clone: both environments in 142 s against 203 s compiling everything; make test's whole run took as long as
-# before (13 min), the suite compiling what it imports, so the gain is a fresh make demo's.
+# imports what the suite's preloaders import (tests/support/preload.py) once after its install (WARM), so that the
+# suite's first processes do not all compile the same files side by side. A stale compiled file is ignored by Python,
+# never used. Measured here from a fresh clone: both environments in 142 s against 203 s compiling everything; make
+# test's whole run took as long as before (13 min), the suite compiling what it imports, so the gain is a fresh make
+# demo's.
 unexport PYTHONDONTWRITEBYTECODE
 PIP_INSTALL = -m pip install --quiet --no-compile
-WARM = -c "import torch, transformers, transformers.models.llama.modeling_llama, zmq, pydantic, safetensors, draftfeed.launch.cli, draftfeed.consumers.worker, draftfeed.consumers.engines.hf, draftfeed.producers.tasks.base"
+WARM = -c "import sys; sys.path.insert(0, 'tests'); from support.preload import import_preloaded; import_preloaded()"
 
 .PHONY: demo test test-long venv venv-vllm clean
 

@@ -270,11 +270,17 @@ def use_preloaded_starts() -> None:
 
 
 # ---------------------------------------------------------------- the preloader process
-def serve(path: str) -> None:
+def import_preloaded() -> None:
+    """Import what a preloader holds (the Makefile does it once after each environment's install, which writes their
+    bytecode)."""
     import importlib
 
     for name in PRELOADED_MODULES:
         importlib.import_module(name)
+
+
+def serve(path: str) -> None:
+    import_preloaded()
     parent = os.getppid()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
